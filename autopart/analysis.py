@@ -1,0 +1,165 @@
+"""Analysis: per-node FLOPs, bytes and activation sizes as sympy expressions in b (batch) and
+s (sequence length), so one analysis serves every microbatch size; and repeated-layer detection.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopart.capture import BATCH, SEQ, Program, sym_shape
+from autopart.errors import module_path
+
+aten = torch.ops.aten
+
+# Ops that only re-view memory: no FLOPs, no new activation.
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+          aten.permute.default, aten.t.default, aten.expand.default, aten.split.Tensor,
+          aten.split_with_sizes.default, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor,
+          aten.select.int, aten.unbind.int, aten.chunk.default, aten.alias.default,
+          aten.detach.default, aten.contiguous.default, aten.flatten.using_ints,
+          aten.sym_size.int, aten.dropout.default}
+# FLOPs per output element of the common non-matmul ops (forward).
+_PER_ELEMENT = {aten.layer_norm.default: 8, aten.native_layer_norm.default: 8,
+                aten.rms_norm.default: 4, aten._softmax.default: 5, aten.softmax.int: 5,
+                aten.gelu.default: 8, aten.silu.default: 4, aten.tanh.default: 4,
+                aten.log_softmax.int: 5}
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: sympy.Expr        # forward FLOPs
+    out_bytes: sympy.Expr    # bytes of the node's outputs that are new memory (0 for views)
+    bytes_moved: sympy.Expr  # inputs read + outputs written
+
+    @property
+    def fwd_bwd_flops(self) -> sympy.Expr:
+        return 3 * self.flops   # backward costs twice the forward (two matmuls per matmul)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One repeated block: `path` (module path, e.g. transformer.h.3), its nodes and signature."""
+    path: str
+    nodes: tuple[str, ...]
+    signature: str           # equal signatures = same graph (the same layer, compiled once)
+
+
+def _shape(node, symbols) -> tuple:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return sym_shape(val, symbols) if isinstance(val, torch.Tensor) else ()
+
+
+def _numel(shape) -> sympy.Expr:
+    return sympy.prod(shape) if shape else sympy.Integer(1)
+
+
+def _nbytes(node, symbols) -> sympy.Expr:
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else [vals]
+    total = sympy.Integer(0)
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            total += _numel(sym_shape(v, symbols)) * v.element_size()
+    return total
+
+
+def _matmul_flops(node, symbols) -> sympy.Expr | None:
+    t = node.target
+    if t in (aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default):
+        k = _shape(node.args[0], symbols)[-1]
+        return 2 * _numel(_shape(node, symbols)) * k
+    if t in (aten.addmm.default, aten.baddbmm.default):
+        k = _shape(node.args[1], symbols)[-1]
+        return 2 * _numel(_shape(node, symbols)) * k
+    if t in (aten.scaled_dot_product_attention.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default):
+        q, k = _shape(node.args[0], symbols), _shape(node.args[1], symbols)
+        return 4 * _numel(q) * k[-2]      # Q K^T and (attention) V
+    return None
+
+
+def node_cost(node: fx.Node, symbols: dict) -> NodeCost:
+    """FLOPs and bytes of one call_function node, symbolic in b and s."""
+    zero = sympy.Integer(0)
+    if node.op != "call_function" or node.target in _VIEWS or node.target is getattr_op():
+        return NodeCost(zero, zero, zero)
+    out = _nbytes(node, symbols)
+    read = sum((_nbytes(a, symbols) for a in node.all_input_nodes), zero)
+    flops = _matmul_flops(node, symbols)
+    if flops is None:
+        shape = _shape(node, symbols)
+        per = _PER_ELEMENT.get(node.target, 1 if isinstance(node.meta.get("val"), torch.Tensor) else 0)
+        flops = per * _numel(shape) if shape or per else zero
+        if node.target in (aten.embedding.default, aten.index_select.default):
+            flops = zero
+    return NodeCost(sympy.expand(flops), out, out + read)
+
+
+def getattr_op():
+    import operator
+    return operator.getitem
+
+
+def analyze(program: Program) -> dict[str, NodeCost]:
+    """node name -> NodeCost for every call_function node of the program."""
+    symbols = program.decisions.get("symbols", {})
+    return {n.name: node_cost(n, symbols) for n in program.gm.graph.nodes if n.op == "call_function"}
+
+
+def evaluate(expr, b: int, s: int | None) -> float:
+    """A cost expression at a concrete batch and sequence length."""
+    return float(sympy.sympify(expr).subs({BATCH: b, SEQ: s or 1}))
+
+
+def detect_layers(program: Program) -> list[Layer]:
+    """The repeated blocks: children `prefix.0 .. prefix.N` of one container with equal graphs.
+
+    Chooses the container with the most numbered children; a model with no such container has
+    no layers (every op is its own unit for the cut pass).
+    """
+    groups: dict[str, dict[int, list[fx.Node]]] = {}
+    for node in program.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for path in _paths(node):
+            m = re.fullmatch(r"(.*?)\.?(\d+)", path)
+            if m:
+                groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(node)
+    if not groups:
+        return []
+    prefix = max(groups, key=lambda p: (len(groups[p]), -len(p)))
+    layers = []
+    for idx in sorted(groups[prefix]):
+        nodes = groups[prefix][idx]
+        sig = hashlib.sha1(repr([(_op_name(n), _arg_kinds(n)) for n in nodes]).encode()).hexdigest()[:12]
+        layers.append(Layer(f"{prefix}.{idx}" if prefix else str(idx), tuple(n.name for n in nodes), sig))
+    return layers
+
+
+def _paths(node: fx.Node) -> list[str]:
+    from autopart.errors import _clean_path
+    return [_clean_path(p) for p, _ in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def _op_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _arg_kinds(node: fx.Node) -> tuple:
+    # Constants (head counts, sizes) are part of a layer's identity; node names are not.
+    return tuple(a if isinstance(a, (int, float, str, bool)) else type(a).__name__ for a in node.args)
+
+
+def layer_of(node: fx.Node, layer_paths: set[str]) -> str | None:
+    for p in _paths(node):
+        if p in layer_paths:
+            return p
+    return None
+
+
+__all__ = ["NodeCost", "Layer", "analyze", "node_cost", "evaluate", "detect_layers", "module_path"]

@@ -1,0 +1,285 @@
+"""Capture: torch.export of the user's model (and loss) into one fx graph of ATen ops.
+
+Every node keeps node.meta["val"] (a FakeTensor whose sizes are symbolic in batch and sequence
+length where the model allows it), node.meta["nn_module_stack"] (the user's module paths) and
+node.meta["stack_trace"] (the user's source line). Parameters and buffers become get_attr nodes
+under the plain model's names, so every later program names them as the user does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import Dim
+
+from autopart.errors import AutopartError
+
+BATCH, SEQ = sympy.Symbol("b", positive=True, integer=True), sympy.Symbol("s", positive=True, integer=True)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, shape (sympy, in b and s), dtype and aliases of a parameter or buffer."""
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    aliases: tuple[str, ...] = ()      # other names of the same tensor (tied weights)
+    requires_grad: bool = True
+    persistent: bool = True
+
+    @property
+    def numel(self) -> int:
+        return int(sympy.prod(self.shape)) if self.shape else 1
+
+
+@dataclass
+class Program:
+    """The whole model as one graph plus what the passes have decided about it so far."""
+    gm: fx.GraphModule
+    params: dict[str, TensorInfo]            # canonical name -> info (trainable parameters)
+    buffers: dict[str, TensorInfo]           # buffers, frozen parameters and lifted constants
+    inputs: list[str]                        # user input placeholder names, target last if any
+    batch_size: int                          # the global batch the model was captured with
+    seq_len: int | None
+    dynamic: bool                            # sizes are symbolic in b (and s)
+    decisions: dict[str, Any] = field(default_factory=dict)   # filled in by passes
+
+    def replace(self, **changes) -> "Program":
+        return dataclasses.replace(self, **changes)
+
+
+class _WithLoss(nn.Module):
+    """model(*inputs) then loss_fn(output, target): the loss becomes part of the graph."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, has_target: bool):
+        super().__init__()
+        self.model, self.loss_fn, self.has_target = model, loss_fn, has_target
+
+    def forward(self, *args):
+        inputs, target = (args[:-1], args[-1]) if self.has_target else (args, None)
+        out = self.model(*inputs)
+        if self.loss_fn is not None:
+            return self.loss_fn(out, target) if self.has_target else self.loss_fn(out)
+        return _as_loss(out)
+
+
+def _as_loss(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor):
+        raise AutopartError(
+            f"the model returned {type(out).__name__}, not a loss; pass loss_fn=... to turn its "
+            "output (and the target) into a scalar loss")
+    return loss
+
+
+def capture(model: nn.Module, example_inputs: tuple, *, loss_fn: Callable | None = None,
+            target: torch.Tensor | None = None) -> Program:
+    """Export `model` (with `loss_fn` applied) on one global batch into a Program.
+
+    >>> from examples.gpt import GPT, lm_loss
+    >>> import torch
+    >>> p = capture(GPT("tiny"), (torch.zeros(2, 64, dtype=torch.long),), loss_fn=lm_loss,
+    ...             target=torch.zeros(2, 64, dtype=torch.long))
+    >>> p.inputs
+    ['idx', 'target']
+    """
+    args = tuple(example_inputs) + ((target,) if target is not None else ())
+    _check_inputs(args)
+    wrapper = _WithLoss(model, loss_fn, target is not None)
+    args = tuple(a.clone() if a.device.type != "meta" else a.detach() for a in args)  # distinct objects
+    ep, dynamic = _export(wrapper, args)
+    names = _input_names(model, len(example_inputs)) + (["target"] if target is not None else [])
+    return _to_program(ep, model, args, dynamic, names)
+
+
+def _input_names(model: nn.Module, n: int) -> list[str]:
+    """The model's own forward() argument names for the first n inputs (for readable code)."""
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:n]]
+    return names + [f"input_{i}" for i in range(len(names), n)]
+
+
+def _check_inputs(args: tuple) -> None:
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            raise AutopartError(f"example input {i} is a {type(a).__name__}; autopart takes tensors "
+                                "whose dim 0 is the batch (wrap other arguments in the model)")
+        if a.dim() == 0:
+            raise AutopartError(f"example input {i} is a scalar; inputs need a batch dimension (dim 0)")
+
+
+def _export(wrapper: nn.Module, args: tuple):
+    """Export with symbolic batch (and sequence) sizes when the model allows, else static."""
+    batch = Dim("b")
+    seq_size = args[0].shape[1] if args[0].dim() > 1 else None
+    seq = Dim("s", max=seq_size) if seq_size and seq_size > 1 else None
+
+    def spec(a):
+        d = {0: batch} if a.shape[0] > 1 else {}
+        if seq is not None and a.dim() > 1 and a.shape[1] == seq_size:
+            d[1] = seq
+        return d or None
+
+    attempts = [((tuple(spec(a) for a in args),), True), (None, False)]
+    if seq is not None:  # some models tie the sequence to a fixed size: keep only the batch symbolic
+        seq_static = (tuple(({0: batch} if a.shape[0] > 1 else None) for a in args),)
+        attempts.insert(1, (seq_static, True))
+    last_error = None
+    for dyn, dynamic in attempts:
+        try:
+            with torch.no_grad() if False else _nullcontext():
+                ep = torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
+            return ep, dynamic and args[0].shape[0] > 1
+        except Exception as e:  # noqa: BLE001  (any export failure: try the next, report the last)
+            last_error = e
+            if not _is_shape_error(e):
+                break
+    raise _capture_error(last_error) from last_error
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _is_shape_error(e: Exception) -> bool:
+    text = f"{type(e).__name__}: {e}"
+    return any(k in text for k in ("Constraint", "constraint", "specializ", "guard", "Dim", "dynamic"))
+
+
+def _capture_error(e: Exception) -> AutopartError:
+    text = str(e)
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
+    user = [f for f in frames if "/torch/" not in f[0] and "/autopart/" not in f[0]]
+    where = f"\n  source: {user[-1][0]}:{user[-1][1]} in {user[-1][2]}" if user else ""
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return AutopartError(
+        f"torch.export could not capture the model: {type(e).__name__}: {first}{where}\n"
+        "  remedy: make forward() traceable: no data-dependent Python control flow on tensor "
+        "values (use torch.where / torch.cond), no .item()/.tolist() on activations, no calls into "
+        "non-PyTorch libraries. torch.fx.symbolic_trace is not needed: autopart uses torch.export.")
+
+
+def _to_program(ep, model: nn.Module, args: tuple, dynamic: bool, names: list[str]) -> Program:
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    aliases = _alias_table(model)
+    to_param = {k: _strip(v) for k, v in sig.inputs_to_parameters.items()}
+    to_buffer = {k: _strip(v) for k, v in sig.inputs_to_buffers.items()}
+    to_const = dict(sig.inputs_to_lifted_tensor_constants)
+    if sig.buffers_to_mutate:
+        raise AutopartError(
+            f"the model mutates buffers {sorted(sig.buffers_to_mutate.values())} in forward "
+            "(e.g. BatchNorm running stats); autopart cannot yet split such state across ranks. "
+            "Remedy: use LayerNorm/RMSNorm, or register the state as a non-persistent constant.")
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named_buf = dict(model.named_buffers(remove_duplicate=False))
+    persistent = set(model.state_dict().keys())
+    params, buffers, attrs = {}, {}, {}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[str] = []
+    symbols = _symbol_map(gm, args) if dynamic else {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            name = to_param.get(node.name) or to_buffer.get(node.name)
+            if name is not None:
+                canon = aliases.get(name, name)
+                tensor = named.get(canon, named_buf.get(canon))
+                info = TensorInfo(canon, tuple(tensor.shape), tensor.dtype,
+                                  tuple(a for a, c in aliases.items() if c == canon and a != canon),
+                                  bool(getattr(tensor, "requires_grad", False)),
+                                  canon in persistent)
+                (params if node.name in to_param and info.requires_grad else buffers)[canon] = info
+                attrs[canon] = tensor
+                env[node] = _copy_meta(graph.get_attr(canon), node)
+            elif node.name in to_const:
+                const_name = "_const_" + node.name
+                attrs[const_name] = ep.constants[to_const[node.name]]
+                buffers[const_name] = TensorInfo(const_name, tuple(attrs[const_name].shape),
+                                                 attrs[const_name].dtype, (), False, False)
+                env[node] = _copy_meta(graph.get_attr(const_name), node)
+            else:
+                name = names[len(inputs)]
+                env[node] = graph.placeholder(name)
+                env[node].meta = dict(node.meta)
+                inputs.append(env[node].name)
+        else:
+            env[node] = _copy_meta(graph.node_copy(node, lambda n: env[n]), node)
+    for n in list(graph.nodes):
+        _rename_meta(n, symbols)
+        if n.op == "get_attr" and not n.users:
+            graph.erase_node(n)      # the unused second name of a tied weight
+    new_gm = fx.GraphModule(attrs, graph)
+    return Program(new_gm, params, buffers, inputs, int(args[0].shape[0]),
+                   int(args[0].shape[1]) if args[0].dim() > 1 else None, dynamic,
+                   {"symbols": symbols})
+
+
+def _strip(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _alias_table(model: nn.Module) -> dict[str, str]:
+    """name -> canonical name (the first name nn.Module gives the same tensor)."""
+    canon: dict[int, str] = {}
+    table = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        table[name] = canon.setdefault(id(t), name)
+    return table
+
+
+def _copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
+    new.meta = dict(old.meta)
+    return new
+
+
+def _symbol_map(gm: fx.GraphModule, args: tuple) -> dict:
+    """The export's shape symbols of input dims 0 and 1 -> our b and s."""
+    mapping = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    user = placeholders[len(placeholders) - len(args):]
+    for node in user:
+        val = node.meta.get("val")
+        for dim, sym in ((0, BATCH), (1, SEQ)):
+            if val is not None and val.dim() > dim and isinstance(val.shape[dim], torch.SymInt):
+                mapping[val.shape[dim].node.expr] = sym
+    return mapping
+
+
+def _rename_meta(node: fx.Node, symbols: dict) -> None:
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        node.meta["nn_module_stack"] = {
+            k: (_strip(re.sub(r"^L\['self'\]\.?", "", path)), cls) for k, (path, cls) in stack.items()
+            if _strip(re.sub(r"^L\['self'\]\.?", "", path)) not in ("", "model")}
+
+
+def sym_shape(val, symbols: dict) -> tuple:
+    """A FakeTensor's shape as sympy expressions in b and s."""
+    out = []
+    for d in val.shape:
+        if isinstance(d, torch.SymInt):
+            out.append(sympy.sympify(d.node.expr).xreplace(symbols))
+        else:
+            out.append(sympy.Integer(int(d)))
+    return tuple(out)

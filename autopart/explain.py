@@ -1,0 +1,103 @@
+"""The explain table and JSON: stages, layers, parameters, FLOPs, memory, transfers, bubble."""
+from __future__ import annotations
+
+import sympy
+
+from autopart.analysis import evaluate
+
+
+def _fmt(n: float, unit: str = "") -> str:
+    for div, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}"
+
+
+def chunk_rows(compiled) -> list[dict]:
+    """One dict per chunk: the numbers the table and the JSON show."""
+    plan, program = compiled.plan, compiled.program
+    b, s = plan.microbatch_size, program.seq_len
+    rows = []
+    chunks = program.decisions["chunks"]
+    stages = program.decisions["stages"]
+    for c in chunks:
+        names = [n for n, k in stages.chunk_of.items() if k == c.chunk]
+        flops = sum(evaluate(compiled.costs[n].fwd_bwd_flops, b, s) for n in names)
+        act = sum(evaluate(compiled.costs[n].out_bytes, b, s) for n in names)
+        nparams = sum(program.params[p].numel for p in c.params)
+        recv = sum(_bytes(x, b, s) for x in c.recvs)
+        send = sum(_bytes(x, b, s) for x in c.sends)
+        rows.append({"chunk": c.chunk, "pp_rank": c.rank,
+                     "layers": _layer_span(c.layers), "params": nparams,
+                     "flops_per_microbatch": flops, "activation_bytes_per_microbatch": act,
+                     "recv_bytes_per_microbatch": recv, "send_bytes_per_microbatch": send})
+    return rows
+
+
+def _bytes(boundary, b, s) -> float:
+    n = 1
+    for d in boundary.concrete_shape(b, s):
+        n *= d
+    return float(n * boundary.dtype.itemsize)
+
+
+def _layer_span(layers) -> str:
+    if not layers:
+        return "-"
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+
+
+def explain_table(compiled) -> str:
+    plan, sim = compiled.plan, compiled.simulation
+    rows = chunk_rows(compiled)
+    head = (f"{plan.mesh}  schedule={plan.schedule} microbatches={plan.microbatches} "
+            f"virtual_stages={plan.virtual_stages}  global batch={plan.global_batch} "
+            f"microbatch size={plan.microbatch_size}")
+    cols = ["chunk", "pp rank", "layers", "params", "fwd+bwd FLOPs/mb", "activations/mb",
+            "recv/mb", "send/mb"]
+    table = [[str(r["chunk"]), str(r["pp_rank"]), r["layers"], _fmt(r["params"]),
+              _fmt(r["flops_per_microbatch"]), _fmt(r["activation_bytes_per_microbatch"], "B"),
+              _fmt(r["recv_bytes_per_microbatch"], "B"), _fmt(r["send_bytes_per_microbatch"], "B")]
+             for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(t, widths)) for t in table]
+    total = sum(r["params"] for r in rows)
+    per_rank = _params_per_pp_rank(rows, plan.mesh.pp)
+    lines.append(f"parameters: {_fmt(total)} in all (shared ones counted per chunk); "
+                 f"largest pipeline rank holds {max(per_rank) / max(total, 1):.1%}")
+    if plan.shared_params:
+        shared = ", ".join(f"{n} (chunks {list(c)})" for n, c in plan.shared_params.items())
+        lines.append(f"shared parameters, gradients summed between their chunks: {shared}")
+    lines.append(f"simulated bubble: {sim.bubble:.3f} of the ideal time; peak microbatches in "
+                 f"flight per rank: {list(sim.peak_in_flight)}")
+    lines.append("passes: " + ", ".join(f"{p.name} {p.seconds:.2f}s" for p in compiled.passes)
+                 + f"; compile {compiled.seconds:.2f}s")
+    return "\n".join(lines)
+
+
+def _params_per_pp_rank(rows, pp) -> list[int]:
+    out = [0] * pp
+    for r in rows:
+        out[r["pp_rank"]] += r["params"]
+    return out
+
+
+def explain_json(compiled) -> dict:
+    plan, sim = compiled.plan, compiled.simulation
+    return {
+        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp, "ep": plan.mesh.ep,
+                 "world_size": plan.mesh.world_size},
+        "schedule": plan.schedule, "microbatches": plan.microbatches,
+        "virtual_stages": plan.virtual_stages, "global_batch": plan.global_batch,
+        "microbatch_size": plan.microbatch_size,
+        "chunks": chunk_rows(compiled),
+        "shared_params": {k: list(v) for k, v in plan.shared_params.items()},
+        "bubble": sim.bubble, "peak_in_flight": list(sim.peak_in_flight),
+        "passes": [{"name": p.name, "seconds": p.seconds} for p in compiled.passes],
+        "compile_seconds": compiled.seconds,
+    }
+
+
+__all__ = ["explain_table", "explain_json", "chunk_rows", "sympy"]

@@ -1,0 +1,89 @@
+"""The device mesh: named parallel axes, validated, printable. No process-global state."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopart.errors import AutopartError
+
+AXES = ("pp", "dp", "tp")  # rank order: pp outermost, tp innermost (Megatron's order)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """`Mesh(dp=2, pp=2, tp=2)`: 8 ranks. rank = (pp_i * dp + dp_i) * tp + tp_i.
+
+    `ep` shards experts over data-parallel ranks (GShard), so it divides `dp` and adds no ranks.
+
+    >>> m = Mesh(dp=2, pp=2)
+    >>> m.world_size, m.coords(3)
+    (4, {'pp': 1, 'dp': 1, 'tp': 0})
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "pp", "tp", "ep"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise AutopartError(f"Mesh axis {axis}={value!r} must be a positive integer")
+        if self.dp % self.ep:
+            ok = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+            raise AutopartError(
+                f"Mesh ep={self.ep} must divide dp={self.dp}: experts are sharded over data-parallel "
+                f"ranks (GShard). Use ep in {ok}, or raise dp to a multiple of {self.ep}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The (pp, dp, tp) coordinates of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise AutopartError(f"rank {rank} is outside a mesh of {self.world_size} ranks ({self})")
+        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+
+    def rank(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        """The global rank at the given coordinates."""
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def group(self, axis: str, rank: int) -> tuple[int, ...]:
+        """The ranks that differ from `rank` only along `axis` (the process group for that axis)."""
+        c = self.coords(rank)
+        size = getattr(self, axis)
+        return tuple(self.rank(**{**c, axis: i}) for i in range(size))
+
+    def groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every process group along `axis`, each once, in rank order."""
+        return sorted({self.group(axis, r) for r in range(self.world_size)})
+
+    @classmethod
+    def parse(cls, text: str) -> "Mesh":
+        """`"dp=2,pp=4"` -> Mesh(dp=2, pp=4)."""
+        sizes = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("dp", "pp", "tp", "ep") or not value.isdigit():
+                raise AutopartError(f"bad mesh item {item!r} in {text!r}: write e.g. dp=2,pp=4,tp=2")
+            sizes[key] = int(value)
+        return cls(**sizes)
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh, ep: int = 1) -> "Mesh":
+        """From a torch DeviceMesh whose dimension names are among pp, dp, tp (any missing is 1)."""
+        names = device_mesh.mesh_dim_names
+        if not names or any(n not in AXES for n in names):
+            raise AutopartError(
+                f"DeviceMesh dimension names {names} must be among {AXES}; build it with "
+                "init_device_mesh(device, shape, mesh_dim_names=('pp', 'dp', 'tp'))")
+        order = [AXES.index(n) for n in names]
+        if order != sorted(order):
+            raise AutopartError(f"DeviceMesh dims {names} must be in the order pp, dp, tp (tp innermost)")
+        sizes = dict(zip(names, device_mesh.mesh.shape))
+        return cls(**{k: int(v) for k, v in sizes.items()}, ep=ep)
+
+    def __str__(self) -> str:
+        extra = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"Mesh(pp={self.pp}, dp={self.dp}, tp={self.tp}{extra}; {self.world_size} ranks)"

@@ -1,0 +1,172 @@
+"""cut_pipeline_stages: cut the graph into pp * v chunks, balanced by cost, at small-liveness points.
+
+Chunk k runs on pipeline rank k mod pp (the interleaved schedule's placement). Cuts go only where
+the live activations crossing the cut are as small as the smallest crossing inside the model body
+(the residual stream between layers). Values computed from the user's inputs alone (positions,
+masks, sizes) are recomputed in every chunk that needs them instead of being sent. Parameters used
+by several chunks (tied embeddings) are listed so the runtime sums their gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopart.analysis import NodeCost, detect_layers, evaluate
+from autopart.capture import Program
+from autopart.errors import AutopartError, node_error
+from autopart.schedule import balanced_partition
+
+_TOLERANCE = 1.01   # a cut may carry at most 1% more bytes than the smallest body crossing
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which chunk computes each node, and what crosses each cut (printable data)."""
+    num_chunks: int
+    pp: int
+    chunk_of: dict[str, int]              # compute node -> chunk
+    replicated: tuple[str, ...]           # input-derived nodes, recomputed where needed
+    crossings: tuple[tuple[str, ...], ...]  # crossings[k]: values sent from chunk k to k+1
+    shared_params: dict[str, tuple[int, ...]]  # param name -> chunks using it (more than one)
+    chunk_layers: tuple[tuple[str, ...], ...]  # layer paths (whole or part) in each chunk
+    chunk_cost: tuple[float, ...]          # forward+backward FLOPs per microbatch-sample
+
+    def rank_of_chunk(self, chunk: int) -> int:
+        return chunk % self.pp
+
+
+def cut_pipeline_stages(program: Program, *, pp: int, virtual_stages: int = 1,
+                        costs: dict[str, NodeCost], microbatch_size: int = 1):
+    """Return (program with decisions['stages'] = StagePlan, report dict)."""
+    k = pp * virtual_stages
+    graph = program.gm.graph
+    replicated = _input_derived(graph)
+    compute = [n for n in graph.nodes if n.op == "call_function" and n.name not in replicated]
+    if not compute:
+        raise AutopartError("the model has no computation to split")
+    b, s = microbatch_size, program.seq_len
+    cost = [max(evaluate(costs[n.name].fwd_bwd_flops, b, s), 1.0) for n in compute]
+    crossing = _crossings(compute, replicated, graph)
+    cross_bytes = [sum(_bytes(v, program, b, s) for v in c) for c in crossing]
+    layers = detect_layers(program)
+    cuts = _choose_cuts(compute, cost, crossing, cross_bytes, k, layers)
+    bounds = [0, *cuts, len(compute)]
+    chunk_of = {n.name: c for c in range(k) for n in compute[bounds[c]:bounds[c + 1]]}
+    plan = StagePlan(
+        num_chunks=k, pp=pp, chunk_of=chunk_of, replicated=tuple(sorted(replicated)),
+        crossings=tuple(tuple(v.name for v in crossing[g]) for g in cuts),
+        shared_params=_shared_params(graph, chunk_of, replicated),
+        chunk_layers=_chunk_layers(compute, bounds, layers),
+        chunk_cost=tuple(sum(cost[bounds[c]:bounds[c + 1]]) for c in range(k)))
+    report = {"chunks": k, "cut_after": [compute[g - 1].name for g in cuts],
+              "max_over_mean_cost": max(plan.chunk_cost) / (sum(plan.chunk_cost) / k),
+              "shared_params": dict(plan.shared_params)}
+    return program.replace(decisions={**program.decisions, "stages": plan}), report
+
+
+def _input_derived(graph: fx.Graph) -> set[str]:
+    """Nodes computed only from user inputs, buffers and constants: cheap to recompute anywhere."""
+    params = {n.name for n in graph.nodes if n.op == "get_attr" and _is_param(graph, n)}
+    derived: set[str] = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or not n.all_input_nodes:
+            if n.op == "call_function" and not n.all_input_nodes:
+                derived.add(n.name)     # arange, zeros, ...: made from constants
+            continue
+        if all(a.op == "placeholder" or (a.op == "get_attr" and a.name not in params)
+               or a.name in derived for a in n.all_input_nodes):
+            if not _is_random(n):
+                derived.add(n.name)
+    return derived
+
+
+def _is_param(graph: fx.Graph, node: fx.Node) -> bool:
+    owner = graph.owning_module
+    try:
+        t = owner.get_parameter(node.target)
+    except AttributeError:
+        return False
+    return t.requires_grad
+
+
+def _is_random(node: fx.Node) -> bool:
+    return getattr(node.target, "is_nondeterministic", False) or "rand" in str(node.target)
+
+
+def _crossings(compute: list[fx.Node], replicated: set[str], graph: fx.Graph) -> list[list[fx.Node]]:
+    """crossings[g]: compute values made before position g and used at or after it."""
+    index = {n.name: i for i, n in enumerate(compute)}
+    last_use = {}
+    for i, n in enumerate(compute):
+        for u in n.users:
+            j = len(compute) if u.op == "output" else index.get(u.name, i)
+            last_use[n.name] = max(last_use.get(n.name, i), j)
+    out: list[list[fx.Node]] = [[] for _ in range(len(compute) + 1)]
+    for i, n in enumerate(compute):
+        for g in range(i + 1, last_use.get(n.name, i) + 1):
+            out[g].append(n)
+    return out
+
+
+def _bytes(node: fx.Node, program: Program, b: int, s) -> float:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return float("inf")     # a non-tensor (tuple, SymInt) cannot be sent: never cut here
+    from autopart.capture import sym_shape
+    shape = sym_shape(val, program.decisions.get("symbols", {}))
+    numel = 1
+    for d in shape:
+        numel *= evaluate(d, b, s)
+    return numel * val.element_size()
+
+
+def _choose_cuts(compute, cost, crossing, cross_bytes, k, layers) -> list[int]:
+    if k == 1:
+        return []
+    if layers and len(layers) < k:
+        raise AutopartError(
+            f"cannot cut {len(layers)} layers ({layers[0].path} .. {layers[-1].path}) into "
+            f"pp*virtual_stages = {k} pipeline chunks: every chunk needs at least one layer.\n"
+            f"  remedy: use pp*virtual_stages <= {len(layers)} (e.g. pp={min(k, len(layers))}, "
+            "virtual_stages=1), or a deeper model")
+    total = sum(cost)
+    prefix, acc = [], 0.0
+    for c in cost:
+        prefix.append(acc)
+        acc += c
+    body = [g for g in range(1, len(compute)) if 0.02 * total <= prefix[g] <= 0.98 * total]
+    floor = min((cross_bytes[g] for g in body), default=min(cross_bytes[1:len(compute)]))
+    candidates = [g for g in range(1, len(compute)) if cross_bytes[g] <= floor * _TOLERANCE]
+    if len(candidates) < k - 1:
+        where = compute[len(compute) // 2]
+        raise node_error(where, f"found only {len(candidates)} cut points where just the residual "
+                         f"stream ({floor:.0f} bytes per microbatch) is live, but pp*virtual_stages="
+                         f"{k} chunks need {k - 1}", f"use pp*virtual_stages <= {len(candidates) + 1}")
+    edges = [0, *candidates, len(compute)]
+    seg_costs = [sum(cost[edges[i]:edges[i + 1]]) for i in range(len(edges) - 1)]
+    parts = balanced_partition(seg_costs, k)
+    return [edges[j] for j in parts]
+
+
+def _shared_params(graph, chunk_of, replicated) -> dict[str, tuple[int, ...]]:
+    used: dict[str, set[int]] = {}
+    for n in graph.nodes:
+        if n.op == "get_attr" and _is_param(graph, n):
+            chunks = {chunk_of[u.name] for u in n.users if u.name in chunk_of}
+            used.setdefault(n.target, set()).update(chunks)
+    return {name: tuple(sorted(c)) for name, c in used.items() if len(c) > 1}
+
+
+def _chunk_layers(compute, bounds, layers) -> tuple[tuple[str, ...], ...]:
+    owner = {name: layer.path for layer in layers for name in layer.nodes}
+    out = []
+    for c in range(len(bounds) - 1):
+        seen: list[str] = []
+        for n in compute[bounds[c]:bounds[c + 1]]:
+            p = owner.get(n.name)
+            if p and p not in seen:
+                seen.append(p)
+        out.append(tuple(seen))
+    return tuple(out)

@@ -1,0 +1,163 @@
+"""emit_rank_programs: one readable GraphModule per (pipeline rank, chunk).
+
+Each chunk program takes the tensors received from the previous chunk, then the user inputs it
+needs, and returns the tensors the next chunk needs (or the loss, on the last chunk). Parameters
+are attributes under the plain model's names, and a chunk holds only the parameters it uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopart import p2p
+from autopart.capture import Program, sym_shape
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A tensor crossing into or out of a chunk: its name, symbolic shape, dtype, peer."""
+    name: str
+    shape: tuple                 # sympy expressions in b and s
+    dtype: torch.dtype
+    peer_rank: int
+    peer_chunk: int
+
+    @property
+    def differentiable(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    def concrete_shape(self, b: int, s: int | None) -> tuple[int, ...]:
+        from autopart.capture import BATCH, SEQ
+        return tuple(int(sympy.sympify(d).subs({BATCH: b, SEQ: s or 1})) for d in self.shape)
+
+
+@dataclass
+class ChunkProgram:
+    """The program one pipeline rank runs for one model chunk."""
+    chunk: int
+    rank: int
+    gm: fx.GraphModule
+    recvs: tuple[Boundary, ...]          # placeholders, in order, first
+    inputs: tuple[str, ...]              # then these user inputs, by name
+    sends: tuple[Boundary, ...]          # outputs, in order (empty on the last chunk)
+    is_last: bool
+    layers: tuple[str, ...] = ()
+    params: tuple[str, ...] = field(default=())
+
+    @property
+    def code(self) -> str:
+        head = f"# chunk {self.chunk} on pipeline rank {self.rank}"
+        if self.layers:
+            head += f": {self.layers[0]} .. {self.layers[-1]}"
+        return head + "\n" + self.gm.code.strip() + "\n"
+
+
+def emit_rank_programs(program: Program):
+    """Return (program with decisions['chunks'] = [ChunkProgram per chunk], report)."""
+    plan = program.decisions["stages"]
+    graph = program.gm.graph
+    chunks = [_emit_chunk(program, plan, c) for c in range(plan.num_chunks)]
+    report = {"chunks": [{"chunk": c.chunk, "rank": c.rank, "nodes": len(c.gm.graph.nodes),
+                          "params": len(c.params), "recv": len(c.recvs), "send": len(c.sends)}
+                         for c in chunks]}
+    del graph
+    return program.replace(decisions={**program.decisions, "chunks": chunks}), report
+
+
+def _boundary(node: fx.Node, program: Program, peer_rank: int, peer_chunk: int) -> Boundary:
+    val = node.meta["val"]
+    return Boundary(node.name, sym_shape(val, program.decisions.get("symbols", {})), val.dtype,
+                    peer_rank, peer_chunk)
+
+
+def _emit_chunk(program: Program, plan, c: int) -> ChunkProgram:
+    src_graph = program.gm.graph
+    nodes = {n.name: n for n in src_graph.nodes}
+    mine = [n for n in src_graph.nodes if plan.chunk_of.get(n.name) == c]
+    recv_names = plan.crossings[c - 1] if c > 0 else ()
+    send_names = plan.crossings[c] if c < plan.num_chunks - 1 else ()
+    needed_repl = _replicated_needed(mine, set(plan.replicated))
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    prev_rank, next_rank = plan.rank_of_chunk(c - 1), plan.rank_of_chunk(c + 1)
+    received = []
+    for name in recv_names:
+        received.append(g.placeholder(name))
+        received[-1].meta = dict(nodes[name].meta)
+    inputs = _user_inputs(src_graph, mine, needed_repl)
+    for node in src_graph.nodes:
+        if node.op == "placeholder" and node.name in inputs:
+            env[node] = g.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+    for name, ph in zip(recv_names, received):
+        env[nodes[name]] = _mark(g, p2p.recv, ph, prev_rank, c - 1, nodes[name])
+    attrs: dict[str, torch.Tensor] = {}
+
+    def lookup(n: fx.Node) -> fx.Node:
+        if n not in env and n.op == "get_attr":
+            attrs[n.target] = program.gm.get_parameter(n.target) if _has_param(program.gm, n.target) \
+                else _get_attr(program.gm, n.target)
+            env[n] = g.get_attr(n.target)
+            env[n].meta = dict(n.meta)
+        return env[n]
+
+    for node in src_graph.nodes:
+        if node.name in needed_repl or plan.chunk_of.get(node.name) == c:
+            env[node] = g.node_copy(node, lookup)
+    if send_names:
+        outs = [_mark(g, p2p.send, env[nodes[n]], next_rank, c + 1, nodes[n]) for n in send_names]
+        g.output(tuple(outs))
+    else:
+        out_node = next(n for n in src_graph.nodes if n.op == "output")
+        g.output(tuple(env[a] for a in out_node.args[0]))
+    g.lint()
+    gm = fx.GraphModule(attrs, g, class_name=f"Chunk{c}")
+    gm.recompile()
+    params = tuple(sorted(t for t in attrs if t in program.params))
+    return ChunkProgram(
+        chunk=c, rank=plan.rank_of_chunk(c), gm=gm,
+        recvs=tuple(_boundary(nodes[n], program, prev_rank, c - 1) for n in recv_names),
+        inputs=tuple(inputs), sends=tuple(_boundary(nodes[n], program, next_rank, c + 1)
+                                          for n in send_names),
+        is_last=not send_names, layers=plan.chunk_layers[c], params=params)
+
+
+def _mark(g: fx.Graph, fn, node: fx.Node, peer: int, chunk: int, src: fx.Node) -> fx.Node:
+    out = g.call_function(fn, (node,), {"src" if fn is p2p.recv else "dst": peer, "chunk": chunk})
+    out.meta = {k: v for k, v in src.meta.items() if k == "val"}
+    return out
+
+
+def _replicated_needed(mine: list[fx.Node], replicated: set[str]) -> set[str]:
+    need: set[str] = set()
+    stack = [a for n in mine for a in n.all_input_nodes if a.name in replicated]
+    while stack:
+        n = stack.pop()
+        if n.name not in need:
+            need.add(n.name)
+            stack.extend(a for a in n.all_input_nodes if a.name in replicated)
+    return need
+
+
+def _user_inputs(graph: fx.Graph, mine: list[fx.Node], needed_repl: set[str]) -> list[str]:
+    users = set(n.name for n in mine) | needed_repl
+    return [n.name for n in graph.nodes
+            if n.op == "placeholder" and any(u.name in users for u in n.users)]
+
+
+def _has_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _get_attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
