@@ -1,4 +1,15 @@
-"""autopart: compile a plain PyTorch model into a distributed training program."""
+"""autopart: compile a plain PyTorch model into a distributed training program.
+
+    mesh = autopart.Mesh(dp=2, pp=2)
+    compiled = autopart.compile(model, mesh, (tokens,))        # inspect, no processes needed
+    pm = autopart.parallelize(model, mesh, (tokens,), ...)     # train, under torch.distributed
+"""
 from autopart import _C  # noqa: F401  (the C++ core must import, or nothing works)
+from autopart.compiler import Compiled, Plan, RankProgram, compile
+from autopart.errors import AutopartError
+from autopart.mesh import Mesh
+from autopart.runtime import ParallelModel, parallelize
 
 __version__ = "0.1.0"
+__all__ = ["AutopartError", "Compiled", "Mesh", "ParallelModel", "Plan", "RankProgram",
+           "compile", "parallelize"]

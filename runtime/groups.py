@@ -1,0 +1,59 @@
+"""Process groups for one rank, built from the Mesh. Held by the ParallelModel, never global.
+
+torch.distributed.new_group must be called by every rank for every group in the same order, so
+each builder walks all groups of the mesh and keeps the one containing this rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from autopart.errors import AutopartError
+from autopart.mesh import Mesh
+
+
+@dataclass
+class RankGroups:
+    rank: int
+    mesh: Mesh
+    dp: object          # ranks holding the same chunks (data-parallel replicas)
+    pp: object          # ranks of one pipeline (same dp and tp coordinates)
+    shared: dict        # param name -> group of ranks whose chunks share it (tied weights)
+
+
+def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
+                 chunk_ranks: tuple[int, ...], timeout: timedelta) -> RankGroups:
+    """Create every group of `mesh` collectively; return this rank's."""
+    if not dist.is_initialized():
+        raise AutopartError("autopart.parallelize needs an initialized process group: call "
+                            "torch.distributed.init_process_group (torchrun sets the environment)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != mesh.world_size:
+        raise AutopartError(
+            f"{mesh} needs {mesh.world_size} processes but the process group has {world}.\n"
+            f"  remedy: launch {mesh.world_size} processes (torchrun --nproc-per-node "
+            f"{mesh.world_size}), or choose a mesh whose pp*dp*tp = {world}")
+    dp = _mine(mesh.groups("dp"), rank, timeout)
+    pp = _mine(mesh.groups("pp"), rank, timeout)
+    shared = {}
+    for name in sorted(shared_params):
+        pp_ranks = sorted({chunk_ranks[c] for c in shared_params[name]})
+        if len(pp_ranks) < 2:
+            continue        # all its chunks are on one rank: .grad accumulates there already
+        groups = sorted({tuple(mesh.rank(pp=p, dp=mesh.coords(r)["dp"], tp=mesh.coords(r)["tp"])
+                               for p in pp_ranks) for r in range(mesh.world_size)})
+        group = _mine(groups, rank, timeout)
+        if group is not None:
+            shared[name] = group
+    return RankGroups(rank, mesh, dp, pp, shared)
+
+
+def _mine(groups: list[tuple[int, ...]], rank: int, timeout: timedelta):
+    mine = None
+    for ranks in groups:
+        g = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = g
+    return mine
