@@ -1,0 +1,131 @@
+"""Train the tiny GPT on a small text corpus with pipeline x data parallelism, then compare with
+the plain single-process model on the same batches.
+
+    python examples/train_gpt.py                  # starts 4 rank processes itself (pp=2 x dp=2)
+    torchrun --nproc-per-node 4 examples/train_gpt.py   # or let torchrun start them
+
+Characters are tokens (bytes, vocabulary 256). Every rank sees the same global batch;
+autopart takes each rank's data-parallel shard and microbatches from it.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # for `examples.gpt`
+
+from examples.gpt import GPT, config, lm_loss  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+
+def batches(steps: int, batch: int, seq: int, seed: int = 0):
+    """`steps` global batches of (tokens, next tokens), int64[batch, seq], drawn at random."""
+    data = torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[s:s + seq] for s in starts])
+        y = torch.stack([data[s + 1:s + seq + 1] for s in starts])
+        yield x, y
+
+
+def make_model(args) -> GPT:
+    torch.manual_seed(args.seed)
+    return GPT(config(args.config))
+
+
+def train_parallel(rank: int, world: int, args) -> list[float]:
+    """One rank's training loop; returns the loss of every step."""
+    import autopart
+    model = make_model(args)
+    mesh = autopart.Mesh.parse(args.mesh)
+    xs = list(batches(args.steps, args.batch, model.config.block_size, args.seed))
+    pm = autopart.parallelize(model, mesh, (xs[0][0],), loss_fn=lm_loss, target=xs[0][1],
+                              microbatches=args.microbatches, schedule=args.schedule,
+                              virtual_stages=args.virtual_stages)
+    del model      # this rank now holds only its share of the weights (through pm)
+    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.0)
+    if rank == 0:
+        print(pm.explain(), flush=True)
+    losses = []
+    for step, (x, y) in enumerate(xs):
+        start = time.perf_counter()
+        loss = pm.train_step(x, target=y)
+        opt.step()
+        opt.zero_grad()
+        seconds = time.perf_counter() - start
+        losses.append(float(loss))
+        if rank == 0:
+            print(f"step {step:3d}  loss {float(loss):.4f}  {x.numel() / seconds:8.0f} tokens/s",
+                  flush=True)
+    return losses
+
+
+def train_plain(args) -> list[float]:
+    """The unmodified model on one process, same init, same batches, same optimizer."""
+    model = make_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    losses = []
+    for x, y in batches(args.steps, args.batch, model.config.block_size, args.seed):
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def compare(parallel: list[float], plain: list[float]) -> float:
+    print("\nstep  autopart   plain")
+    for i, (a, b) in enumerate(zip(parallel, plain)):
+        if i % max(1, len(plain) // 10) == 0 or i == len(plain) - 1:
+            print(f"{i:4d}  {a:.5f}  {b:.5f}")
+    worst = max(abs(a - b) for a, b in zip(parallel, plain))
+    print(f"largest loss difference from the plain model: {worst:.2e}")
+    return worst
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mesh", default="pp=2,dp=2")
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before all ranks are killed")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:       # under torchrun
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        losses = train_parallel(dist.get_rank(), dist.get_world_size(), args)
+        if dist.get_rank() == 0:
+            compare(losses, train_plain(args))
+        dist.destroy_process_group()
+        return 0
+    import autopart
+    from autopart.runtime.launch import spawn
+    world = autopart.Mesh.parse(args.mesh).world_size
+    print(f"starting {world} rank processes for {args.mesh} on this machine", flush=True)
+    losses = spawn(train_parallel, world, args, timeout=args.timeout)[0]
+    worst = compare(losses, train_plain(args))
+    return 0 if worst < 1e-3 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
