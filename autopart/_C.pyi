@@ -1,0 +1,42 @@
+"""autopart's C++ core (csrc/). Private: use autopart.schedule.
+
+Schedules cross the boundary "packed": one list per rank of (chunk, kind code, microbatch)
+tuples, kind codes indexing kind_names() (the order of autopart.schedule.Kind). Errors in a
+schedule's arguments raise autopart.schedule.ScheduleError (a ValueError); bad costs or
+partition inputs raise ValueError.
+"""
+
+Packed = list[list[tuple[int, int, int]]]
+
+def version() -> str: ...
+def kind_names() -> list[str]: ...
+def make_schedule(name: str, pp: int, microbatches: int, virtual_stages: int) -> Packed: ...
+def check(pp: int, microbatches: int, virtual_stages: int, ranks: Packed) -> tuple[str, list[tuple[int, int]]] | None:
+    """None if valid, else (message, [(rank, step) of the offending actions])."""
+
+class SimResult:
+    @property
+    def makespan(self) -> float: ...
+    @property
+    def ideal(self) -> float: ...
+    @property
+    def bubble(self) -> float: ...
+    @property
+    def busy(self) -> list[float]: ...
+    @property
+    def idle(self) -> list[float]: ...
+    @property
+    def peak_in_flight(self) -> list[int]: ...
+
+def simulate(
+    pp: int,
+    microbatches: int,
+    virtual_stages: int,
+    ranks: Packed,
+    forward: list[float],
+    backward: list[float],
+    latency: float,
+    bandwidth: float,
+    message_bytes: float,
+) -> SimResult: ...
+def balanced_partition(costs: list[float], k: int) -> list[int]: ...

@@ -1,0 +1,127 @@
+#include "rendezvous.h"
+
+#include <algorithm>
+
+namespace autopart {
+
+ActionIndex::ActionIndex(const Schedule& s)
+    : chunks_(static_cast<size_t>(s.num_chunks())),
+      microbatches_(static_cast<size_t>(s.microbatches)),
+      pos_(static_cast<size_t>(kNumKinds) * chunks_ * microbatches_) {}
+
+Batching batch_actions(const Schedule& s) {
+  Batching b;
+  b.batch_of.resize(s.pp);
+  b.begin.resize(s.pp);
+  b.end.resize(s.pp);
+  for (int r = 0; r < s.pp; ++r) {
+    const auto& actions = s.ranks[r];
+    b.batch_of[r].assign(actions.size(), -1);
+    for (size_t step = 0; step < actions.size(); ++step) {
+      if (is_compute(actions[step].kind)) continue;
+      const bool starts_batch = step == 0 || is_compute(actions[step - 1].kind);
+      if (starts_batch) {
+        b.begin[r].push_back(static_cast<int>(step));
+        b.end[r].push_back(static_cast<int>(step));
+      }
+      b.batch_of[r][step] = static_cast<int>(b.begin[r].size()) - 1;
+      b.end[r].back() = static_cast<int>(step) + 1;
+    }
+  }
+  return b;
+}
+
+bool posted(const RunResult& run, const Batching& batches, Pos pos) {
+  const int batch = batches.batch_of[pos.rank][pos.step];
+  return run.next_step[pos.rank] >= batches.begin[pos.rank][batch];
+}
+
+namespace {
+
+// The run is a DAG evaluation: a batch's completion time depends only on when it and its peers'
+// batches were posted, so ranks can be advanced in any order; a worklist wakes a rank when a
+// peer posts a batch it may be waiting for.
+class Runner {
+ public:
+  Runner(const Schedule& s, const ActionIndex& index, const Batching& batches,
+         const std::function<double(const Action&)>& compute_cost, double transfer)
+      : s_(s), index_(index), batches_(batches), cost_(compute_cost), transfer_(transfer) {
+    run_.next_step.assign(s.pp, 0);
+    run_.clock.assign(s.pp, 0.0);
+    run_.busy.assign(s.pp, 0.0);
+    posted_at_.resize(s.pp);
+    for (int r = 0; r < s.pp; ++r) posted_at_[r].assign(batches.begin[r].size(), -1.0);
+  }
+
+  RunResult run() {
+    std::vector<char> queued(s_.pp, 1);
+    for (int r = s_.pp - 1; r >= 0; --r) work_.push_back(r);
+    while (!work_.empty()) {
+      const int r = work_.back();
+      work_.pop_back();
+      queued[r] = 0;
+      advance(r);
+      for (int peer : woken_) {
+        if (!queued[peer]) work_.push_back(peer), queued[peer] = 1;
+      }
+      woken_.clear();
+    }
+    for (int r = 0; r < s_.pp; ++r)
+      run_.finished = run_.finished && run_.next_step[r] == static_cast<int>(s_.ranks[r].size());
+    return run_;
+  }
+
+ private:
+  // Runs rank r until it finishes or blocks on a batch whose peers have not all posted.
+  void advance(int r) {
+    const auto& actions = s_.ranks[r];
+    int& step = run_.next_step[r];
+    double& clock = run_.clock[r];
+    while (step < static_cast<int>(actions.size())) {
+      if (is_compute(actions[step].kind)) {
+        const double cost = cost_(actions[step]);
+        clock += cost;
+        run_.busy[r] += cost;
+        ++step;
+        continue;
+      }
+      const int batch = batches_.batch_of[r][step];
+      const int end = batches_.end[r][batch];
+      if (posted_at_[r][batch] < 0) post(r, batch);
+      double done = clock;
+      for (int i = step; i < end; ++i) {
+        const Pos peer = index_[matching(actions[i])];
+        const double peer_posted = posted_at_[peer.rank][batches_.batch_of[peer.rank][peer.step]];
+        if (peer_posted < 0) return;
+        done = std::max(done, std::max(clock, peer_posted) + transfer_);
+      }
+      clock = done;
+      step = end;
+    }
+  }
+
+  void post(int r, int batch) {
+    posted_at_[r][batch] = run_.clock[r];
+    const auto& actions = s_.ranks[r];
+    for (int i = batches_.begin[r][batch]; i < batches_.end[r][batch]; ++i)
+      woken_.push_back(index_[matching(actions[i])].rank);
+  }
+
+  const Schedule& s_;
+  const ActionIndex& index_;
+  const Batching& batches_;
+  const std::function<double(const Action&)>& cost_;
+  const double transfer_;
+  RunResult run_;
+  std::vector<std::vector<double>> posted_at_;  // [rank][batch] -> time posted, -1 if not yet
+  std::vector<int> work_, woken_;
+};
+
+}  // namespace
+
+RunResult run_rendezvous(const Schedule& s, const ActionIndex& index, const Batching& batches,
+                         const std::function<double(const Action&)>& compute_cost, double transfer) {
+  return Runner(s, index, batches, compute_cost, transfer).run();
+}
+
+}  // namespace autopart

@@ -1,0 +1,29 @@
+// Proving an action list complete, correctly ordered and deadlock-free.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "schedule.h"
+
+namespace autopart {
+
+struct Problem {
+  std::string message;
+  std::vector<std::pair<int, int>> marks;  // (rank, step) of the offending actions
+};
+
+// The first problem found, checking in this order:
+//   shape         pp lists; every action names a chunk, microbatch and the rank holding the chunk
+//   coverage      every chunk runs F and B once per microbatch; a send and a receive for exactly
+//                 the data that crosses ranks, no duplicates
+//   dependencies  on each rank, F(c,i) after F(c-1,i) or its receive, B(c,i) after F(c,i) and
+//                 after B(c+1,i) or its receive, a send after the compute producing its data
+//   deadlock      a dry run with rendezvous semantics (see rendezvous.h) where every rank finishes
+//   order         messages between two ranks are posted in the same order on both sides, since
+//                 NCCL matches them by order
+std::optional<Problem> find_problem(const Schedule& s);
+
+}  // namespace autopart
