@@ -1,0 +1,278 @@
+"""Tensor placements over the tensor-parallel axis and how ATen ops carry them.
+
+A tensor is Replicate (every tp rank holds all of it), Shard(dim) (each rank holds 1/tp of `dim`)
+or Partial (each rank holds a summand; a reduction makes it whole). `carry()` answers, for one op
+and the placements of its inputs, what its output placement is, or what it needs first.
+Decisions come from ops and shapes only, never from module or attribute names.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    origin: str | None = None      # the column-parallel linear (or embedding) the split came from
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+
+R, P = Replicate(), Partial()
+
+
+@dataclass(frozen=True)
+class Need:
+    """The op can run sharded once input `arg` (a node) is Shard(dim)."""
+    arg: fx.Node
+    dim: int
+
+
+@dataclass(frozen=True)
+class SplitOnShard:
+    """A split along the sharded dim into sections: the origin's weight is split per section."""
+    origin: str
+    sections: tuple
+
+
+class NoRule(Exception):
+    """No sharding rule lets this op run on a sharded input."""
+
+
+# Ops that act on each element independently: a Shard passes through unchanged.
+ELEMENTWISE = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.pow.Tensor_Scalar,
+    aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar,
+    aten.tanh.default, aten.gelu.default, aten.silu.default, aten.relu.default,
+    aten.sigmoid.default, aten.neg.default, aten.exp.default, aten.erf.default,
+    aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.type_as.default,
+    aten.masked_fill.Scalar, aten.where.self, aten.sqrt.default, aten.rsqrt.default,
+    aten.abs.default, aten.log.default, aten.pow.Tensor_Tensor, aten.maximum.default,
+    aten.minimum.default, aten.clamp.default, aten.square.default, aten.reciprocal.default,
+    aten.lift_fresh_copy.default, aten.to.dtype_layout, aten.to.device, aten.cos.default,
+    aten.sin.default,
+}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+NORMS_LAST = {aten.layer_norm.default, aten.rms_norm.default}
+
+
+def shape_of(node) -> tuple:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def ndim(node) -> int:
+    return len(shape_of(node))
+
+
+def _expr(d):
+    return sympy.sympify(d.node.expr) if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
+
+
+def map_view(in_shape: tuple, out_shape: tuple, dim: int, tp: int) -> int:
+    """Where dim `dim` of a view's input lands in its output, keeping a contiguous 1/tp block.
+
+    Raises NoRule when the sharded dim merges into a preceding dim (its block would not be
+    contiguous) or splits into a leading factor that tp does not divide."""
+    ins = [_expr(d) for d in in_shape]
+    outs = [_expr(d) for d in out_shape]
+    start = sympy.prod(ins[:dim]) if dim else sympy.Integer(1)
+    acc = sympy.Integer(1)
+    for e, size in enumerate(outs):
+        if sympy.simplify(acc - start) == 0 and size != 1:
+            if sympy.simplify(size - ins[dim]) == 0:
+                return e
+            ratio = sympy.simplify(ins[dim] / size)
+            if ratio.is_Integer and size.is_Integer and int(size) % tp == 0:
+                return e            # the dim splits: the shard goes to its leading factor
+            ratio = sympy.simplify(size / ins[dim])
+            if ratio.is_Integer or (ratio.is_number is False and ins[dim].is_Integer):
+                return e            # the dim merges with the dims after it: still contiguous
+            break
+        acc = acc * size
+    raise NoRule(f"the view from {tuple(in_shape)} to {tuple(out_shape)} moves sharded dim {dim} "
+                 "where its 1/tp block is not contiguous")
+
+
+def _norm(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+def _aligned_dim(other: fx.Node, out_nd: int, dim: int) -> int | None:
+    """The dim of a broadcast operand that lines up with output dim `dim` (None if absent/1)."""
+    nd = ndim(other)
+    d = dim - (out_nd - nd)
+    if d < 0 or shape_of(other)[d] == 1:
+        return None
+    return d
+
+
+def carry(node: fx.Node, pl: dict, tp: int):
+    """The output placement of `node` given its inputs' placements in `pl`.
+
+    Returns a placement, a tuple of placements (multi-output ops), a Need (an input must be
+    sharded first) or a SplitOnShard marker with the placement; raises NoRule."""
+    t = node.target
+    ins = [a for a in node.args if isinstance(a, fx.Node)]
+    if t is operator.getitem:
+        src = pl.get(node.args[0], R)
+        return src[node.args[1]] if isinstance(src, tuple) else src
+    shards = [a for a in node.all_input_nodes if isinstance(pl.get(a), Shard)]
+    if not shards:
+        return R
+    x = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else shards[0]
+    s = pl.get(x)
+    if t in VIEWS:
+        return Shard(map_view(shape_of(x), shape_of(node), s.dim, tp), s.origin)
+    if t in (aten.transpose.int,):
+        d0, d1 = (_norm(d, ndim(x)) for d in node.args[1:3])
+        return Shard({d0: d1, d1: d0}.get(s.dim, s.dim), s.origin)
+    if t is aten.t.default:
+        return Shard(1 - s.dim, s.origin)
+    if t is aten.permute.default:
+        perm = [_norm(d, ndim(x)) for d in node.args[1]]
+        return Shard(perm.index(s.dim), s.origin)
+    if t is aten.unsqueeze.default:
+        d = _norm(node.args[1], ndim(node))
+        return Shard(s.dim + (1 if d <= s.dim else 0), s.origin)
+    if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        return _split(node, s, tp)
+    if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):
+        d = _norm(node.args[1] if len(node.args) > 1 else 0, ndim(x))
+        if d == s.dim:
+            raise NoRule(f"{node.target} along the sharded dim {d}")
+        shift = -1 if t is aten.select.int and d < s.dim else 0
+        return Shard(s.dim + shift, s.origin)
+    if t is aten.expand.default:
+        return Shard(s.dim + (ndim(node) - ndim(x)), s.origin)
+    if t in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
+             aten.log_softmax.int):
+        if _norm(node.args[1], ndim(x)) == s.dim:
+            raise NoRule("softmax over the sharded dim")
+        return s
+    if t in NORMS_LAST:
+        normalized = len(node.args[1])
+        if s.dim >= ndim(x) - normalized:
+            raise NoRule("normalization over the sharded dim")
+        return s
+    if t in ELEMENTWISE:
+        return _elementwise(node, pl, tp)
+    if t is aten.cat.default:
+        return _cat(node, pl)
+    if t in (aten.scaled_dot_product_attention.default,):
+        return _sdpa(node, pl)
+    if t in (aten.matmul.default, aten.bmm.default):
+        return _batched_matmul(node, pl)
+    raise NoRule(f"no tensor-parallel rule for {t} on a sharded input")
+
+
+def _split(node, s: Shard, tp: int):
+    t, x = node.target, node.args[0]
+    n = ndim(x)
+    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    if dim != s.dim:
+        count = len(node.meta["val"])
+        return tuple(s for _ in range(count))
+    size = shape_of(x)[dim]
+    if t is aten.split.Tensor:
+        sections = (node.args[1],) * (int(size) // node.args[1])
+    elif t is aten.chunk.default:
+        sections = (int(size) // node.args[1],) * node.args[1]
+    else:
+        sections = tuple(node.args[1])
+    if any(int(sec) % tp for sec in sections):
+        raise NoRule(f"split of the sharded dim into sections {sections}, not divisible by tp={tp}")
+    return SplitOnShard(s.origin, tuple(int(v) for v in sections)), tuple(
+        Shard(dim, s.origin) for _ in sections)
+
+
+def _elementwise(node, pl, tp):
+    out_nd = ndim(node)
+    shard_dims = {(a, out_nd - ndim(a) + pl[a].dim) for a in node.all_input_nodes
+                  if isinstance(pl.get(a), Shard)}
+    dims = {d for _, d in shard_dims}
+    if len(dims) != 1:
+        raise NoRule(f"operands sharded along different dims {sorted(dims)}")
+    dim = dims.pop()
+    origin = next(iter(shard_dims))[0]
+    for a in node.all_input_nodes:
+        if not isinstance(pl.get(a), Shard) and ndim(a) > 0 and _aligned_dim(a, out_nd, dim) is not None:
+            return Need(a, _aligned_dim(a, out_nd, dim))
+    return Shard(dim, pl[origin].origin)
+
+
+def _sdpa(node, pl):
+    q, k, v = node.args[:3]
+    for a in (q, k, v):
+        if not isinstance(pl.get(a), Shard):
+            return Need(a, 1)
+        if pl[a].dim != 1:
+            raise NoRule("attention with q/k/v sharded on a dim other than the heads")
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node) and not isinstance(pl.get(mask), Shard):
+        d = _aligned_dim(mask, 4, 1)
+        if d is not None:
+            return Need(mask, d)
+    return Shard(1, pl[q].origin)
+
+
+def _batched_matmul(node, pl):
+    a, b = node.args[:2]
+    if ndim(a) < 3 or ndim(b) < 3:
+        raise NoRule("matmul of a sharded activation with a 2-D operand")
+    sa, sb = pl.get(a), pl.get(b)
+    for this, other, s in ((a, b, sa), (b, a, sb)):
+        if isinstance(s, Shard) and s.dim >= ndim(this) - 2:
+            raise NoRule("matmul contracting or producing along the sharded dim")
+    if not isinstance(sa, Shard):
+        return Need(a, sb.dim)
+    if not isinstance(sb, Shard):
+        return Need(b, sa.dim)
+    if sa.dim != sb.dim:
+        raise NoRule("matmul operands sharded along different batch dims")
+    return Shard(sa.dim, sa.origin)
+
+
+def _cat(node, pl):
+    """Concatenation along a dim other than the shard; empty inputs (a fresh cache) drop out."""
+    parts = [a for a in node.args[0] if isinstance(a, fx.Node) and _numel(a) != 0]
+    out_nd = ndim(node)
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, out_nd)
+    shard = next(pl[a] for a in parts if isinstance(pl.get(a), Shard))
+    if shard.dim == dim:
+        raise NoRule("concatenation along the sharded dim")
+    for a in parts:
+        if not isinstance(pl.get(a), Shard):
+            return Need(a, shard.dim)
+        if pl[a].dim != shard.dim:
+            raise NoRule("concatenating tensors sharded along different dims")
+    return shard
+
+
+def _numel(node) -> int | None:
+    shape = shape_of(node)
+    try:
+        return int(sympy.prod([_expr(d) for d in shape])) if shape else 1
+    except TypeError:
+        return None

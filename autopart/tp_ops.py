@@ -1,0 +1,219 @@
+"""Tensor-parallel collectives as differentiable graph ops (Megatron-LM's f, g and friends).
+
+Each op takes a `TPComm`, a small module every tensor-parallel program holds as `self.tp_comm`;
+the runtime binds it to this rank's tensor-parallel process group. Nothing here is global.
+
+    copy_to_tp          forward identity,   backward all-reduce   (Megatron's f)
+    reduce_from_tp      forward all-reduce, backward identity     (Megatron's g)
+    gather_from_tp      forward all-gather, backward split
+    scatter_to_tp       forward split,      backward all-gather
+    reduce_scatter_tp   forward reduce-scatter, backward all-gather (sequence parallelism)
+    gather_linear_sp    all-gather along the sequence then linear; backward re-gathers the input
+                        instead of keeping the gathered copy (sequence parallelism's memory saving)
+    vocab_parallel_embedding / vocab_parallel_cross_entropy: the vocabulary split over tp ranks
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TPComm(nn.Module):
+    """This program's tensor-parallel group: size, this rank's index in it, the process group."""
+
+    def __init__(self, size: int, rank: int = 0):
+        super().__init__()
+        self.size, self.rank, self.group = size, rank, None
+
+    def bind(self, group, rank: int) -> "TPComm":
+        self.group, self.rank = group, rank
+        return self
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, rank={self.rank}, bound={self.group is not None}"
+
+    def _check(self):
+        if self.group is None:
+            raise RuntimeError("this tensor-parallel program is not bound to a process group: run "
+                               "it through autopart.parallelize, not directly")
+
+
+def _all_reduce(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    comm._check()
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=comm.group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
+    comm._check()
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((comm.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=comm.group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
+    comm._check()
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((x.shape[0] // comm.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=comm.group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
+    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.comm), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _all_gather(x, dim, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.dim, ctx.comm), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _split(x, dim, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.dim, ctx.comm), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm):
+        ctx.dim, ctx.comm = dim, comm
+        return _reduce_scatter(x, dim, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, ctx.dim, ctx.comm), None, None
+
+
+class _GatherLinear(torch.autograd.Function):
+    """y = linear(all_gather(x, dim), w, b), saving only the local shard of x."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, dim, comm):
+        ctx.dim, ctx.comm, ctx.has_bias = dim, comm, b is not None
+        ctx.save_for_backward(x, w)
+        return F.linear(_all_gather(x, dim, comm), w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        full = _all_gather(x, ctx.dim, ctx.comm)          # re-gathered, not kept from forward
+        grad_x = _reduce_scatter(g @ w, ctx.dim, ctx.comm)
+        grad_w = g.reshape(-1, g.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def copy_to_tp(x, comm):
+    return _Copy.apply(x, comm)
+
+
+def reduce_from_tp(x, comm):
+    return _Reduce.apply(x, comm)
+
+
+def gather_from_tp(x, dim, comm):
+    return _Gather.apply(x, dim, comm)
+
+
+def scatter_to_tp(x, dim, comm):
+    return _Scatter.apply(x, dim, comm)
+
+
+def reduce_scatter_tp(x, dim, comm):
+    return _ReduceScatter.apply(x, dim, comm)
+
+
+def gather_linear_sp(x, w, b, dim, comm):
+    return _GatherLinear.apply(x, w, b, dim, comm)
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, comm) -> torch.Tensor:
+    """This rank's rows of the table: ids outside them look up zeros (summed over tp after)."""
+    start = comm.rank * weight.shape[0]
+    local = idx - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary, never gathering them (Megatron)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, comm):
+        comm._check()
+        logits = logits.float()
+        vocab = logits.shape[-1]
+        start = comm.rank * vocab
+        peak = logits.max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=comm.group)
+        shifted = logits - peak.unsqueeze(-1)
+        local = target - start
+        outside = (local < 0) | (local >= vocab)
+        local = local.masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        both = torch.stack([exp.sum(-1), picked])
+        dist.all_reduce(both, group=comm.group)
+        sum_exp, picked = both[0], both[1]
+        keep = target != ignore_index
+        count = keep.sum().clamp(min=1)
+        loss = ((sum_exp.log() - picked) * keep).sum() / count
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, outside, keep)
+        ctx.count = count
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local, outside, keep = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
+        grad = grad * (keep.unsqueeze(-1) * (g / ctx.count))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, target, comm, ignore_index: int = -100):
+    """Mean cross-entropy of logits[..., V/tp] (this rank's vocabulary slice) against target."""
+    return _VocabParallelCE.apply(logits, target, ignore_index, comm)
+
+
+for _fn in (copy_to_tp, reduce_from_tp, gather_from_tp, scatter_to_tp, reduce_scatter_tp,
+            gather_linear_sp, vocab_parallel_embedding, vocab_parallel_cross_entropy):
+    _fn.__module__ = "autopart.tp_ops"

@@ -1,0 +1,520 @@
+"""split_tensor_parallel: Megatron-style tensor parallelism found from ops and dataflow.
+
+For each linear whose input is replicated, the pass tries a *region*: shard the linear's output
+features (column-parallel) and carry the shard forward op by op (activations, head splits,
+attention per head, views rewritten to local sizes) until every path ends in a linear that
+contracts over the sharded features (row-parallel: partial sums, one all-reduce) or in a
+cross-entropy over a sharded vocabulary (vocabulary-parallel loss). A region that cannot close
+that way is left replicated. Attention inputs a region needs sharded are pulled in from their own
+linears (separate q/k/v projections) or, when they cannot be (grouped-query k/v with fewer heads
+than tp), sliced locally from the replicated tensor. Embedding tables tied to a vocabulary-parallel
+head, or large ones, become vocabulary-parallel (masked local lookup + all-reduce).
+
+With sequence_parallel, the reductions become reduce-scatters along the sequence, the residual
+stream between regions runs on sequence shards, and each column-parallel linear all-gathers its
+input inside a fused op that re-gathers it in backward instead of keeping the gathered copy.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopart import tp_ops
+from autopart.capture import SEQ, Program
+from autopart.errors import AutopartError, module_path, node_error
+from autopart.placement import (NoRule, Need, P, R, Shard, SplitOnShard, carry, ndim, shape_of)
+
+aten = torch.ops.aten
+COMM = "tp_comm"
+
+
+@dataclass(frozen=True)
+class LinearUse:
+    """A linear-like node: activation x times a 2-D parameter weight (+ bias)."""
+    node: str
+    x: str
+    weight: str                 # parameter name
+    out_dim: int                # weight dim of the output features (0 for linear, 1 for addmm)
+    bias: str | None
+
+    @property
+    def in_dim(self) -> int:
+        return 1 - self.out_dim
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    dim: int
+    sections: tuple             # global section sizes along dim; each is split over tp
+
+
+@dataclass
+class TPPlan:
+    """The tensor-parallel decisions, as plain data."""
+    tp: int
+    sequence_parallel: bool
+    column: dict = field(default_factory=dict)      # linear node -> sections of its output
+    row: set = field(default_factory=set)           # linear nodes reduced after
+    vocab_loss: set = field(default_factory=set)    # cross-entropy nodes made vocab-parallel
+    vocab_embedding: set = field(default_factory=set)
+    scatters: dict = field(default_factory=dict)    # (consumer, input) -> dim sliced locally
+    params: dict = field(default_factory=dict)      # param name -> ParamShard
+    placements: dict = field(default_factory=dict)  # node name -> placement (original graph)
+    sp_grad_reduce: set = field(default_factory=set)  # replicated params with partial grads (SP)
+    skipped: list = field(default_factory=list)     # (linear, reason) left replicated
+
+
+def find_linears(gm: fx.GraphModule, params) -> dict[str, LinearUse]:
+    out = {}
+    for n in gm.graph.nodes:
+        use = _linear_use(n, params)
+        if use is not None:
+            out[n.name] = use
+    return out
+
+
+def _param_name(a, params) -> str | None:
+    if isinstance(a, fx.Node) and a.op == "get_attr" and a.target in params:
+        return a.target
+    return None
+
+
+def _linear_use(n: fx.Node, params) -> LinearUse | None:
+    if n.op != "call_function":
+        return None
+    a = n.args
+    if n.target is aten.linear.default and _param_name(a[1], params) and ndim(a[1]) == 2:
+        bias = _param_name(a[2], params) if len(a) > 2 else None
+        return LinearUse(n.name, a[0].name, a[1].target, 0, bias)
+    if n.target is aten.addmm.default and _param_name(a[2], params) and not _param_name(a[1], params):
+        return LinearUse(n.name, a[1].name, a[2].target, 1, _param_name(a[0], params))
+    if n.target in (aten.mm.default, aten.matmul.default) and _param_name(a[1], params) \
+            and ndim(a[1]) == 2 and not _param_name(a[0], params):
+        return LinearUse(n.name, a[0].name, a[1].target, 1, None)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Deciding regions
+
+
+@dataclass
+class _Region:
+    seeds: list
+    pl: dict
+    activations: set
+    rows: set = field(default_factory=set)
+    ces: set = field(default_factory=set)
+    sections: dict = field(default_factory=dict)
+    scatters: dict = field(default_factory=dict)
+
+
+class _Reject(Exception):
+    def __init__(self, node, reason):
+        super().__init__(reason)
+        self.node, self.reason = node, reason
+
+
+def decide(program: Program, tp: int, sequence_parallel: bool) -> TPPlan:
+    gm = program.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    linears = find_linears(gm, program.params)
+    plan = TPPlan(tp, sequence_parallel)
+    activations = param_dependent(gm, program.params)
+    committed: dict = {}
+    for name in sorted(linears, key=order.get):
+        if name in plan.column or name in plan.row:
+            continue
+        use = linears[name]
+        if isinstance(committed.get(nodes[use.x]), Shard):
+            continue
+        try:
+            region = _grow([nodes[name]], committed, linears, nodes, order, tp, activations)
+            _check_params(region, linears, nodes, plan, program, tp)
+        except _Reject as e:
+            plan.skipped.append((name, f"{e.node}: {e.reason}"))
+            continue
+        _commit(region, plan, committed, linears)
+    _decide_embeddings(gm, plan, program, tp)
+    plan.placements = {k: v for k, v in committed.items()}
+    return plan
+
+
+def _grow(seeds, committed, linears, nodes, order, tp, activations,
+          unpullable=frozenset()) -> _Region:
+    """Shard the seeds' outputs and carry the shard forward until every path closes."""
+    if len(seeds) > 16:
+        raise _Reject(seeds[0].name, "too many projections pulled into one region")
+    region = _Region(seeds=list(seeds), pl=dict(committed), activations=activations)
+    seed_names = {s.name for s in seeds}
+    for s in seeds:
+        if int(shape_of(s)[-1]) % tp:
+            raise _Reject(s.name, f"{shape_of(s)[-1]} output features do not divide by tp={tp}")
+        region.pl[s] = Shard(ndim(s) - 1, s.name)
+    start = min(order[s.name] for s in seeds)
+    for node in list(nodes.values())[start:]:
+        if node.name in seed_names:
+            continue
+        if not any(isinstance(region.pl.get(a), (Shard, tuple)) for a in node.all_input_nodes):
+            continue
+        if node.op == "output":
+            raise _Reject(node.name, "a sharded tensor reaches the model output")
+        if _terminal(node, region, linears):
+            continue
+        while True:
+            pulled = _carry_into(node, region, linears, nodes, tp, unpullable)
+            if pulled is None:
+                break
+            try:    # the attention's other projections join the region (separate q, k, v)
+                return _grow(seeds + [nodes[p] for p in pulled], committed, linears, nodes, order,
+                             tp, activations, unpullable)
+            except _Reject:     # they cannot be split (e.g. fewer kv heads than tp): slice locally
+                unpullable = unpullable | set(pulled)
+    if not region.rows and not region.ces:
+        raise _Reject(seeds[0].name, "no row-parallel linear or vocabulary-parallel loss closes it")
+    return region
+
+
+def _terminal(node, region, linears) -> bool:
+    """Row-parallel linear or vocabulary-parallel cross-entropy: the region closes here."""
+    use = linears.get(node.name)
+    if use is not None:
+        x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+        s = region.pl.get(x)
+        if isinstance(s, Shard) and s.dim == ndim(x) - 1 and not isinstance(region.pl.get(
+                node.all_input_nodes[0] if False else x), tuple):
+            region.rows.add(node.name)
+            region.pl[node] = P
+            return True
+        raise _Reject(node.name, "a linear reads a tensor sharded on a dim it does not contract")
+    if node.target is aten.cross_entropy_loss.default:
+        logits = node.args[0]
+        s = region.pl.get(logits)
+        ok = isinstance(s, Shard) and s.dim == ndim(logits) - 1 and _plain_ce(node)
+        if ok and s.origin not in region.sections:
+            region.ces.add(node.name)
+            region.pl[node] = R
+            return True
+        raise _Reject(node.name, "cross-entropy on a sharded tensor that is not plain logits")
+    return False
+
+
+def _plain_ce(node) -> bool:
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight, reduction, _, smoothing = args[2], args[3], args[4], args[5]
+    reduction = node.kwargs.get("reduction", 1 if reduction is None else reduction)
+    smoothing = node.kwargs.get("label_smoothing", smoothing or 0.0)
+    return weight is None and reduction == 1 and not smoothing
+
+
+def _carry_into(node, region, linears, nodes, tp, unpullable):
+    """Set node's placement in the region; return linears to pull into it, or None."""
+    sliced: dict = {}     # inputs this node reads through a local slice (R -> Shard)
+    for _ in range(8):
+        try:
+            out = carry(node, {**region.pl, **sliced}, tp)
+        except NoRule as e:
+            raise _Reject(node.name, str(e)) from None
+        if isinstance(out, Need):
+            sources = _column_sources(out.arg, linears, region)
+            if sources and not sources & unpullable:
+                return sorted(sources)
+            region.scatters[(node.name, out.arg.name)] = out.dim
+            sliced[out.arg] = Shard(out.dim, None)
+            continue
+        if isinstance(out, tuple) and out and isinstance(out[0], SplitOnShard):
+            marker, out = out
+            if marker.origin in region.sections and region.sections[marker.origin] != marker.sections:
+                raise _Reject(node.name, "two different splits of one projection")
+            region.sections[marker.origin] = marker.sections
+        region.pl[node] = out
+        return None
+    raise _Reject(node.name, "unresolvable sharding requirements")
+
+
+def _column_sources(arg: fx.Node, linears, region) -> set[str]:
+    """The linears (with replicated inputs) that `arg` is computed from, through ops that only
+    mix in weights and input-derived tensors (rotary tables, masks, an empty cache); empty if
+    `arg` also depends on some other activation."""
+    found, seen, stack = set(), set(), [arg]
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.name in linears:
+            x = n.args[1] if n.target is aten.addmm.default else n.args[0]
+            if isinstance(region.pl.get(x), Shard):
+                return set()
+            found.add(n.name)
+            continue
+        if n.op in ("placeholder", "get_attr") or n.name not in region.activations:
+            continue
+        if n.op != "call_function" or len(seen) > 256:
+            return set()
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def param_dependent(gm: fx.GraphModule, params) -> set[str]:
+    """Nodes that a parameter flows into (activations); the rest come from inputs, buffers and
+    constants alone (masks, rotary tables, an empty cache) and are the same on every tp rank."""
+    out: set[str] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "get_attr" and n.target in params) or any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    return out
+
+
+def _check_params(region, linears, nodes, plan, program, tp) -> None:
+    """Every use of a weight this region shards must be a use that can take the shard."""
+    for s in region.seeds:
+        use = linears[s.name]
+        sections = region.sections.get(s.name, (int(shape_of(s)[-1]),))
+        want = ParamShard(use.out_dim, sections)
+        _claim(plan, use.weight, want, s, nodes, region, linears)
+        if use.bias:
+            _claim(plan, use.bias, ParamShard(0, sections), s, nodes, region, linears)
+    for r in region.rows:
+        use = linears[r]
+        _claim(plan, use.weight, ParamShard(use.in_dim, (_in_features(use, region),)), nodes[r],
+               nodes, region, linears)
+
+
+def _in_features(use: LinearUse, region) -> int:
+    x = next(n for n in region.pl if isinstance(n, fx.Node) and n.name == use.x)
+    return int(shape_of(x)[-1])
+
+
+def _claim(plan, param, want, node, nodes, region, linears) -> None:
+    have = plan.params.get(param)
+    if have is not None and have != want:
+        raise _Reject(node.name, f"weight {param} is already split as {have}, not {want}")
+    users = [u for u in nodes.values() if u.op == "call_function" and any(
+        a.op == "get_attr" and a.target == param for a in u.all_input_nodes)]
+    for u in users:
+        if u.name in {s.name for s in region.seeds} or u.name in region.rows or u.name in plan.column \
+                or u.name in plan.row:
+            continue
+        if u.target is aten.embedding.default and want.dim == 0 and len(want.sections) == 1:
+            continue
+        raise _Reject(node.name, f"weight {param} is also used by {u.name} ({u.target}), which "
+                      "needs it whole")
+
+
+def _commit(region, plan, committed, linears) -> None:
+    for s in region.seeds:
+        plan.column[s.name] = region.sections.get(s.name)
+        use = linears[s.name]
+        sections = region.sections.get(s.name) or (int(shape_of(s)[-1]),)
+        plan.params[use.weight] = ParamShard(use.out_dim, sections)
+        if use.bias:
+            plan.params[use.bias] = ParamShard(0, sections)
+    for r in region.rows:
+        plan.row.add(r)
+        use = linears[r]
+        plan.params[use.weight] = ParamShard(use.in_dim, (_in_features(use, region),))
+    plan.vocab_loss |= region.ces
+    plan.scatters.update(region.scatters)
+    for node, p in region.pl.items():
+        if isinstance(node, fx.Node) and (isinstance(p, (Shard, tuple)) or p is P):
+            committed[node] = R if p is P else p
+    for name in region.ces:
+        pass
+
+
+def _decide_embeddings(gm, plan, program, tp) -> None:
+    for n in gm.graph.nodes:
+        if n.target is not aten.embedding.default or not _param_name(n.args[0], program.params):
+            continue
+        w = n.args[0].target
+        rows, width = (int(d) for d in shape_of(n.args[0]))
+        tied = plan.params.get(w)
+        if tied is not None:
+            plan.vocab_embedding.add(n.name)      # tied to a vocabulary-parallel head
+        elif rows % tp == 0 and rows * width >= 4 * width * width:
+            plan.vocab_embedding.add(n.name)
+            plan.params[w] = ParamShard(0, (rows,))
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass: decide, then rewrite
+
+
+def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool = False):
+    """Return (program rewritten for one tensor-parallel rank, report)."""
+    if tp == 1:
+        return program, {"tp": 1}
+    plan = decide(program, tp, sequence_parallel)
+    _check_heads(program, plan, tp)
+    if sequence_parallel:
+        _check_sequence(program, tp)
+    gm = _rewrite(program, plan)
+    report = {"tp": tp, "column": sorted(plan.column), "row": sorted(plan.row),
+              "vocab_parallel": sorted(plan.vocab_embedding | plan.vocab_loss),
+              "replicated_linears": plan.skipped, "sequence_parallel": sequence_parallel}
+    return program.replace(gm=gm, decisions={**program.decisions, "tp": plan}), report
+
+
+def _check_heads(program, plan, tp) -> None:
+    """Attention heads must divide: say which node, which numbers, and what would work."""
+    gm = program.gm
+    linears = find_linears(gm, program.params)
+    attn = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    for n in attn:
+        heads = int(shape_of(n.args[0])[1])
+        if heads % tp:
+            ok = [t for t in range(1, heads + 1) if heads % t == 0]
+            raise node_error(n, f"{heads} attention heads do not divide by tp={tp}",
+                             f"use tp in {ok}")
+    for name, reason in plan.skipped:
+        n = next(x for x in gm.graph.nodes if x.name == name)
+        feats = int(shape_of(n)[-1])
+        if feats % tp and feats >= 64:
+            ok = [t for t in range(1, 17) if feats % t == 0]
+            raise node_error(n, f"linear {name} has {feats} output features, not divisible by "
+                             f"tp={tp}", f"use tp in {ok}, or a hidden size divisible by {tp}")
+    del linears
+
+
+def _check_sequence(program, tp) -> None:
+    if program.seq_len is not None and program.seq_len % tp:
+        raise AutopartError(f"sequence parallelism splits the sequence ({program.seq_len} tokens) "
+                            f"over tp={tp} ranks.\n  remedy: a sequence length divisible by {tp}")
+
+
+def _rewrite(program: Program, plan: TPPlan) -> fx.GraphModule:
+    old = program.gm
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    comm = g.get_attr(COMM)
+    cache: dict = {}
+    sp = plan.sequence_parallel
+
+    def arg(n):
+        return env[n]
+
+    for node in old.graph.nodes:
+        for (consumer, inp), dim in plan.scatters.items():
+            if consumer == node.name:
+                key = ("scatter", inp, dim)
+                if key not in cache:
+                    src = next(a for a in node.all_input_nodes if a.name == inp)
+                    cache[key] = _call(g, tp_ops.scatter_to_tp, (env[src], dim, comm), src, Shard(dim))
+        local = {a: cache[("scatter", a.name, d)] for (c, i), d in plan.scatters.items()
+                 if c == node.name for a in node.all_input_nodes if a.name == i}
+
+        def mapped(n, local=local):
+            return local.get(n, env[n])
+
+        if node.name in plan.column:
+            env[node] = _column(g, node, mapped, comm, cache, plan)
+        elif node.name in plan.row:
+            env[node] = _row(g, node, mapped, comm, sp)
+        elif node.name in plan.vocab_loss:
+            args = list(node.args) + [None] * (5 - len(node.args))
+            ignore = node.kwargs.get("ignore_index", -100 if args[4] is None else args[4])
+            env[node] = _call(g, tp_ops.vocab_parallel_cross_entropy,
+                              (mapped(node.args[0]), mapped(node.args[1]), comm, ignore), node, R)
+        elif node.name in plan.vocab_embedding:
+            part = _call(g, tp_ops.vocab_parallel_embedding,
+                         (mapped(node.args[0]), mapped(node.args[1]), comm), node, P)
+            env[node] = _call(g, tp_ops.reduce_from_tp, (part, comm), node, R)
+        else:
+            new = g.node_copy(node, mapped)
+            _localize_args(new, node, plan)
+            env[node] = new
+    g.lint()
+    root = {name: _attr(old, name) for name in _attr_targets(old)}
+    root[COMM] = tp_ops.TPComm(plan.tp)
+    gm = fx.GraphModule(root, g)
+    return gm
+
+
+def _call(g, fn, args, like: fx.Node, placement) -> fx.Node:
+    out = g.call_function(fn, tuple(args))
+    out.meta = {k: like.meta[k] for k in ("val", "stack_trace", "nn_module_stack") if k in like.meta}
+    out.meta["tp"] = placement
+    return out
+
+
+def _column(g, node, mapped, comm, cache, plan) -> fx.Node:
+    x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+    key = ("copy", x.name)
+    if key not in cache:
+        cache[key] = _call(g, tp_ops.copy_to_tp, (mapped(x), comm), x, R)
+    args = list(node.args)
+    args[1 if node.target is aten.addmm.default else 0] = cache[key]
+    new = g.call_function(node.target, tuple(a if i == (1 if node.target is aten.addmm.default
+                                                        else 0) else mapped(a) if isinstance(a, fx.Node)
+                                              else a for i, a in enumerate(args)))
+    new.meta = dict(node.meta)
+    new.meta["tp"] = Shard(ndim(node) - 1, node.name)
+    return new
+
+
+def _row(g, node, mapped, comm, sp) -> fx.Node:
+    if node.target is aten.addmm.default:
+        bias, x, w = node.args[:3]
+        partial = _call(g, aten.mm.default, (mapped(x), mapped(w)), node, P)
+    else:
+        x, w = node.args[:2]
+        bias = node.args[2] if len(node.args) > 2 else None
+        partial = _call(g, node.target, (mapped(x), mapped(w)), node, P)
+    reduced = _call(g, tp_ops.reduce_from_tp, (partial, comm), node, R)
+    if isinstance(bias, fx.Node):
+        reduced = _call(g, aten.add.Tensor, (reduced, mapped(bias)), node, R)
+    return reduced
+
+
+def _localize_args(new: fx.Node, old: fx.Node, plan: TPPlan) -> None:
+    """Rewrite a view's / split's / expand's global sizes along the sharded dim to local ones."""
+    s = plan.placements.get(old)
+    tp = plan.tp
+    new.meta["tp"] = s if s is not None else R
+    if not isinstance(s, (Shard, tuple)):
+        return
+    t = old.target
+    if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+        sizes = list(new.args[1])
+        d = s.dim
+        if isinstance(sizes[d], int) and sizes[d] != -1:
+            if sizes[d] % tp:
+                raise node_error(old, f"view size {sizes[d]} along the sharded dim does not "
+                                 f"divide by tp={tp}", f"use a tp that divides {sizes[d]}")
+            sizes[d] //= tp
+        elif not isinstance(sizes[d], int):
+            raise node_error(old, "a view whose sharded size is computed at run time",
+                             "compute that size from the head count, not from another tensor")
+        new.args = (new.args[0], sizes, *new.args[2:])
+    elif t is aten.split.Tensor:
+        src = plan.placements.get(old.args[0])
+        dim = old.args[2] if len(old.args) > 2 else 0
+        dim = dim + ndim(old.args[0]) if dim < 0 else dim
+        if isinstance(src, Shard) and src.dim == dim:
+            new.args = (new.args[0], old.args[1] // tp, *new.args[2:])
+    elif t is aten.split_with_sizes.default:
+        src = plan.placements.get(old.args[0])
+        dim = old.args[2] if len(old.args) > 2 else 0
+        dim = dim + ndim(old.args[0]) if dim < 0 else dim
+        if isinstance(src, Shard) and src.dim == dim:
+            new.args = (new.args[0], [v // tp for v in old.args[1]], *new.args[2:])
+
+
+def _attr_targets(gm) -> list[str]:
+    return [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target != COMM]
+
+
+def _attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+__all__ = ["split_tensor_parallel", "decide", "TPPlan", "ParamShard", "find_linears", "SEQ",
+           "module_path", "operator"]
