@@ -61,9 +61,9 @@ def train_parallel(rank: int, world: int, args) -> list[float]:
         opt.step()
         opt.zero_grad()
         seconds = time.perf_counter() - start
-        losses.append(float(loss))
+        losses.append(loss.item())
         if rank == 0:
-            print(f"step {step:3d}  loss {float(loss):.4f}  {x.numel() / seconds:8.0f} tokens/s",
+            print(f"step {step:3d}  loss {loss.item():.4f}  {x.numel() / seconds:8.0f} tokens/s",
                   flush=True)
     return losses
 
@@ -78,7 +78,7 @@ def train_plain(args) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
