@@ -52,7 +52,7 @@ def _all_gather(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((comm.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, x, group=comm.group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
@@ -60,7 +60,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // comm.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x, group=comm.group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:

@@ -64,6 +64,8 @@ class TPPlan:
     params: dict = field(default_factory=dict)      # param name -> ParamShard
     placements: dict = field(default_factory=dict)  # node name -> placement (original graph)
     sp_grad_reduce: set = field(default_factory=set)  # replicated params with partial grads (SP)
+    seq_shards: dict = field(default_factory=dict)  # node -> sequence dim it runs sharded on (SP)
+    gathers: dict = field(default_factory=dict)     # (consumer, input) -> dim all-gathered first
     skipped: list = field(default_factory=list)     # (linear, reason) left replicated
 
 
@@ -141,7 +143,75 @@ def decide(program: Program, tp: int, sequence_parallel: bool) -> TPPlan:
         _commit(region, plan, committed, linears)
     _decide_embeddings(gm, plan, program, tp)
     plan.placements = {k: v for k, v in committed.items()}
+    if sequence_parallel:
+        _plan_sequence(gm, plan, program, linears)
     return plan
+
+
+def _seq_dim(node: fx.Node, program: Program) -> int | None:
+    """The sequence dim of an activation: the dim whose size is the symbolic s (dim 1 if static)."""
+    from autopart.capture import sym_shape
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return None
+    shape = sym_shape(val, program.decisions.get("symbols", {}))
+    dims = [i for i, d in enumerate(shape) if d == SEQ]
+    if dims:
+        return dims[0]
+    return 1 if not program.dynamic and val.dim() == 3 else None
+
+
+def _plan_sequence(gm, plan: TPPlan, program: Program, linears) -> None:
+    """Sequence parallelism: reductions become reduce-scatters along the sequence and the ops
+    after them run on sequence shards until a column-parallel linear (or an op without a
+    rule, which gets its input all-gathered first)."""
+    seq = plan.seq_shards
+    for node in gm.graph.nodes:
+        if node.name in plan.row or node.name in plan.vocab_embedding:
+            d = _seq_dim(node, program)
+            if d is not None:
+                seq[node.name] = d
+                bias = linears[node.name].bias if node.name in linears else None
+                if bias:
+                    plan.sp_grad_reduce.add(bias)     # added after the reduce-scatter
+            continue
+        ins = [a for a in node.all_input_nodes if a.name in seq]
+        if not ins:
+            continue
+        pl = {a: Shard(seq[a.name]) for a in ins}
+        if node.name in plan.column:
+            x = linears[node.name].x
+            if x in seq and node.target is not aten.linear.default:
+                plan.gathers[(node.name, x)] = seq[x]
+            continue
+        if node.op == "output" or node.name in plan.vocab_loss or isinstance(
+                plan.placements.get(node), (Shard, tuple)):
+            for a in ins:
+                plan.gathers[(node.name, a.name)] = seq[a.name]
+            continue
+        try:
+            out = _carry_seq(node, pl, plan)
+        except NoRule:
+            for a in ins:
+                plan.gathers[(node.name, a.name)] = seq[a.name]
+            continue
+        seq[node.name] = out.dim
+        for a in node.all_input_nodes:
+            if a.op == "get_attr" and a.target in program.params and a.target not in plan.params:
+                plan.sp_grad_reduce.add(a.target)     # a replicated weight sees only local tokens
+
+
+def _carry_seq(node, pl, plan: TPPlan) -> Shard:
+    for _ in range(4):
+        out = carry(node, pl, plan.tp)
+        if isinstance(out, Need):
+            plan.scatters[(node.name, out.arg.name)] = out.dim
+            pl = {**pl, out.arg: Shard(out.dim)}
+            continue
+        if isinstance(out, Shard):
+            return out
+        raise NoRule(f"{node.target} does not keep the sequence shard")
+    raise NoRule("unresolvable")
 
 
 def _grow(seeds, committed, linears, nodes, order, tp, activations,
@@ -393,20 +463,8 @@ def _rewrite(program: Program, plan: TPPlan) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     comm = g.get_attr(COMM)
     cache: dict = {}
-    sp = plan.sequence_parallel
-
-    def arg(n):
-        return env[n]
-
     for node in old.graph.nodes:
-        for (consumer, inp), dim in plan.scatters.items():
-            if consumer == node.name:
-                key = ("scatter", inp, dim)
-                if key not in cache:
-                    src = next(a for a in node.all_input_nodes if a.name == inp)
-                    cache[key] = _call(g, tp_ops.scatter_to_tp, (env[src], dim, comm), src, Shard(dim))
-        local = {a: cache[("scatter", a.name, d)] for (c, i), d in plan.scatters.items()
-                 if c == node.name for a in node.all_input_nodes if a.name == i}
+        local = _redistributed_inputs(g, node, plan, env, cache, comm)
 
         def mapped(n, local=local):
             return local.get(n, env[n])
@@ -414,7 +472,7 @@ def _rewrite(program: Program, plan: TPPlan) -> fx.GraphModule:
         if node.name in plan.column:
             env[node] = _column(g, node, mapped, comm, cache, plan)
         elif node.name in plan.row:
-            env[node] = _row(g, node, mapped, comm, sp)
+            env[node] = _row(g, node, mapped, comm, plan.seq_shards.get(node.name))
         elif node.name in plan.vocab_loss:
             args = list(node.args) + [None] * (5 - len(node.args))
             ignore = node.kwargs.get("ignore_index", -100 if args[4] is None else args[4])
@@ -423,7 +481,7 @@ def _rewrite(program: Program, plan: TPPlan) -> fx.GraphModule:
         elif node.name in plan.vocab_embedding:
             part = _call(g, tp_ops.vocab_parallel_embedding,
                          (mapped(node.args[0]), mapped(node.args[1]), comm), node, P)
-            env[node] = _call(g, tp_ops.reduce_from_tp, (part, comm), node, R)
+            env[node] = _reduce(g, part, comm, plan.seq_shards.get(node.name), node)
         else:
             new = g.node_copy(node, mapped)
             _localize_args(new, node, plan)
@@ -431,8 +489,33 @@ def _rewrite(program: Program, plan: TPPlan) -> fx.GraphModule:
     g.lint()
     root = {name: _attr(old, name) for name in _attr_targets(old)}
     root[COMM] = tp_ops.TPComm(plan.tp)
-    gm = fx.GraphModule(root, g)
-    return gm
+    return fx.GraphModule(root, g)
+
+
+def _redistributed_inputs(g, node, plan, env, cache, comm) -> dict:
+    """Inputs `node` reads through a local slice (R -> Shard) or an all-gather (Shard -> R)."""
+    local = {}
+    for a in node.all_input_nodes:
+        dim = plan.scatters.get((node.name, a.name))
+        if dim is not None:
+            key = ("scatter", a.name, dim)
+            if key not in cache:
+                cache[key] = _call(g, tp_ops.scatter_to_tp, (env[a], dim, comm), a, Shard(dim))
+            local[a] = cache[key]
+        dim = plan.gathers.get((node.name, a.name))
+        if dim is not None:
+            key = ("gather", a.name, dim)
+            if key not in cache:
+                cache[key] = _call(g, tp_ops.gather_from_tp, (env[a], dim, comm), a, R)
+            local[a] = cache[key]
+    return local
+
+
+def _reduce(g, partial, comm, seq_dim, like):
+    """Partial sums made whole: all-reduce, or reduce-scatter along the sequence (SP)."""
+    if seq_dim is None:
+        return _call(g, tp_ops.reduce_from_tp, (partial, comm), like, R)
+    return _call(g, tp_ops.reduce_scatter_tp, (partial, seq_dim, comm), like, Shard(seq_dim))
 
 
 def _call(g, fn, args, like: fx.Node, placement) -> fx.Node:
@@ -443,21 +526,26 @@ def _call(g, fn, args, like: fx.Node, placement) -> fx.Node:
 
 
 def _column(g, node, mapped, comm, cache, plan) -> fx.Node:
-    x = node.args[1] if node.target is aten.addmm.default else node.args[0]
-    key = ("copy", x.name)
-    if key not in cache:
-        cache[key] = _call(g, tp_ops.copy_to_tp, (mapped(x), comm), x, R)
-    args = list(node.args)
-    args[1 if node.target is aten.addmm.default else 0] = cache[key]
-    new = g.call_function(node.target, tuple(a if i == (1 if node.target is aten.addmm.default
-                                                        else 0) else mapped(a) if isinstance(a, fx.Node)
-                                              else a for i, a in enumerate(args)))
-    new.meta = dict(node.meta)
+    xi = 1 if node.target is aten.addmm.default else 0
+    x = node.args[xi]
+    seq_dim = plan.seq_shards.get(x.name)
+    if seq_dim is not None and (node.name, x.name) not in plan.gathers:
+        w, b = node.args[1], node.args[2] if len(node.args) > 2 else None
+        new = _call(g, tp_ops.gather_linear_sp, (mapped(x), mapped(w), mapped(b) if b is not None
+                                                 else None, seq_dim, comm), node, None)
+    else:
+        key = ("copy", x.name)
+        if key not in cache:
+            cache[key] = _call(g, tp_ops.copy_to_tp, (mapped(x), comm), x, R)
+        args = [cache[key] if i == xi else mapped(a) if isinstance(a, fx.Node) else a
+                for i, a in enumerate(node.args)]
+        new = g.call_function(node.target, tuple(args), dict(node.kwargs))
+        new.meta = dict(node.meta)
     new.meta["tp"] = Shard(ndim(node) - 1, node.name)
     return new
 
 
-def _row(g, node, mapped, comm, sp) -> fx.Node:
+def _row(g, node, mapped, comm, seq_dim) -> fx.Node:
     if node.target is aten.addmm.default:
         bias, x, w = node.args[:3]
         partial = _call(g, aten.mm.default, (mapped(x), mapped(w)), node, P)
@@ -465,15 +553,17 @@ def _row(g, node, mapped, comm, sp) -> fx.Node:
         x, w = node.args[:2]
         bias = node.args[2] if len(node.args) > 2 else None
         partial = _call(g, node.target, (mapped(x), mapped(w)), node, P)
-    reduced = _call(g, tp_ops.reduce_from_tp, (partial, comm), node, R)
-    if isinstance(bias, fx.Node):
-        reduced = _call(g, aten.add.Tensor, (reduced, mapped(bias)), node, R)
+    reduced = _reduce(g, partial, comm, seq_dim, node)
+    if isinstance(bias, fx.Node):    # added once, after the reduction
+        reduced = _call(g, aten.add.Tensor, (reduced, mapped(bias)), node, reduced.meta["tp"])
     return reduced
 
 
 def _localize_args(new: fx.Node, old: fx.Node, plan: TPPlan) -> None:
     """Rewrite a view's / split's / expand's global sizes along the sharded dim to local ones."""
     s = plan.placements.get(old)
+    if old.name in plan.seq_shards:
+        s = Shard(plan.seq_shards[old.name])
     tp = plan.tp
     new.meta["tp"] = s if s is not None else R
     if not isinstance(s, (Shard, tuple)):
@@ -487,9 +577,9 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TPPlan) -> None:
                 raise node_error(old, f"view size {sizes[d]} along the sharded dim does not "
                                  f"divide by tp={tp}", f"use a tp that divides {sizes[d]}")
             sizes[d] //= tp
-        elif not isinstance(sizes[d], int):
-            raise node_error(old, "a view whose sharded size is computed at run time",
-                             "compute that size from the head count, not from another tensor")
+        elif isinstance(sizes[d], fx.Node):     # a run-time size (the sequence length, SP)
+            with new.graph.inserting_before(new):
+                sizes[d] = new.graph.call_function(operator.floordiv, (sizes[d], tp))
         new.args = (new.args[0], sizes, *new.args[2:])
     elif t is aten.split.Tensor:
         src = plan.placements.get(old.args[0])
