@@ -16,7 +16,9 @@ input inside a fused op that re-gathers it in backward instead of keeping the ga
 """
 from __future__ import annotations
 
+import heapq
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -122,11 +124,17 @@ class _Reject(Exception):
 
 def decide(program: Program, tp: int, sequence_parallel: bool) -> TPPlan:
     gm = program.gm
-    nodes = {n.name: n for n in gm.graph.nodes}
-    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    by_index = list(gm.graph.nodes)
+    nodes = {n.name: n for n in by_index}
+    order = {n.name: i for i, n in enumerate(by_index)}
     linears = find_linears(gm, program.params)
+    weight_users: dict = {}
+    for n in by_index:
+        if n.op == "get_attr":
+            weight_users.setdefault(n.target, []).extend(n.users)
+    ctx = _Context(nodes, order, by_index, linears, param_dependent(gm, program.params),
+                   weight_users, tp)
     plan = TPPlan(tp, sequence_parallel)
-    activations = param_dependent(gm, program.params)
     committed: dict = {}
     for name in sorted(linears, key=order.get):
         if name in plan.column or name in plan.row:
@@ -135,8 +143,8 @@ def decide(program: Program, tp: int, sequence_parallel: bool) -> TPPlan:
         if isinstance(committed.get(nodes[use.x]), Shard):
             continue
         try:
-            region = _grow([nodes[name]], committed, linears, nodes, order, tp, activations)
-            _check_params(region, linears, nodes, plan, program, tp)
+            region = _grow([nodes[name]], committed, ctx)
+            _check_params(region, ctx, plan)
         except _Reject as e:
             plan.skipped.append((name, f"{e.node}: {e.reason}"))
             continue
@@ -214,39 +222,58 @@ def _carry_seq(node, pl, plan: TPPlan) -> Shard:
     raise NoRule("unresolvable")
 
 
-def _grow(seeds, committed, linears, nodes, order, tp, activations,
-          unpullable=frozenset()) -> _Region:
+def _grow(seeds, committed, ctx, unpullable=frozenset()) -> _Region:
     """Shard the seeds' outputs and carry the shard forward until every path closes."""
     if len(seeds) > 16:
         raise _Reject(seeds[0].name, "too many projections pulled into one region")
-    region = _Region(seeds=list(seeds), pl=dict(committed), activations=activations)
+    region = _Region(seeds=list(seeds), pl=dict(committed), activations=ctx.activations)
     seed_names = {s.name for s in seeds}
+    frontier: list[int] = []
     for s in seeds:
-        if int(shape_of(s)[-1]) % tp:
-            raise _Reject(s.name, f"{shape_of(s)[-1]} output features do not divide by tp={tp}")
+        if int(shape_of(s)[-1]) % ctx.tp:
+            raise _Reject(s.name, f"{shape_of(s)[-1]} output features do not divide by tp={ctx.tp}")
         region.pl[s] = Shard(ndim(s) - 1, s.name)
-    start = min(order[s.name] for s in seeds)
-    for node in list(nodes.values())[start:]:
-        if node.name in seed_names:
+        frontier += [ctx.order[u.name] for u in s.users]
+    heapq.heapify(frontier)
+    done: set[int] = set()
+    while frontier:      # visit users of sharded values in graph order, each once
+        i = heapq.heappop(frontier)
+        if i in done:
             continue
-        if not any(isinstance(region.pl.get(a), (Shard, tuple)) for a in node.all_input_nodes):
+        done.add(i)
+        node = ctx.by_index[i]
+        if node.name in seed_names:
             continue
         if node.op == "output":
             raise _Reject(node.name, "a sharded tensor reaches the model output")
-        if _terminal(node, region, linears):
+        if _terminal(node, region, ctx.linears):
             continue
         while True:
-            pulled = _carry_into(node, region, linears, nodes, tp, unpullable)
+            pulled = _carry_into(node, region, ctx.linears, ctx.tp, unpullable)
             if pulled is None:
                 break
             try:    # the attention's other projections join the region (separate q, k, v)
-                return _grow(seeds + [nodes[p] for p in pulled], committed, linears, nodes, order,
-                             tp, activations, unpullable)
+                return _grow(seeds + [ctx.nodes[p] for p in pulled], committed, ctx, unpullable)
             except _Reject:     # they cannot be split (e.g. fewer kv heads than tp): slice locally
                 unpullable = unpullable | set(pulled)
+        if isinstance(region.pl.get(node), (Shard, tuple)):
+            for u in node.users:
+                heapq.heappush(frontier, ctx.order[u.name])
     if not region.rows and not region.ces:
         raise _Reject(seeds[0].name, "no row-parallel linear or vocabulary-parallel loss closes it")
     return region
+
+
+@dataclass
+class _Context:
+    """Indexes of the graph shared by every region search of one decide() call."""
+    nodes: dict
+    order: dict
+    by_index: list
+    linears: dict
+    activations: set
+    weight_users: dict
+    tp: int
 
 
 def _terminal(node, region, linears) -> bool:
@@ -281,7 +308,7 @@ def _plain_ce(node) -> bool:
     return weight is None and reduction == 1 and not smoothing
 
 
-def _carry_into(node, region, linears, nodes, tp, unpullable):
+def _carry_into(node, region, linears, tp, unpullable):
     """Set node's placement in the region; return linears to pull into it, or None."""
     sliced: dict = {}     # inputs this node reads through a local slice (R -> Shard)
     for _ in range(8):
@@ -340,19 +367,18 @@ def param_dependent(gm: fx.GraphModule, params) -> set[str]:
     return out
 
 
-def _check_params(region, linears, nodes, plan, program, tp) -> None:
+def _check_params(region, ctx, plan) -> None:
     """Every use of a weight this region shards must be a use that can take the shard."""
     for s in region.seeds:
-        use = linears[s.name]
+        use = ctx.linears[s.name]
         sections = region.sections.get(s.name, (int(shape_of(s)[-1]),))
-        want = ParamShard(use.out_dim, sections)
-        _claim(plan, use.weight, want, s, nodes, region, linears)
+        _claim(plan, use.weight, ParamShard(use.out_dim, sections), s, region, ctx)
         if use.bias:
-            _claim(plan, use.bias, ParamShard(0, sections), s, nodes, region, linears)
+            _claim(plan, use.bias, ParamShard(0, sections), s, region, ctx)
     for r in region.rows:
-        use = linears[r]
-        _claim(plan, use.weight, ParamShard(use.in_dim, (_in_features(use, region),)), nodes[r],
-               nodes, region, linears)
+        use = ctx.linears[r]
+        _claim(plan, use.weight, ParamShard(use.in_dim, (_in_features(use, region),)),
+               ctx.nodes[r], region, ctx)
 
 
 def _in_features(use: LinearUse, region) -> int:
@@ -360,15 +386,13 @@ def _in_features(use: LinearUse, region) -> int:
     return int(shape_of(x)[-1])
 
 
-def _claim(plan, param, want, node, nodes, region, linears) -> None:
+def _claim(plan, param, want, node, region, ctx) -> None:
     have = plan.params.get(param)
     if have is not None and have != want:
         raise _Reject(node.name, f"weight {param} is already split as {have}, not {want}")
-    users = [u for u in nodes.values() if u.op == "call_function" and any(
-        a.op == "get_attr" and a.target == param for a in u.all_input_nodes)]
-    for u in users:
-        if u.name in {s.name for s in region.seeds} or u.name in region.rows or u.name in plan.column \
-                or u.name in plan.row:
+    seeds = {s.name for s in region.seeds}
+    for u in ctx.weight_users.get(param, ()):
+        if u.name in seeds or u.name in region.rows or u.name in plan.column or u.name in plan.row:
             continue
         if u.target is aten.embedding.default and want.dim == 0 and len(want.sections) == 1:
             continue
@@ -421,6 +445,7 @@ def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool 
         return program, {"tp": 1}
     plan = decide(program, tp, sequence_parallel)
     _check_heads(program, plan, tp)
+    _check_share(program, plan, tp)
     if sequence_parallel:
         _check_sequence(program, tp)
     gm = _rewrite(program, plan)
@@ -431,24 +456,53 @@ def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool 
 
 
 def _check_heads(program, plan, tp) -> None:
-    """Attention heads must divide: say which node, which numbers, and what would work."""
+    """Heads and large projections must divide by tp: name the node, the numbers, a remedy."""
     gm = program.gm
+    for n in gm.graph.nodes:
+        if n.target is aten.scaled_dot_product_attention.default:
+            heads = int(shape_of(n.args[0])[1])
+            if heads % tp:
+                ok = [t for t in range(1, heads + 1) if heads % t == 0]
+                raise node_error(n, f"{heads} attention heads do not divide by tp={tp}",
+                                 f"use tp in {ok}")
+    nodes = {n.name: n for n in gm.graph.nodes}
     linears = find_linears(gm, program.params)
-    attn = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
-    for n in attn:
-        heads = int(shape_of(n.args[0])[1])
-        if heads % tp:
-            ok = [t for t in range(1, heads + 1) if heads % t == 0]
-            raise node_error(n, f"{heads} attention heads do not divide by tp={tp}",
-                             f"use tp in {ok}")
+    size = {name: program.params[u.weight].numel for name, u in linears.items()}
+    largest = max(size.values(), default=0)
     for name, reason in plan.skipped:
-        n = next(x for x in gm.graph.nodes if x.name == name)
-        feats = int(shape_of(n)[-1])
-        if feats % tp and feats >= 64:
-            ok = [t for t in range(1, 17) if feats % t == 0]
-            raise node_error(n, f"linear {name} has {feats} output features, not divisible by "
-                             f"tp={tp}", f"use tp in {ok}, or a hidden size divisible by {tp}")
-    del linears
+        feats = int(shape_of(nodes[name])[-1])
+        if feats % tp and size[name] * 4 >= largest:
+            ok = [t for t in range(1, min(feats, 64) + 1) if feats % t == 0]
+            padded = -(-feats // tp) * tp
+            raise node_error(nodes[name], f"linear {name} has {feats} output features, not "
+                             f"divisible by tp={tp}", f"use tp in {ok}, or pad that dimension to "
+                             f"a multiple of {tp} (e.g. {feats} -> {padded}, as Megatron pads "
+                             "its vocabulary)")
+
+
+def _check_share(program, plan, tp) -> None:
+    """Replicating whole layers is not tensor parallelism: fail, naming what blocked the split."""
+    total = sum(p.numel for p in program.params.values())
+    local = sum(p.numel // tp if name in plan.params else p.numel
+                for name, p in program.params.items())
+    if total and local / total > 1.5 / tp:
+        nodes = {n.name: n for n in program.gm.graph.nodes}
+        linears = find_linears(program.gm, program.params)
+        worst = max(plan.skipped, key=lambda s: program.params[linears[s[0]].weight].numel,
+                    default=None)
+        why = f"; the largest replicated linear is {worst[0]} ({worst[1]})" if worst else ""
+        raise node_error(nodes[worst[0]] if worst else None,
+                         f"tensor parallelism leaves each rank {local / total:.0%} of the "
+                         f"parameters, more than 1.5/tp = {1.5 / tp:.0%}{why}",
+                         "rewrite the op named above with standard ATen ops, or use pipeline "
+                         "parallelism for this model")
+    for name, reason in plan.skipped:
+        if program.params[linears_weight(program, name)].numel * 8 >= total / max(1, len(plan.row)):
+            warnings.warn(f"autopart: linear {name} stays replicated over tp: {reason}")
+
+
+def linears_weight(program, name) -> str:
+    return find_linears(program.gm, program.params)[name].weight
 
 
 def _check_sequence(program, tp) -> None:
