@@ -46,7 +46,9 @@ def _megatron(h: int, l: int, a: int) -> GPTConfig:
 CONFIGS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=64),
     "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),
-    "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, vocab_size=50257, block_size=2048),
+    # GPT-3's 50257-token vocabulary padded to a multiple of 64 (as nanoGPT does), so it splits
+    # over tensor-parallel ranks.
+    "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, vocab_size=50304, block_size=2048),
     # Table 1 of Narayanan et al. 2021 (h, l, a).
     "megatron-1.7b": _megatron(2304, 24, 24),
     "megatron-3.6b": _megatron(3072, 30, 32),
