@@ -572,8 +572,8 @@ def _reduce(g, partial, comm, seq_dim, like):
     return _call(g, tp_ops.reduce_scatter_tp, (partial, seq_dim, comm), like, Shard(seq_dim))
 
 
-def _call(g, fn, args, like: fx.Node, placement) -> fx.Node:
-    out = g.call_function(fn, tuple(args))
+def _call(g, fn, args, like: fx.Node, placement, name: str | None = None) -> fx.Node:
+    out = g.create_node("call_function", fn, tuple(args), {}, name=name)
     out.meta = {k: like.meta[k] for k in ("val", "stack_trace", "nn_module_stack") if k in like.meta}
     out.meta["tp"] = placement
     return out
@@ -586,14 +586,15 @@ def _column(g, node, mapped, comm, cache, plan) -> fx.Node:
     if seq_dim is not None and (node.name, x.name) not in plan.gathers:
         w, b = node.args[1], node.args[2] if len(node.args) > 2 else None
         new = _call(g, tp_ops.gather_linear_sp, (mapped(x), mapped(w), mapped(b) if b is not None
-                                                 else None, seq_dim, comm), node, None)
+                                                 else None, seq_dim, comm), node, None, node.name)
     else:
         key = ("copy", x.name)
         if key not in cache:
             cache[key] = _call(g, tp_ops.copy_to_tp, (mapped(x), comm), x, R)
         args = [cache[key] if i == xi else mapped(a) if isinstance(a, fx.Node) else a
                 for i, a in enumerate(node.args)]
-        new = g.call_function(node.target, tuple(args), dict(node.kwargs))
+        new = g.create_node("call_function", node.target, tuple(args), dict(node.kwargs),
+                            name=node.name)
         new.meta = dict(node.meta)
     new.meta["tp"] = Shard(ndim(node) - 1, node.name)
     return new
@@ -602,11 +603,11 @@ def _column(g, node, mapped, comm, cache, plan) -> fx.Node:
 def _row(g, node, mapped, comm, seq_dim) -> fx.Node:
     if node.target is aten.addmm.default:
         bias, x, w = node.args[:3]
-        partial = _call(g, aten.mm.default, (mapped(x), mapped(w)), node, P)
+        partial = _call(g, aten.mm.default, (mapped(x), mapped(w)), node, P, node.name)
     else:
         x, w = node.args[:2]
         bias = node.args[2] if len(node.args) > 2 else None
-        partial = _call(g, node.target, (mapped(x), mapped(w)), node, P)
+        partial = _call(g, node.target, (mapped(x), mapped(w)), node, P, node.name)
     reduced = _reduce(g, partial, comm, seq_dim, node)
     if isinstance(bias, fx.Node):    # added once, after the reduction
         reduced = _call(g, aten.add.Tensor, (reduced, mapped(bias)), node, reduced.meta["tp"])

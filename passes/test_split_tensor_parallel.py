@@ -1,0 +1,222 @@
+"""split_tensor_parallel: the Megatron pattern, found from ops and dataflow, on several models.
+
+These tests check the decisions and the rewritten graph in one process; tests/test_tensor_parallel.py
+runs the programs on real ranks against the plain model.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopart import tp_ops
+from autopart.capture import capture
+from autopart.errors import AutopartError
+from autopart.localize import shard_tensor, unshard_tensor
+from autopart.passes.split_tensor_parallel import ParamShard, split_tensor_parallel
+from examples.gpt import GPT, config, lm_loss
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+
+
+def _program(model, batch=2, seq=16, vocab=256):
+    x = torch.randint(0, vocab, (batch, seq))
+    return capture(model, (x,), loss_fn=lm_loss, target=x)
+
+
+def _counts(gm) -> Counter:
+    return Counter(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+                   if n.op == "call_function")
+
+
+def renamed_gpt_module() -> types.ModuleType:
+    """examples/gpt.py with every class, module attribute and config field renamed."""
+    source = EXAMPLE.read_text()
+    names = {"CausalSelfAttention": "Mixer", "MLP": "Widen", "Block": "Unit", "c_attn": "w0",
+             "c_proj": "w1", "c_fc": "w2", "ln_1": "nA", "ln_2": "nB", "ln_f": "nZ", "attn": "mx",
+             "mlp": "wd", "transformer": "trunk", "lm_head": "readout", "wte": "tok",
+             "wpe": "where", "drop": "dz"}
+    for old, new in names.items():
+        source = re.sub(rf"\b{old}\b", new, source)
+    module = types.ModuleType("renamed_gpt")
+    module.__file__ = "renamed_gpt.py"
+    sys.modules["renamed_gpt"] = module      # dataclasses look their module up
+    exec(compile(source, "renamed_gpt.py", "exec"), module.__dict__)
+    return module
+
+
+def test_megatron_pattern_on_the_example_gpt():
+    cfg = config("tiny,n_layer=2")
+    program, report = split_tensor_parallel(_program(GPT(cfg)), tp=2)
+    counts = _counts(program.gm)
+    # per layer: one all-reduce after attention's output projection and one after the MLP,
+    # plus the vocabulary-parallel embedding's all-reduce
+    assert counts["reduce_from_tp"] == 2 * cfg.n_layer + 1
+    assert counts["copy_to_tp"] == 2 * cfg.n_layer + 1          # f before each region (and the head)
+    assert counts["vocab_parallel_cross_entropy"] == 1 and counts["cross_entropy_loss"] == 0
+    assert counts["scatter_to_tp"] == counts["gather_from_tp"] == 0
+    shards = program.decisions["tp"].params
+    h = cfg.n_embd
+    assert shards["transformer.h.0.attn.c_attn.weight"] == ParamShard(0, (h, h, h))   # q | k | v
+    assert shards["transformer.h.0.attn.c_proj.weight"] == ParamShard(1, (h,))
+    assert shards["transformer.h.0.mlp.c_fc.weight"] == ParamShard(0, (4 * h,))
+    assert shards["transformer.h.0.mlp.c_proj.weight"] == ParamShard(1, (4 * h,))
+    assert shards["transformer.wte.weight"] == ParamShard(0, (cfg.vocab_size,))
+    assert "transformer.h.0.ln_1.weight" not in shards and "transformer.wpe.weight" not in shards
+    assert report["replicated_linears"] == []
+
+
+def test_views_are_rewritten_to_local_head_counts():
+    cfg = config("tiny,n_layer=1")     # 4 heads of 16
+    program, _ = split_tensor_parallel(_program(GPT(cfg)), tp=2)
+    code = program.gm.code
+    assert code.count(", 2, 16])") == 3         # q, k, v viewed as 2 local heads
+    assert "split.Tensor(linear, 32, 2)" in code  # the fused qkv output split in local thirds
+    assert "[-1, 128]" in code                  # logits viewed with the local vocabulary
+
+
+def test_renamed_model_gets_the_same_plan():
+    module = renamed_gpt_module()
+    cfg = module.config("tiny,n_layer=2")
+    torch.manual_seed(0)
+    renamed = module.GPT(cfg)
+    plain, _ = split_tensor_parallel(_program(GPT(config("tiny,n_layer=2"))), tp=2)
+    other, _ = split_tensor_parallel(_program(renamed), tp=2)
+    assert _counts(other.gm) == _counts(plain.gm)
+    shards = other.decisions["tp"].params
+    assert shards["trunk.h.0.mx.w0.weight"] == ParamShard(0, (64, 64, 64))
+    assert shards["trunk.h.1.wd.w1.weight"] == ParamShard(1, (256,))
+
+
+def _hf_gpt2(n_layer=2):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=64, n_head=4, vocab_size=256,
+                                  n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_loss(out, target):
+    logits = out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _hf_program(model, seq=16):
+    x = torch.randint(0, 256, (2, seq))
+    return capture(model, (x,), loss_fn=hf_loss, target=x)
+
+
+def test_hugging_face_gpt2_conv1d_and_fused_qkv():
+    program, report = split_tensor_parallel(_hf_program(_hf_gpt2()), tp=2)
+    shards = program.decisions["tp"].params
+    # Conv1D stores weights [in, out]: columns are dim 1, rows dim 0
+    assert shards["transformer.h.0.attn.c_attn.weight"] == ParamShard(1, (64, 64, 64))
+    assert shards["transformer.h.0.attn.c_attn.bias"] == ParamShard(0, (64, 64, 64))
+    assert shards["transformer.h.0.attn.c_proj.weight"] == ParamShard(0, (64,))
+    assert shards["transformer.h.1.mlp.c_proj.weight"] == ParamShard(0, (256,))
+    counts = _counts(program.gm)
+    assert counts["reduce_from_tp"] == 2 * 2 + 1
+    assert report["replicated_linears"] == []
+
+
+def _llama(kv_heads):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads,
+                                   vocab_size=256, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_grouped_query_attention_splits_kv_heads_when_they_divide():
+    program, _ = split_tensor_parallel(_hf_program(_llama(kv_heads=2)), tp=2)
+    shards = program.decisions["tp"].params
+    for proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert shards[f"model.layers.0.self_attn.{proj}.weight" if "proj" in proj and proj[0] in "qkv"
+                      else f"model.layers.0.mlp.{proj}.weight"].dim == 0
+    assert shards["model.layers.0.mlp.down_proj.weight"].dim == 1
+    assert _counts(program.gm)["scatter_to_tp"] == 0
+
+
+def test_multi_query_attention_replicates_kv_and_slices_locally():
+    program, report = split_tensor_parallel(_hf_program(_llama(kv_heads=1)), tp=2)
+    shards = program.decisions["tp"].params
+    assert "model.layers.0.self_attn.k_proj.weight" not in shards
+    assert shards["model.layers.0.self_attn.q_proj.weight"].dim == 0
+    assert _counts(program.gm)["scatter_to_tp"] == 2 * 2      # repeated k and v, per layer
+    assert {name for name, _ in report["replicated_linears"]}  # k, v projections named
+
+
+def test_sequence_parallel_collectives():
+    cfg = config("tiny,n_layer=2")
+    program, _ = split_tensor_parallel(_program(GPT(cfg)), tp=2, sequence_parallel=True)
+    counts = _counts(program.gm)
+    plan = program.decisions["tp"]
+    assert counts["reduce_from_tp"] == 0
+    assert counts["reduce_scatter_tp"] == 2 * cfg.n_layer + 1     # + the embedding
+    assert counts["gather_linear_sp"] == 2 * cfg.n_layer + 1      # + the head
+    assert {"transformer.h.0.ln_1.weight", "transformer.ln_f.bias",
+            "transformer.h.1.mlp.c_proj.bias"} <= plan.sp_grad_reduce
+
+
+def test_heads_not_divisible_names_node_source_and_remedy():
+    with pytest.raises(AutopartError) as err:
+        split_tensor_parallel(_program(GPT(config("tiny,n_layer=1,n_head=2,n_embd=64"))), tp=4)
+    text = str(err.value)
+    assert "2 attention heads do not divide by tp=4" in text
+    assert "examples/gpt.py" in text and "scaled_dot_product_attention" in text
+    assert "use tp in [1, 2]" in text
+
+
+def test_hidden_size_not_divisible_gives_padding_remedy():
+    with pytest.raises(AutopartError) as err:
+        split_tensor_parallel(_program(GPT(config("tiny,n_layer=1,vocab_size=250")), vocab=250), tp=4)
+    text = str(err.value)
+    assert "250 output features, not divisible by tp=4" in text and "250 -> 252" in text
+    assert "lm_head" in text
+
+
+class _NoRuleMLP(torch.nn.Module):
+    """An MLP whose hidden activation goes through an op with no sharding rule (cumsum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 128)
+        self.down = torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        return self.down(torch.cumsum(self.up(x), dim=-1)).pow(2).mean()
+
+
+def test_op_without_rule_fails_with_the_op_named_instead_of_replicating_everything():
+    program = capture(_NoRuleMLP(), (torch.randn(2, 8, 32),))
+    with pytest.raises(AutopartError) as err:
+        split_tensor_parallel(program, tp=2)
+    assert "cumsum" in str(err.value) and "more than 1.5/tp" in str(err.value)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parameter_share_per_rank(tp):
+    model = GPT(config("tiny,n_layer=2"))
+    program, _ = split_tensor_parallel(_program(model), tp=tp)
+    shards = program.decisions["tp"].params
+    total = sum(p.numel() for p in model.parameters())
+    local = sum(p.numel() // tp if n in shards else p.numel() for n, p in model.named_parameters())
+    assert local / total <= 1.5 / tp
+
+
+def test_shard_and_unshard_round_trip_with_sections():
+    full = torch.arange(24.0).reshape(12, 2)
+    shards = [shard_tensor(full, 0, (4, 4, 4), 2, r) for r in range(2)]
+    assert shards[0][:, 0].tolist() == [0.0, 2.0, 8.0, 10.0, 16.0, 18.0]   # rows 0,1 | 4,5 | 8,9
+    assert torch.equal(unshard_tensor(shards, 0, (4, 4, 4)), full)
+
+
+def test_unbound_program_refuses_to_run():
+    comm = tp_ops.TPComm(2)
+    with pytest.raises(RuntimeError, match="not bound"):
+        tp_ops.reduce_from_tp(torch.ones(2), comm)
