@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, node_error
 
 BATCH, SEQ = sympy.Symbol("b", positive=True, integer=True), sympy.Symbol("s", positive=True, integer=True)
 
@@ -66,13 +66,14 @@ class _WithLoss(nn.Module):
         inputs, target = (args[:-1], args[-1]) if self.has_target else (args, None)
         out = self.model(*inputs)
         if self.loss_fn is not None:
-            return self.loss_fn(out, target) if self.has_target else self.loss_fn(out)
+            loss = self.loss_fn(out, target) if self.has_target else self.loss_fn(out)
+            return _check_scalar(loss, "loss_fn returned")
         return _as_loss(out)
 
 
 def _as_loss(out):
     if isinstance(out, torch.Tensor):
-        return out
+        return _check_scalar(out, "the model returned")
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, (tuple, list)) and out:
         loss = out[0]
@@ -80,6 +81,24 @@ def _as_loss(out):
         raise AutopartError(
             f"the model returned {type(out).__name__}, not a loss; pass loss_fn=... to turn its "
             "output (and the target) into a scalar loss")
+    return _check_scalar(loss, f"the model returned {type(out).__name__} whose loss is")
+
+
+def _example_shape(t: torch.Tensor) -> tuple:
+    # During export sizes are symbols (s33); show the example input's sizes instead.
+    return tuple(d.node.hint if isinstance(d, torch.SymInt) and getattr(d.node, "hint", None)
+                 is not None else d for d in t.shape)
+
+
+def _check_scalar(loss, what: str):
+    # A pipeline backpropagates from one number per microbatch: logits are not a loss.
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.dtype.is_floating_point:
+        desc = (f"a {loss.dtype} tensor of shape {_example_shape(loss)}" if isinstance(loss, torch.Tensor)
+                else f"a {type(loss).__name__}")
+        raise AutopartError(
+            f"{what} {desc}, not a scalar loss.\n  remedy: pass loss_fn=... (and target=...) "
+            "turning the model's output into a scalar loss, e.g. "
+            "loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())")
     return loss
 
 
@@ -145,6 +164,8 @@ def _export(wrapper: nn.Module, args: tuple):
             with torch.no_grad() if False else _nullcontext():
                 ep = torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
             return ep, dynamic and args[0].shape[0] > 1
+        except AutopartError:
+            raise                 # ours, from inside forward (e.g. no loss): already explained
         except Exception as e:  # noqa: BLE001  (any export failure: try the next, report the last)
             last_error = e
             if not _is_shape_error(e):
@@ -162,6 +183,8 @@ class _nullcontext:
 
 def _is_shape_error(e: Exception) -> bool:
     text = f"{type(e).__name__}: {e}"
+    if "data-dependent" in text or "DataDependent" in text:
+        return False    # control flow on tensor values: a static export fails the same way
     return any(k in text for k in ("Constraint", "constraint", "specializ", "guard", "Dim", "dynamic"))
 
 
@@ -228,10 +251,40 @@ def _to_program(ep, model: nn.Module, args: tuple, dynamic: bool, names: list[st
         _rename_meta(n, symbols)
         if n.op == "get_attr" and not n.users:
             graph.erase_node(n)      # the unused second name of a tied weight
+    _check_no_state_mutation(graph)
     new_gm = fx.GraphModule(attrs, graph)
     return Program(new_gm, params, buffers, inputs, int(args[0].shape[0]),
                    int(args[0].shape[1]) if args[0].dim() > 1 else None, dynamic,
                    {"symbols": symbols})
+
+
+# Ops that update running statistics in place when their `training` flag (arg 5) is set, although
+# their schemas do not mark running_mean / running_var (args 3, 4) as written.
+_STAT_UPDATES = ("batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit")
+
+
+def _check_no_state_mutation(graph: fx.Graph) -> None:
+    """torch.export's training IR (the default since torch 2.5) keeps in-place updates of
+    parameters and buffers inside the graph instead of listing them in buffers_to_mutate, so
+    look for them: in-place ops on a get_attr, and norms that update running statistics."""
+    found: dict[str, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        written = [a for a, spec in zip(node.args, node.target._schema.arguments)
+                   if spec.alias_info is not None and spec.alias_info.is_write]
+        if node.target._schema.name.split("::")[-1] in _STAT_UPDATES and len(node.args) > 5 \
+                and node.args[5] is True:
+            written += list(node.args[3:5])
+        for a in written:
+            if isinstance(a, fx.Node) and a.op == "get_attr":
+                found.setdefault(a.target, node)
+    if found:
+        raise node_error(
+            next(iter(found.values())), f"the model mutates buffers {sorted(found)} in forward "
+            "(e.g. BatchNorm running stats); autopart cannot yet split such state across ranks",
+            "use LayerNorm/RMSNorm, put the module in eval() mode, or register the state as a "
+            "non-persistent constant")
 
 
 def _strip(name: str) -> str:

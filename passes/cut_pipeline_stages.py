@@ -48,15 +48,15 @@ def cut_pipeline_stages(program: Program, *, pp: int, virtual_stages: int = 1,
         raise AutopartError("the model has no computation to split")
     b, s = microbatch_size, program.seq_len
     cost = [max(evaluate(costs[n.name].fwd_bwd_flops, b, s), 1.0) for n in compute]
-    crossing = _crossings(compute, replicated, graph)
-    cross_bytes = [sum(_bytes(v, program, b, s) for v in c) for c in crossing]
+    last_use = _last_uses(compute)
+    cross_bytes = _crossing_bytes(compute, last_use, [_bytes(n, program, b, s) for n in compute])
     layers = detect_layers(program)
-    cuts = _choose_cuts(compute, cost, crossing, cross_bytes, k, layers)
+    cuts = _choose_cuts(compute, cost, cross_bytes, k, layers)
     bounds = [0, *cuts, len(compute)]
     chunk_of = {n.name: c for c in range(k) for n in compute[bounds[c]:bounds[c + 1]]}
     plan = StagePlan(
         num_chunks=k, pp=pp, chunk_of=chunk_of, replicated=tuple(sorted(replicated)),
-        crossings=tuple(tuple(v.name for v in crossing[g]) for g in cuts),
+        crossings=tuple(tuple(v.name for v in _crossing_at(compute, last_use, g)) for g in cuts),
         shared_params=_shared_params(graph, chunk_of, replicated),
         chunk_layers=_chunk_layers(compute, bounds, layers),
         chunk_cost=tuple(sum(cost[bounds[c]:bounds[c + 1]]) for c in range(k)))
@@ -95,19 +95,43 @@ def _is_random(node: fx.Node) -> bool:
     return getattr(node.target, "is_nondeterministic", False) or "rand" in str(node.target)
 
 
-def _crossings(compute: list[fx.Node], replicated: set[str], graph: fx.Graph) -> list[list[fx.Node]]:
-    """crossings[g]: compute values made before position g and used at or after it."""
+def _last_uses(compute: list[fx.Node]) -> list[int]:
+    """last_use[i]: the last position (len(compute) for the output) that reads compute[i]."""
     index = {n.name: i for i, n in enumerate(compute)}
-    last_use = {}
+    last_use = list(range(len(compute)))
     for i, n in enumerate(compute):
         for u in n.users:
             j = len(compute) if u.op == "output" else index.get(u.name, i)
-            last_use[n.name] = max(last_use.get(n.name, i), j)
-    out: list[list[fx.Node]] = [[] for _ in range(len(compute) + 1)]
-    for i, n in enumerate(compute):
-        for g in range(i + 1, last_use.get(n.name, i) + 1):
-            out[g].append(n)
+            last_use[i] = max(last_use[i], j)
+    return last_use
+
+
+def _crossing_bytes(compute, last_use, nbytes) -> list[float]:
+    """cross_bytes[g]: bytes of compute values made before position g and used at or after it.
+
+    A difference array: O(n), where listing every crossing of every gap is O(n * span), and a
+    value live across a whole model (a skip connection) makes that quadratic."""
+    diff = [0.0] * (len(compute) + 2)
+    opaque = [0] * (len(compute) + 2)     # values that cannot be sent (tuples, SymInts): inf bytes
+    for i, last in enumerate(last_use):
+        if last > i:
+            if nbytes[i] == float("inf"):
+                opaque[i + 1] += 1
+                opaque[last + 1] -= 1
+            else:
+                diff[i + 1] += nbytes[i]
+                diff[last + 1] -= nbytes[i]
+    out, acc, blocked = [], 0.0, 0
+    for g in range(len(compute) + 1):
+        acc += diff[g]
+        blocked += opaque[g]
+        out.append(float("inf") if blocked else acc)
     return out
+
+
+def _crossing_at(compute, last_use, g: int) -> list[fx.Node]:
+    """The values crossing gap g (made before position g, used at or after it), in graph order."""
+    return [n for i, n in enumerate(compute[:g]) if last_use[i] >= g]
 
 
 def _bytes(node: fx.Node, program: Program, b: int, s) -> float:
@@ -122,7 +146,7 @@ def _bytes(node: fx.Node, program: Program, b: int, s) -> float:
     return numel * val.element_size()
 
 
-def _choose_cuts(compute, cost, crossing, cross_bytes, k, layers) -> list[int]:
+def _choose_cuts(compute, cost, cross_bytes, k, layers) -> list[int]:
     if k == 1:
         return []
     if layers and len(layers) < k:
@@ -131,14 +155,7 @@ def _choose_cuts(compute, cost, crossing, cross_bytes, k, layers) -> list[int]:
             f"pp*virtual_stages = {k} pipeline chunks: every chunk needs at least one layer.\n"
             f"  remedy: use pp*virtual_stages <= {len(layers)} (e.g. pp={min(k, len(layers))}, "
             "virtual_stages=1), or a deeper model")
-    total = sum(cost)
-    prefix, acc = [], 0.0
-    for c in cost:
-        prefix.append(acc)
-        acc += c
-    body = [g for g in range(1, len(compute)) if 0.02 * total <= prefix[g] <= 0.98 * total]
-    floor = min((cross_bytes[g] for g in body), default=min(cross_bytes[1:len(compute)]))
-    candidates = [g for g in range(1, len(compute)) if cross_bytes[g] <= floor * _TOLERANCE]
+    candidates, floor = _cut_candidates(compute, cost, cross_bytes, layers)
     if len(candidates) < k - 1:
         where = compute[len(compute) // 2]
         raise node_error(where, f"found only {len(candidates)} cut points where just the residual "
@@ -148,6 +165,28 @@ def _choose_cuts(compute, cost, crossing, cross_bytes, k, layers) -> list[int]:
     seg_costs = [sum(cost[edges[i]:edges[i + 1]]) for i in range(len(edges) - 1)]
     parts = balanced_partition(seg_costs, k)
     return [edges[j] for j in parts]
+
+
+def _cut_candidates(compute, cost, cross_bytes, layers) -> tuple[list[int], float]:
+    """Gaps where only the residual stream is live, and its size (bytes per microbatch).
+
+    With repeated layers, no gap lies before the first layer starts or after the last one ends:
+    a chunk holding only the embedding lookup (or only the head) would idle a pipeline rank,
+    yet costs so little that a min-max partition is indifferent to it."""
+    total = sum(cost)
+    prefix, acc = [], 0.0
+    for c in cost:
+        prefix.append(acc)
+        acc += c
+    body = [g for g in range(1, len(compute)) if 0.02 * total <= prefix[g] <= 0.98 * total]
+    floor = min((cross_bytes[g] for g in body), default=min(cross_bytes[1:len(compute)]))
+    lo, hi = 1, len(compute) - 1
+    if layers:
+        pos = {n.name: i for i, n in enumerate(compute)}
+        first = min(pos[n] for n in layers[0].nodes if n in pos)
+        last = max(pos[n] for n in layers[-1].nodes if n in pos)
+        lo, hi = first + 1, last
+    return [g for g in range(lo, hi + 1) if cross_bytes[g] <= floor * _TOLERANCE], floor
 
 
 def _shared_params(graph, chunk_of, replicated) -> dict[str, tuple[int, ...]]:

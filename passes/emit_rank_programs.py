@@ -51,7 +51,8 @@ class ChunkProgram:
     def code(self) -> str:
         head = f"# chunk {self.chunk} on pipeline rank {self.rank}"
         if self.layers:
-            head += f": {self.layers[0]} .. {self.layers[-1]}"
+            head += ": " + (self.layers[0] if len(self.layers) == 1
+                            else f"{self.layers[0]} .. {self.layers[-1]}")
         return head + "\n" + self.gm.code.strip() + "\n"
 
 

@@ -1,0 +1,309 @@
+"""`autopart compile FILE.py:NAME --mesh dp=2,pp=4`: compile a plain model and show what each rank runs.
+
+    autopart compile examples/gpt.py:GPT --config tiny --mesh pp=2,dp=2 --microbatches 4
+    autopart compile examples/gpt.py:GPT --config gpt3-175b --mesh pp=16 --emit out/
+    autopart compile examples/gpt.py:GPT --config tiny,n_layer=6 --mesh pp=2 --rank 1
+
+NAME is a model class or a function in FILE.py. A class is built from `--config`: through the
+module's `config(spec)` function when it has one (so `gpt3-175b,n_layer=30` names a config and
+overrides fields), else from the string itself. A function is called with whichever of `config`,
+`batch` and `device` it names, and returns the model, or `(model, inputs)`, or
+`(model, inputs, target)`. Without returned inputs, the module's `example_inputs(cfg, batch, device)`
+makes them; the module's `lm_loss`, when present, is the loss, with a target shaped like the input.
+
+Models over ~1e9 parameters (or any model with `--meta`) are built on the meta device: nothing is
+allocated, and the compile still gives every rank's program, the table and the plan.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopart.errors import AutopartError
+from autopart.mesh import Mesh
+from autopart.schedule import SCHEDULES, ScheduleError
+
+META_THRESHOLD = 1e9     # parameters; above it the model is built on the meta device
+
+
+class _UsageError(Exception):
+    """Bad command-line input (file, name, config): printed without a traceback, exit 2."""
+
+
+def add_compile_command(subparsers) -> argparse.ArgumentParser:
+    """Register `compile` on an argparse subparsers object; `args.run(args)` carries it out."""
+    p = subparsers.add_parser(
+        "compile", help="compile a plain model into per-rank pipeline programs and explain them",
+        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n" + "\n".join(
+            line for line in __doc__.splitlines() if line.startswith("    autopart compile")))
+    p.add_argument("target", metavar="FILE.py:NAME",
+                   help="a model class or a function returning the model [, inputs [, target]]")
+    p.add_argument("--config", default=None,
+                   help="config name and/or overrides, e.g. gpt3-175b,n_layer=30")
+    p.add_argument("--mesh", default="pp=1", help="parallel sizes, e.g. dp=2,pp=4 (default pp=1)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch (default: one sequence per microbatch per replica, "
+                        "dp * microbatches)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per replica per step (default: pp, which fills the pipeline)")
+    p.add_argument("--schedule", default=None, choices=SCHEDULES,
+                   help="pipeline schedule (default: 1f1b; interleaved-1f1b when --virtual-stages > 1)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
+    p.add_argument("--emit", metavar="DIR", default=None,
+                   help="write each distinct rank program to DIR/rank{pp_rank}.py")
+    p.add_argument("--rank", type=int, default=None, help="print this global rank's program code")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.add_argument("--meta", action="store_true",
+                   help="build the model on the meta device (automatic above ~1e9 parameters)")
+    p.set_defaults(run=run_compile)
+    return p
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """Run `autopart compile` for parsed `args`; returns the exit code (2 on a compile error)."""
+    try:
+        return _run(args)
+    except (AutopartError, ScheduleError, _UsageError) as e:
+        print(f"autopart compile: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from autopart.compiler import compile as autopart_compile
+
+    start = time.perf_counter()
+    mesh = Mesh.parse(args.mesh)
+    microbatches = args.microbatches if args.microbatches is not None else mesh.pp
+    schedule = args.schedule or ("interleaved-1f1b" if args.virtual_stages > 1 else "1f1b")
+    batch = args.batch if args.batch is not None else mesh.dp * microbatches
+    if batch < 1:
+        raise _UsageError(f"--batch {batch} must be positive")
+    if args.rank is not None:
+        mesh.coords(args.rank)        # a rank outside the mesh fails before the slow part
+    module, name = _load(args.target)
+    built = _build(module, name, args.config, batch, args.meta)
+    compiled = autopart_compile(built.model, mesh, built.inputs, loss_fn=built.loss_fn,
+                                target=built.target, microbatches=microbatches,
+                                schedule=schedule, virtual_stages=args.virtual_stages)
+    seconds = time.perf_counter() - start
+    peak = _peak_rss_bytes()
+    files = _emit(compiled, Path(args.emit)) if args.emit else []
+    if args.json:
+        out = compiled.to_json()
+        out.update({"model": args.target, "config": args.config, "parameters": built.n_params,
+                    "meta_device": built.meta, "total_seconds": seconds, "peak_rss_bytes": peak})
+        if files:
+            out["emitted"] = [str(f) for f in files]
+        if args.rank is not None:
+            out["rank_program"] = {"rank": args.rank, "code": compiled.programs[args.rank].code}
+        print(json.dumps(out, indent=1))
+        return 0
+    if built.meta:
+        why = "--meta" if args.meta else f"{built.n_params / 1e9:.1f}B parameters > ~1e9"
+        print(f"model built on the meta device ({why}): no weights allocated")
+    print(compiled.explain())
+    print(f"compile time: {seconds:.2f} s (whole command, model build included); "
+          f"peak memory (ru_maxrss): {peak / 2**20:.0f} MiB")
+    for f in files:
+        print(f"wrote {f}")
+    if args.rank is not None:
+        c = compiled.programs[args.rank].coords
+        print(f"\n# global rank {args.rank} (pp={c['pp']}, dp={c['dp']}, tp={c['tp']})")
+        print(compiled.programs[args.rank].code, end="")
+    return 0
+
+
+def _peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB (macOS in bytes).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _load(target: str):
+    """FILE.py:NAME -> (module loaded by path, NAME)."""
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise _UsageError(f"{target!r}: write FILE.py:NAME, e.g. examples/gpt.py:GPT")
+    file = Path(path)
+    if not file.is_file():
+        raise _UsageError(f"no such file: {file}")
+    mod_name = f"_autopart_user_{file.stem}"
+    spec = importlib.util.spec_from_file_location(mod_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module     # dataclasses and pickling look the module up here
+    sys.path.insert(0, str(file.resolve().parent))   # so the file can import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(file.resolve().parent))
+    if not hasattr(module, name):
+        found = [k for k, v in vars(module).items() if not k.startswith("_") and callable(v)
+                 and getattr(v, "__module__", None) == mod_name]
+        raise _UsageError(f"{file} has no {name!r}; it defines {', '.join(found) or 'nothing callable'}")
+    return module, name
+
+
+class _Built:
+    def __init__(self, model, inputs, target, loss_fn, meta, n_params):
+        self.model, self.inputs, self.target = model, inputs, target
+        self.loss_fn, self.meta, self.n_params = loss_fn, meta, n_params
+
+
+def _build(module, name: str, spec: str | None, batch: int, meta: bool) -> _Built:
+    """Build the model (on meta when asked or when too large), its inputs, target and loss."""
+    with torch.device("meta"):                   # counting parameters allocates nothing
+        model, cfg, extra = _make(module, name, spec, batch, "meta")
+    n_params = sum(p.numel() for p in _unique_params(model))
+    meta = meta or n_params > META_THRESHOLD
+    if not meta:
+        model, cfg, extra = _make(module, name, spec, batch, "cpu")
+    device = "meta" if meta else "cpu"
+    inputs, target = extra if extra is not None else (None, None)
+    if inputs is None:
+        inputs = _example_inputs(module, model, cfg, batch, device)
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
+    loss_fn = getattr(module, "lm_loss", None)
+    if loss_fn is None and target is not None:
+        inputs, target = inputs + (target,), None     # model(*inputs, target) returns the loss
+    elif loss_fn is not None and target is None and isinstance(inputs[0], torch.Tensor):
+        target = torch.zeros_like(inputs[0])        # a target like the input (token ids)
+    if target is not None:
+        target = target.to(device)
+    return _Built(model, inputs, target, loss_fn, meta, n_params)
+
+
+def _make(module, name: str, spec: str | None, batch: int, device: str):
+    """(model, config, (inputs, target) or None) from NAME in `module`."""
+    obj = getattr(module, name)
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        cfg = _config(module, spec)
+        try:
+            model = obj(cfg) if cfg is not None else obj()
+        except Exception as e:   # noqa: BLE001  (a bad config: say which, without a traceback)
+            raise _UsageError(f"building {name}({spec or ''}) failed: {type(e).__name__}: {e}") from e
+        return model, cfg, None
+    if not callable(obj):
+        raise _UsageError(f"{name} is a {type(obj).__name__}, not a model class or a function")
+    params = inspect.signature(obj).parameters
+    kwargs: dict[str, Any] = {}
+    if "config" in params and spec is not None:
+        kwargs["config"] = spec
+    elif spec is not None:
+        raise _UsageError(f"--config given, but {name}() takes no 'config' argument")
+    if "batch" in params:
+        kwargs["batch"] = batch
+    if "device" in params:
+        kwargs["device"] = torch.device(device)
+    try:
+        out = obj(**kwargs)
+    except Exception as e:   # noqa: BLE001
+        raise _UsageError(f"{name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) failed: "
+                          f"{type(e).__name__}: {e}") from e
+    parts = out if isinstance(out, tuple) else (out,)
+    if not parts or not isinstance(parts[0], nn.Module):
+        raise _UsageError(f"{name}() must return a model, or (model, inputs[, target]); "
+                          f"it returned {type(out).__name__}")
+    model = parts[0]
+    extra = None
+    if len(parts) > 1:
+        extra = (parts[1], parts[2] if len(parts) > 2 else None)
+    return model, getattr(model, "config", None), extra
+
+
+def _config(module, spec: str | None):
+    make = getattr(module, "config", None)
+    if not callable(make):
+        return spec
+    try:
+        return make(spec) if spec is not None else make()
+    except TypeError:
+        if spec is None:
+            return None          # config() needs an argument: build the class with its defaults
+        raise
+    except (KeyError, ValueError) as e:
+        raise _UsageError(f"--config {spec!r}: {e.args[0] if e.args else e}") from e
+
+
+def _unique_params(model: nn.Module):
+    return list(model.parameters())      # nn.Module.parameters() yields tied weights once
+
+
+def _example_inputs(module, model, cfg, batch: int, device: str):
+    make = getattr(module, "example_inputs", None)
+    if callable(make):
+        return make(cfg if cfg is not None else getattr(model, "config", None), batch, device)
+    seq = _seq_len(getattr(model, "config", cfg))
+    if seq is None:
+        raise _UsageError(
+            "no example inputs: give the module an example_inputs(cfg, batch, device) function, "
+            "or make NAME a function returning (model, inputs)")
+    return (torch.zeros(batch, seq, dtype=torch.long, device=device),)   # token ids
+
+
+def _seq_len(cfg) -> int | None:
+    for attr in ("block_size", "n_positions", "max_position_embeddings", "seq_len"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _emit(compiled, folder: Path) -> list[Path]:
+    """One file per distinct program (per pipeline rank), naming the global ranks that run it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    by_code: dict[str, list[int]] = {}
+    for rank, prog in sorted(compiled.programs.items()):
+        by_code.setdefault(prog.code, []).append(rank)
+    files = []
+    per_pp: dict[int, int] = {}
+    for code, ranks in by_code.items():
+        pp = compiled.programs[ranks[0]].coords["pp"]
+        per_pp[pp] = per_pp.get(pp, 0) + 1
+    for code, ranks in by_code.items():
+        pp = compiled.programs[ranks[0]].coords["pp"]
+        name = f"rank{pp}.py" if per_pp[pp] == 1 else f"rank{pp}_r{ranks[0]}.py"
+        plan = compiled.plan
+        head = (f"# autopart: pipeline rank {pp} of {plan.mesh}\n"
+                f"# run by global ranks {_ranges(ranks)}\n"
+                f"# schedule={plan.schedule} microbatches={plan.microbatches} "
+                f"virtual_stages={plan.virtual_stages} microbatch size={plan.microbatch_size}\n\n")
+        (folder / name).write_text(head + code)
+        files.append(folder / name)
+    return files
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m autopart.compile_cli ...`) until `autopart` wires it in."""
+    parser = argparse.ArgumentParser(prog="autopart")
+    add_compile_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
