@@ -246,6 +246,8 @@ def _to_program(ep, model: nn.Module, args: tuple, dynamic: bool, names: list[st
                 env[node].meta = dict(node.meta)
                 inputs.append(env[node].name)
         else:
+            if node.op == "get_attr":   # a submodule of a higher-order op (autocast, no_grad)
+                attrs[node.target] = getattr(gm, node.target)
             env[node] = _copy_meta(graph.node_copy(node, lambda n: env[n]), node)
     for n in list(graph.nodes):
         _rename_meta(n, symbols)
