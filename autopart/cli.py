@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Callable, Sequence
 
+from autopart.compile_cli import add_compile_command
 from autopart.schedule import SCHEDULES, Schedule, SimResult, make_schedule, simulate
 
 
@@ -75,7 +76,8 @@ def _schedule_report(schedule: Schedule, result: SimResult, forward_cost: float,
     return "\n".join(lines)
 
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_schedule_command,)
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_schedule_command, add_compile_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
