@@ -89,6 +89,8 @@ def node_cost(node: fx.Node, symbols: dict) -> NodeCost:
     zero = sympy.Integer(0)
     if node.op != "call_function" or node.target in _VIEWS or node.target is getattr_op():
         return NodeCost(zero, zero, zero)
+    if getattr(node.target, "__module__", "") in ("autopart.tp_ops", "autopart.p2p"):
+        return NodeCost(zero, zero, zero)     # communication: its bytes are reported apart
     out = _nbytes(node, symbols)
     read = sum((_nbytes(a, symbols) for a in node.all_input_nodes), zero)
     flops = _matmul_flops(node, symbols)
@@ -107,9 +109,32 @@ def getattr_op():
 
 
 def analyze(program: Program) -> dict[str, NodeCost]:
-    """node name -> NodeCost for every call_function node of the program."""
+    """node name -> NodeCost for every call_function node of the program, per rank: after
+    split_tensor_parallel, work on sharded or partial tensors is 1/tp of the whole."""
     symbols = program.decisions.get("symbols", {})
-    return {n.name: node_cost(n, symbols) for n in program.gm.graph.nodes if n.op == "call_function"}
+    tp_plan = program.decisions.get("tp")
+    tp = tp_plan.tp if tp_plan is not None else 1
+    out = {}
+    for n in program.gm.graph.nodes:
+        if n.op == "call_function":
+            cost = node_cost(n, symbols)
+            if tp > 1 and _split_over_tp(n):
+                cost = NodeCost(cost.flops / tp, cost.out_bytes / tp, cost.bytes_moved / tp)
+            out[n.name] = cost
+    return out
+
+
+def _split_over_tp(node: fx.Node) -> bool:
+    from autopart.placement import Partial, Shard
+    if getattr(node.target, "__module__", "") == "autopart.tp_ops":
+        return False
+    return isinstance(node.meta.get("tp"), (Shard, Partial, tuple))
+
+
+def analyze_costs(program: Program):
+    """The analysis as a pass: program.decisions['costs'] = analyze(program)."""
+    costs = analyze(program)
+    return program.replace(decisions={**program.decisions, "costs": costs}), {"nodes": len(costs)}
 
 
 def evaluate(expr, b: int, s: int | None) -> float:

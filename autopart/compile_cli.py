@@ -61,6 +61,8 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--schedule", default=None, choices=SCHEDULES,
                    help="pipeline schedule (default: 1f1b; interleaved-1f1b when --virtual-stages > 1)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="run norms and residuals on sequence shards over the tp axis")
     p.add_argument("--emit", metavar="DIR", default=None,
                    help="write each distinct rank program to DIR/rank{pp_rank}.py")
     p.add_argument("--rank", type=int, default=None, help="print this global rank's program code")
@@ -96,7 +98,8 @@ def _run(args: argparse.Namespace) -> int:
     built = _build(module, name, args.config, batch, args.meta)
     compiled = autopart_compile(built.model, mesh, built.inputs, loss_fn=built.loss_fn,
                                 target=built.target, microbatches=microbatches,
-                                schedule=schedule, virtual_stages=args.virtual_stages)
+                                schedule=schedule, virtual_stages=args.virtual_stages,
+                                sequence_parallel=args.sequence_parallel)
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
     files = _emit(compiled, Path(args.emit)) if args.emit else []
@@ -262,26 +265,23 @@ def _seq_len(cfg) -> int | None:
 
 
 def _emit(compiled, folder: Path) -> list[Path]:
-    """One file per distinct program (per pipeline rank), naming the global ranks that run it."""
+    """One file per distinct program, naming the global ranks that run it. Programs differ only
+    by pipeline rank and tensor-parallel rank (data-parallel replicas run the same one), and
+    tensor-parallel ranks share their code (they differ in weight shards), so there is one file
+    per pipeline rank."""
     folder.mkdir(parents=True, exist_ok=True)
-    by_code: dict[str, list[int]] = {}
-    for rank, prog in sorted(compiled.programs.items()):
-        by_code.setdefault(prog.code, []).append(rank)
+    mesh, plan = compiled.plan.mesh, compiled.plan
     files = []
-    per_pp: dict[int, int] = {}
-    for code, ranks in by_code.items():
-        pp = compiled.programs[ranks[0]].coords["pp"]
-        per_pp[pp] = per_pp.get(pp, 0) + 1
-    for code, ranks in by_code.items():
-        pp = compiled.programs[ranks[0]].coords["pp"]
-        name = f"rank{pp}.py" if per_pp[pp] == 1 else f"rank{pp}_r{ranks[0]}.py"
-        plan = compiled.plan
-        head = (f"# autopart: pipeline rank {pp} of {plan.mesh}\n"
-                f"# run by global ranks {_ranges(ranks)}\n"
-                f"# schedule={plan.schedule} microbatches={plan.microbatches} "
+    for pp in range(mesh.pp):
+        prog = compiled.programs[mesh.rank(pp=pp)]
+        ranks = [r for r in range(mesh.world_size) if mesh.coords(r)["pp"] == pp]
+        head = (f"# autopart: pipeline rank {pp} of {mesh}\n"
+                f"# run by global ranks {_ranges(ranks)}"
+                + (f" (each tp rank with its own 1/{mesh.tp} weight shards)" if mesh.tp > 1 else "")
+                + f"\n# schedule={plan.schedule} microbatches={plan.microbatches} "
                 f"virtual_stages={plan.virtual_stages} microbatch size={plan.microbatch_size}\n\n")
-        (folder / name).write_text(head + code)
-        files.append(folder / name)
+        (folder / f"rank{pp}.py").write_text(head + prog.code)
+        files.append(folder / f"rank{pp}.py")
     return files
 
 

@@ -5,8 +5,10 @@ hundreds of billions of parameters compiles without being allocated.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -14,13 +16,15 @@ import torch
 import torch.nn as nn
 
 from autopart import schedule as sched
-from autopart.analysis import analyze, evaluate
+from autopart.analysis import analyze_costs, evaluate
 from autopart.capture import Program, capture
 from autopart.errors import AutopartError
 from autopart.mesh import Mesh
 from autopart.pass_runner import PassResult, run_passes
+from autopart.localize import localize_module
 from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
 from autopart.passes.emit_rank_programs import ChunkProgram, emit_rank_programs
+from autopart.passes.split_tensor_parallel import split_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class Plan:
     chunk_ranks: tuple[int, ...]           # chunk k -> pipeline rank
     chunk_layers: tuple[tuple[str, ...], ...]
     shared_params: dict[str, tuple[int, ...]]
+    sequence_parallel: bool = False
+    tp_shards: dict = field(default_factory=dict)   # param name -> ParamShard (tensor parallel)
 
 
 @dataclass
@@ -80,7 +86,8 @@ class Compiled:
 
 def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Callable | None = None,
             target: torch.Tensor | None = None, microbatches: int = 1, schedule: str = "1f1b",
-            virtual_stages: int = 1, dump_dir: str | None = None) -> Compiled:
+            virtual_stages: int = 1, sequence_parallel: bool = False,
+            dump_dir: str | None = None) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
 
     >>> import torch, autopart
@@ -93,29 +100,64 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     start = time.perf_counter()
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     mbs = _microbatch_size(example_inputs, mesh, microbatches)
+    if sequence_parallel and mesh.tp == 1:
+        raise AutopartError("sequence_parallel=True shards the sequence over the tp axis, but the "
+                            f"mesh has tp=1 ({mesh}).\n  remedy: use a mesh with tp > 1, or drop "
+                            "sequence_parallel")
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
     program = _capture(model, example_inputs, loss_fn, target, mbs)
-    t0 = time.perf_counter()
-    costs = analyze(program)
-    analysis = PassResult("analyze", time.perf_counter() - t0, {"nodes": len(costs)})
     passes = [
+        ("split_tensor_parallel", split_tensor_parallel,
+         dict(tp=mesh.tp, sequence_parallel=sequence_parallel)),
+        ("analyze_costs", analyze_costs, {}),
         ("cut_pipeline_stages", cut_pipeline_stages,
-         dict(pp=mesh.pp, virtual_stages=virtual_stages, costs=costs, microbatch_size=mbs)),
+         dict(pp=mesh.pp, virtual_stages=virtual_stages, microbatch_size=mbs)),
         ("emit_rank_programs", emit_rank_programs, {}),
     ]
     program, results = run_passes(program, passes, dump_dir)
     stages = program.decisions["stages"]
+    tp_plan = program.decisions.get("tp")
     plan = Plan(mesh, the_schedule.name, microbatches, virtual_stages,
                 int(example_inputs[0].shape[0]), mbs,
                 tuple(stages.rank_of_chunk(c) for c in range(stages.num_chunks)),
-                stages.chunk_layers, stages.shared_params)
-    chunks = program.decisions["chunks"]
-    programs = {r: RankProgram(r, mesh.coords(r),
-                               tuple(c for c in chunks if c.rank == mesh.coords(r)["pp"]))
-                for r in range(mesh.world_size)}
+                stages.chunk_layers, stages.shared_params, sequence_parallel,
+                dict(tp_plan.params) if tp_plan is not None else {})
+    programs = RankPrograms(mesh, tuple(program.decisions["chunks"]), tp_plan)
     sim = _simulate(the_schedule, stages.chunk_cost)
-    return Compiled(program, plan, programs, the_schedule, sim, [analysis, *results],
-                    time.perf_counter() - start, costs)
+    return Compiled(program, plan, programs, the_schedule, sim, results,
+                    time.perf_counter() - start, program.decisions["costs"])
+
+
+class RankPrograms(Mapping):
+    """rank -> RankProgram, made on first access: with tensor parallelism each (pp, tp) pair
+    holds its own weight shards, and a 3072-rank mesh need not build 3072 programs to inspect
+    one of them."""
+
+    def __init__(self, mesh: Mesh, chunks: tuple, tp_plan):
+        self.mesh, self.chunks, self.tp_plan = mesh, chunks, tp_plan
+        self._cache: dict[tuple[int, int], tuple] = {}
+
+    def __getitem__(self, rank: int) -> RankProgram:
+        c = self.mesh.coords(rank)
+        key = (c["pp"], c["tp"])
+        if key not in self._cache:
+            mine = [ch for ch in self.chunks if ch.rank == c["pp"]]
+            if self.tp_plan is not None and self.mesh.tp > 1:
+                mine = [dataclasses.replace(ch, gm=localize_module(
+                    ch.gm, self.tp_plan.params, self.mesh.tp, c["tp"], copy=False)) for ch in mine]
+            self._cache[key] = tuple(mine)
+        return RankProgram(rank, c, self._cache[key])
+
+    def __iter__(self):
+        return iter(range(self.mesh.world_size))
+
+    def __len__(self) -> int:
+        return self.mesh.world_size
+
+    def distinct(self) -> list[RankProgram]:
+        """One program per (pipeline rank, tensor-parallel rank): the ones that differ."""
+        return [self[self.mesh.rank(pp=p, tp=t)] for p in range(self.mesh.pp)
+                for t in range(self.mesh.tp)]
 
 
 def _microbatch_size(inputs: tuple, mesh: Mesh, microbatches: int) -> int:

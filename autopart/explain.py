@@ -24,7 +24,7 @@ def chunk_rows(compiled) -> list[dict]:
         names = [n for n, k in stages.chunk_of.items() if k == c.chunk]
         flops = sum(evaluate(compiled.costs[n].fwd_bwd_flops, b, s) for n in names)
         act = sum(evaluate(compiled.costs[n].out_bytes, b, s) for n in names)
-        nparams = sum(program.params[p].numel for p in c.params)
+        nparams = sum(_local_numel(program, plan, p) for p in c.params)
         recv = sum(_bytes(x, b, s) for x in c.recvs)
         send = sum(_bytes(x, b, s) for x in c.sends)
         rows.append({"chunk": c.chunk, "pp_rank": c.rank,
@@ -32,6 +32,78 @@ def chunk_rows(compiled) -> list[dict]:
                      "flops_per_microbatch": flops, "activation_bytes_per_microbatch": act,
                      "recv_bytes_per_microbatch": recv, "send_bytes_per_microbatch": send})
     return rows
+
+
+def _local_numel(program, plan, name: str) -> int:
+    n = program.params[name].numel
+    return n // plan.mesh.tp if name in plan.tp_shards else n
+
+
+# Per-rank bytes moved by ring collectives, as a multiple of the tensor's size, for tp ranks:
+# all-reduce 2(t-1)/t, all-gather and reduce-scatter (t-1)/t each.
+_COLLECTIVES = {   # op -> (forward, backward) collectives and their ring factors in units of (t-1)/t
+    "copy_to_tp": ("-", "all-reduce", 2),
+    "reduce_from_tp": ("all-reduce", "-", 2),
+    "gather_linear_sp": ("all-gather", "all-gather + reduce-scatter", 3),
+    "reduce_scatter_tp": ("reduce-scatter", "all-gather", 2),
+    "gather_from_tp": ("all-gather", "-", 1),
+    "scatter_to_tp": ("-", "all-gather", 1),
+}
+
+
+def tp_rows(compiled) -> list[dict]:
+    """One row per tensor-parallel collective: the linear it serves, its split, bytes per rank."""
+    plan, program = compiled.plan, compiled.program
+    tp = plan.mesh.tp
+    tp_plan = program.decisions.get("tp")
+    if tp == 1 or tp_plan is None:
+        return []
+    from autopart.capture import sym_shape
+    from autopart.errors import module_path
+    b, s = plan.microbatch_size, program.seq_len
+    rows = []
+    for node in program.gm.graph.nodes:
+        op = getattr(node.target, "__name__", "")
+        if getattr(node.target, "__module__", "") != "autopart.tp_ops" or op not in _COLLECTIVES:
+            continue
+        fwd, bwd, factor = _COLLECTIVES[op]
+        tensor = node.args[0] if op != "reduce_scatter_tp" else node.args[0]
+        shape = sym_shape(tensor.meta["val"], program.decisions.get("symbols", {}))
+        size = 1.0
+        for d in shape:
+            size *= evaluate(d, b, s)
+        size *= tensor.meta["val"].element_size()
+        linear = next(iter(node.users)) if op == "copy_to_tp" else node if op == "gather_linear_sp" \
+            else tensor
+        split = "column" if linear.name in tp_plan.column else "row" if linear.name in tp_plan.row \
+            else "vocab" if op == "reduce_from_tp" else "redistribute"
+        rows.append({"node": linear.name, "module": module_path(linear), "split": split,
+                     "forward": fwd, "backward": bwd,
+                     "bytes_per_microbatch": factor * (tp - 1) / tp * size})
+    return rows
+
+
+def _tp_lines(compiled) -> list[str]:
+    rows = tp_rows(compiled)
+    if not rows:
+        return []
+    plan = compiled.plan
+    layers = [l for l in compiled.plan.chunk_layers for l in l]
+    first = layers[0] if layers else None
+    shown = [r for r in rows if first and (r["module"] == first or r["module"].startswith(first + "."))]
+    lines = [f"tensor parallelism over tp={plan.mesh.tp}"
+             + (" with sequence parallelism" if plan.sequence_parallel else "")
+             + (f"; collectives of one layer ({first}), bytes per rank per microbatch:" if shown else ":")]
+    for r in shown:
+        lines.append(f"  {r['module']:<28} {r['split']:<7} fwd {r['forward']:<15} "
+                     f"bwd {r['backward']:<28} {_fmt(r['bytes_per_microbatch'], 'B')}")
+    per_layer = sum(r["bytes_per_microbatch"] for r in shown)
+    total = sum(r["bytes_per_microbatch"] for r in rows)
+    if shown:
+        lines.append(f"  per layer {_fmt(per_layer, 'B')}; whole model {_fmt(total, 'B')} per microbatch")
+    sharded = len(plan.tp_shards)
+    lines.append(f"  {sharded} weights split over tp, the rest replicated")
+    return lines
 
 
 def _bytes(boundary, b, s) -> float:
@@ -67,6 +139,7 @@ def explain_table(compiled) -> str:
     per_rank = _params_per_pp_rank(rows, plan.mesh.pp)
     lines.append(f"parameters: {_fmt(total)} in all (shared ones counted per chunk); "
                  f"largest pipeline rank holds {max(per_rank) / max(total, 1):.1%}")
+    lines += _tp_lines(compiled)
     if plan.shared_params:
         shared = ", ".join(f"{n} (chunks {list(c)})" for n, c in plan.shared_params.items())
         lines.append(f"shared parameters, gradients summed between their chunks: {shared}")
@@ -94,6 +167,8 @@ def explain_json(compiled) -> dict:
         "microbatch_size": plan.microbatch_size,
         "chunks": chunk_rows(compiled),
         "shared_params": {k: list(v) for k, v in plan.shared_params.items()},
+        "tensor_parallel": tp_rows(compiled),
+        "sequence_parallel": plan.sequence_parallel,
         "bubble": sim.bubble, "peak_in_flight": list(sim.peak_in_flight),
         "passes": [{"name": p.name, "seconds": p.seconds} for p in compiled.passes],
         "compile_seconds": compiled.seconds,

@@ -38,8 +38,10 @@ class StagePlan:
 
 
 def cut_pipeline_stages(program: Program, *, pp: int, virtual_stages: int = 1,
-                        costs: dict[str, NodeCost], microbatch_size: int = 1):
-    """Return (program with decisions['stages'] = StagePlan, report dict)."""
+                        costs: dict[str, NodeCost] | None = None, microbatch_size: int = 1):
+    """Return (program with decisions['stages'] = StagePlan, report dict). `costs` defaults to
+    program.decisions['costs'] (the analyze_costs pass)."""
+    costs = costs if costs is not None else program.decisions["costs"]
     k = pp * virtual_stages
     graph = program.gm.graph
     replicated = _input_derived(graph)

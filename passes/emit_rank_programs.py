@@ -69,9 +69,14 @@ def emit_rank_programs(program: Program):
 
 
 def _boundary(node: fx.Node, program: Program, peer_rank: int, peer_chunk: int) -> Boundary:
+    """The tensor as this rank holds it: a dim sharded over tp (sequence parallelism) is 1/tp."""
+    from autopart.placement import Shard
     val = node.meta["val"]
-    return Boundary(node.name, sym_shape(val, program.decisions.get("symbols", {})), val.dtype,
-                    peer_rank, peer_chunk)
+    shape = list(sym_shape(val, program.decisions.get("symbols", {})))
+    placement, tp_plan = node.meta.get("tp"), program.decisions.get("tp")
+    if isinstance(placement, Shard) and tp_plan is not None:
+        shape[placement.dim] = shape[placement.dim] / tp_plan.tp
+    return Boundary(node.name, tuple(shape), val.dtype, peer_rank, peer_chunk)
 
 
 def _emit_chunk(program: Program, plan, c: int) -> ChunkProgram:

@@ -125,7 +125,7 @@ def test_explain(compiled_tiny):
         ("2", "0", "transformer.h.2"), ("3", "1", "transformer.h.3")]
     assert "shared parameters, gradients summed between their chunks: transformer.wte.weight (chunks [0, 3])" in text
     assert "simulated bubble:" in text and "peak microbatches in flight per rank:" in text
-    assert "passes: analyze" in text and "cut_pipeline_stages" in text and "emit_rank_programs" in text
+    assert "passes: split_tensor_parallel" in text and "analyze_costs" in text and "cut_pipeline_stages" in text and "emit_rank_programs" in text
 
 
 def test_to_json(compiled_tiny):
@@ -135,7 +135,8 @@ def test_to_json(compiled_tiny):
                         "microbatch_size", "chunks", "shared_params", "bubble", "peak_in_flight",
                         "passes", "compile_seconds"}
     assert out["mesh"] == {"dp": 2, "pp": 2, "tp": 1, "ep": 1, "world_size": 4}
-    assert [p["name"] for p in out["passes"]] == ["analyze", "cut_pipeline_stages", "emit_rank_programs"]
+    assert [p["name"] for p in out["passes"]] == ["split_tensor_parallel", "analyze_costs", "cut_pipeline_stages",
+                                                  "emit_rank_programs"]
     assert out["shared_params"] == {"transformer.wte.weight": [0, 3]}
     chunk = out["chunks"][1]
     assert set(chunk) == {"chunk", "pp_rank", "layers", "params", "flops_per_microbatch",
@@ -152,16 +153,17 @@ def test_dump_dir(tmp_path, monkeypatch):
     autopart.compile(model, Mesh(pp=2), (x,), loss_fn=lm_loss, target=x, microbatches=2,
                      dump_dir=tmp_path / "a")
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
-        "00_captured", "01_cut_pipeline_stages", "02_emit_rank_programs"]
+        "00_captured", "01_split_tensor_parallel", "02_analyze_costs", "03_cut_pipeline_stages",
+        "04_emit_rank_programs"]
     assert sorted(p.name for p in (tmp_path / "a" / "00_captured").iterdir()) == ["program.py", "program.txt"]
-    cut = (tmp_path / "a" / "01_cut_pipeline_stages" / "program.txt").read_text()
+    cut = (tmp_path / "a" / "03_cut_pipeline_stages" / "program.txt").read_text()
     assert "# chunk 0" in cut and "# chunk 1" in cut
-    emitted = sorted(p.name for p in (tmp_path / "a" / "02_emit_rank_programs").iterdir())
+    emitted = sorted(p.name for p in (tmp_path / "a" / "04_emit_rank_programs").iterdir())
     assert emitted == ["rank0_chunk0.py", "rank1_chunk1.py"]
-    assert "autopart_p2p_recv" in (tmp_path / "a" / "02_emit_rank_programs" / "rank1_chunk1.py").read_text()
+    assert "autopart_p2p_recv" in (tmp_path / "a" / "04_emit_rank_programs" / "rank1_chunk1.py").read_text()
     monkeypatch.setenv("AUTOPART_DUMP", str(tmp_path / "env"))
     autopart.compile(model, Mesh(pp=2), (x,), loss_fn=lm_loss, target=x, microbatches=2)
-    assert (tmp_path / "env" / "02_emit_rank_programs" / "rank0_chunk0.py").is_file()
+    assert (tmp_path / "env" / "04_emit_rank_programs" / "rank0_chunk0.py").is_file()
 
 
 def _meta_compile(spec, pp, v=1):
@@ -228,7 +230,7 @@ def test_fewer_layers_than_chunks():
     with pytest.raises(AutopartError) as e:
         autopart.compile(model, Mesh(pp=4), (x,), loss_fn=lm_loss, target=x, microbatches=4)
     assert str(e.value) == (
-        "pass cut_pipeline_stages (the first pass) failed: cannot cut 2 layers (transformer.h.0 .. "
+        "pass cut_pipeline_stages (after analyze_costs) failed: cannot cut 2 layers (transformer.h.0 .. "
         "transformer.h.1) into pp*virtual_stages = 4 pipeline chunks: every chunk needs at least "
         "one layer.\n  remedy: use pp*virtual_stages <= 2 (e.g. pp=2, virtual_stages=1), or a deeper model")
     with pytest.raises(AutopartError, match="cannot cut 2 layers .* = 4 pipeline chunks"):
