@@ -112,9 +112,11 @@ CONFIGS: dict[str, SwitchConfig] = {
     # 2048 experts in every layer. Its "15 layers" are T5's per-stack count (15 encoder + 15
     # decoder blocks, all with expert layers), so the decoder-only model with the same expert
     # parameters has 30 layers: 30 * 2048 * 2 * 2080 * 6144 = 1.570e12 expert parameters.
+    # One 2048-token sequence per routing group: capacity 1 token per expert per group at
+    # capacity_factor 1.0 (with 512-token groups a quarter of the slots could never fill).
     "switch-c": SwitchConfig(n_layer=30, n_head=32, n_embd=2080, vocab_size=32128,
-                             block_size=512, bias=False, d_ff=6144, num_experts=2048,
-                             moe_every=1, capacity_factor=1.0, group_size=512),
+                             block_size=2048, bias=False, d_ff=6144, num_experts=2048,
+                             moe_every=1, capacity_factor=1.0, group_size=2048),
 }
 
 

@@ -130,7 +130,7 @@ def test_aux_losses_against_the_formulas():
         P = [float(p[:, i].mean()) for i in range(E)]
         balance += E * sum(fi * Pi for fi, Pi in zip(f, P)) / G
     z = float((torch.logsumexp(logits, -1) ** 2).mean())
-    assert math.isclose(float(aux), 0.01 * balance + 1e-3 * z, rel_tol=1e-5)
+    assert math.isclose(float(aux.detach()), 0.01 * balance + 1e-3 * z, rel_tol=1e-5)
     probs = logits.float().softmax(-1)
     assert math.isclose(float(balance_loss(probs, F.one_hot(probs.argmax(-1), E))), balance,
                         rel_tol=1e-5)

@@ -1,0 +1,147 @@
+"""Expert-parallel collectives as differentiable graph ops (GShard's dispatch and combine).
+
+Each op takes an `EPComm`, a small module every expert-parallel program holds as `self.ep_comm`;
+the runtime binds it to this rank's expert-parallel process group (ep consecutive data-parallel
+ranks). Nothing here is global.
+
+    dispatch_to_experts   [E, N, ...] this rank's tokens for every expert
+                          -> [E/ep, ep*N, ...] every rank's tokens for this rank's experts
+                          (forward all-to-all; backward the inverse all-to-all)
+    combine_from_experts  the inverse: [E/ep, ep*N, ...] -> [E, N, ...]
+
+Token block r*N .. r*N+N-1 of the local-expert tensor holds rank r's tokens, in rank r's order,
+so any op that treats each (expert, token) row on its own (batched matmuls with the expert's
+weights, activations) gives the same rows as on one process.
+
+`localize_experts` gives a program its rank's slice of the expert weights (dim 0, E/ep each).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+
+class EPComm(nn.Module):
+    """This program's expert-parallel group: size, this rank's index in it, the process group."""
+
+    def __init__(self, size: int, rank: int = 0):
+        super().__init__()
+        self.size, self.rank, self.group = size, rank, None
+
+    def bind(self, group, rank: int) -> "EPComm":
+        self.group, self.rank = group, rank
+        return self
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, rank={self.rank}, bound={self.group is not None}"
+
+    def _check(self):
+        if self.group is None and self.size > 1:
+            raise RuntimeError("this expert-parallel program is not bound to a process group: run "
+                               "it through autopart.parallelize, not directly")
+
+
+def _all_to_all(x: torch.Tensor, comm: EPComm) -> torch.Tensor:
+    """Chunk i of dim 0 goes to rank i; chunk i of the result came from rank i."""
+    comm._check()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=comm.group)
+    return out
+
+
+def _dispatch(x: torch.Tensor, comm: EPComm) -> torch.Tensor:
+    ep = comm.size
+    if ep == 1:
+        return x
+    E, N, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    got = _all_to_all(x, comm)                                   # [ep(source), E/ep, N, ...]
+    got = got.view(ep, E // ep, N, *rest).transpose(0, 1)        # [E/ep, ep, N, ...]
+    return got.reshape(E // ep, ep * N, *rest)
+
+
+def _combine(y: torch.Tensor, comm: EPComm) -> torch.Tensor:
+    ep = comm.size
+    if ep == 1:
+        return y
+    local, N, rest = y.shape[0], y.shape[1] // ep, tuple(y.shape[2:])
+    send = y.view(local, ep, N, *rest).transpose(0, 1)           # [ep(owner of tokens), E/ep, N, ...]
+    got = _all_to_all(send, comm)                                # [ep(expert owner), E/ep, N, ...]
+    return got.view(ep * local, N, *rest)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _dispatch(x, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _combine(g, ctx.comm), None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, comm):
+        ctx.comm = comm
+        return _combine(y, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _dispatch(g, ctx.comm), None
+
+
+def dispatch_to_experts(x: torch.Tensor, comm: EPComm) -> torch.Tensor:
+    """[E, N, ...] (this rank's tokens, every expert) -> [E/ep, ep*N, ...] (all ranks' tokens,
+    this rank's experts). E must divide by ep and N must be the same on every rank."""
+    if x.shape[0] % comm.size:
+        raise RuntimeError(f"dispatch_to_experts: {x.shape[0]} experts do not divide over "
+                           f"ep={comm.size} ranks")
+    return _Dispatch.apply(x, comm)
+
+
+def combine_from_experts(y: torch.Tensor, comm: EPComm) -> torch.Tensor:
+    """[E/ep, ep*N, ...] -> [E, N, ...]: each rank's tokens back from every expert."""
+    return _Combine.apply(y, comm)
+
+
+for _fn in (dispatch_to_experts, combine_from_experts):
+    _fn.__module__ = "autopart.ep_ops"
+
+
+def expert_slice(full: torch.Tensor, ep: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s experts of a stacked expert tensor: rows rank*E/ep .. (rank+1)*E/ep - 1."""
+    return full.chunk(ep, dim=0)[rank]
+
+
+def localize_experts(gm: fx.GraphModule, expert_params, ep: int, rank: int,
+                     copy: bool = True) -> fx.GraphModule:
+    """The same graph with expert-parallel rank `rank`'s experts of every parameter named in
+    `expert_params` (program.decisions["ep"].params) and an EPComm(ep, rank).
+
+    With copy=True each slice is a fresh Parameter (a real rank keeps only its experts); with
+    copy=False it is a view of the full tensor (inspection, e.g. on the meta device)."""
+    attrs: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target in attrs:
+            continue
+        value = _get(gm, node.target)
+        if isinstance(value, EPComm):
+            attrs[node.target] = EPComm(ep, rank)
+        elif node.target in expert_params:
+            local = expert_slice(value.detach(), ep, rank)
+            local = local.clone() if copy else local
+            attrs[node.target] = nn.Parameter(local, requires_grad=value.requires_grad)
+        else:
+            attrs[node.target] = value
+    return fx.GraphModule(attrs, gm.graph, class_name=type(gm).__name__)
+
+
+def _get(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

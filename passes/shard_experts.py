@@ -1,0 +1,505 @@
+"""shard_experts: mixture-of-experts layers found from ops and dataflow, experts sharded over ep.
+
+An *expert matmul* multiplies an activation whose dim 0 has size E by a parameter stacked over E
+experts ([E, a, b]) expert by expert: `bmm(x[E, N, a], w[E, a, b])`, a 3-D `matmul`, or an einsum
+such as "enm,emf->enf" whose expert letter leads both operands and the output and whose token
+letter survives. Starting from the expert matmuls, the pass grows a *region* of ops that treat
+each (expert, token) row on its own (elementwise ops, activations, feature splits, more expert
+matmuls). A region whose inputs are computed from a routing op (top-k, argmax, one-hot, sort) of a
+router is an MoE layer. Its rewrite, on every rank:
+
+    entry [E, N, ...]  --dispatch_to_experts-->  [E/ep, ep*N, ...]     (all-to-all)
+    region ops with this rank's expert weights [E/ep, ...]
+    exit  [E/ep, ep*N, ...]  --combine_from_experts-->  [E, N, ...]   (all-to-all back)
+
+so routing, capacity, dropping, the combine and the auxiliary losses stay on the rank that owns
+the tokens and run exactly as in the plain model. Nothing depends on module or parameter names.
+
+Gradients (the runtime's part): a rank's expert gradient already sums the contributions of the
+tokens of all ep ranks of its group; sum it over the dp/ep ranks that hold the same experts and
+divide by dp, like the dense gradients (sum over dp, divide by dp).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopart import ep_ops
+from autopart.capture import BATCH, SEQ, Program, sym_shape
+from autopart.errors import AutopartError, module_path, node_error, user_source_line
+from autopart.passes.split_tensor_parallel import ParamShard
+from autopart.placement import ELEMENTWISE, ndim, shape_of
+
+aten = torch.ops.aten
+COMM = "ep_comm"
+
+MATMULS = (aten.bmm.default, aten.matmul.default)
+ROUTING = {aten.topk.default, aten.argmax.default, aten.max.dim, aten.one_hot.default,
+           aten.sort.default, aten.argsort.default, aten.sort.stable}
+LINEARS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default}
+# ops through which a parameter is still "the parameter" (the expert dim stays dim 0)
+PARAM_VIEWS = {aten.transpose.int, aten._to_copy.default, aten.to.dtype, aten.alias.default,
+               aten.detach.default, aten.clone.default, aten.contiguous.default,
+               aten.to.dtype_layout, aten.permute.default}
+ROW_LOCAL_LAST = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+                  aten._log_softmax.default}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One mixture-of-experts layer as the pass found it (plain, printable data)."""
+    name: str                    # module path of its expert matmuls ('' if unknown)
+    num_experts: int
+    experts_per_rank: int
+    matmuls: tuple               # expert matmul node names
+    entries: tuple               # dispatched tensors (node names), all-to-all'd to the experts
+    exits: tuple                 # expert outputs, all-to-all'd back
+    params: tuple                # expert-sharded parameters (dim 0)
+    router: str | None           # the router's weight parameter
+    routing: tuple               # routing ops found (e.g. ('one_hot', 'argmax'))
+    capacity: int | None         # tokens per expert per routing group (None: not found)
+    tokens_per_expert: str       # rows per expert per rank per microbatch, in b (and s)
+    a2a_bytes: str               # forward bytes one rank sends per microbatch (same in backward)
+    a2a_bytes_at_capture: int    # a2a_bytes at the captured batch size
+    source: str
+
+
+@dataclass
+class EPPlan:
+    """The expert-parallel decisions: program.decisions["ep"]."""
+    ep: int
+    layers: list = field(default_factory=list)       # MoELayer
+    params: dict = field(default_factory=dict)       # param name -> ParamShard(0, (E,))
+    skipped: list = field(default_factory=list)      # (node, reason): expert-shaped, not MoE
+
+    def as_dict(self) -> dict:
+        return {"ep": self.ep, "params": {k: {"dim": v.dim, "experts": v.sections[0],
+                                               "per_rank": v.sections[0] // self.ep}
+                                           for k, v in self.params.items()},
+                "layers": [vars(layer) for layer in self.layers], "skipped": self.skipped}
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding expert matmuls
+
+
+def _param_source(node, params):
+    """(parameter name, view nodes) if `node` is a parameter seen through dim-0-keeping views."""
+    chain = []
+    while isinstance(node, fx.Node):
+        if node.op == "get_attr":
+            return (node.target, chain) if node.target in params else None
+        if node.op != "call_function" or node.target not in PARAM_VIEWS:
+            return None
+        if node.target is aten.transpose.int and 0 in {d % ndim(node) for d in node.args[1:3]}:
+            return None
+        if node.target is aten.permute.default and node.args[1][0] % ndim(node) != 0:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    return None
+
+
+def _is_param_derived(node, params) -> bool:
+    return _param_source(node, params) is not None
+
+
+def _static(d) -> int | None:
+    try:
+        return int(d)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class _ExpertMM:
+    node: fx.Node
+    x: fx.Node                   # the activation
+    param: str
+    views: tuple                 # nodes between the parameter and the matmul
+    experts: int
+
+
+def _expert_matmul(node, params) -> _ExpertMM | None:
+    if node.op != "call_function":
+        return None
+    if node.target in MATMULS:
+        x, w = node.args[:2]
+        if not isinstance(x, fx.Node) or _is_param_derived(x, params):
+            return None
+        src = _param_source(w, params)
+        if src is None or ndim(w) != 3 or ndim(x) != 3:
+            return None
+        E = _static(shape_of(w)[0])
+        if E is None or _static(shape_of(x)[0]) != E:
+            return None
+        return _ExpertMM(node, x, src[0], tuple(src[1]), E)
+    if node.target is aten.einsum.default and len(node.args[1]) == 2:
+        eq = node.args[0].replace(" ", "")
+        if "..." in eq or "->" not in eq:
+            return None
+        ins, out = eq.split("->")
+        (la, lb), (a, b) = ins.split(","), node.args[1]
+        for xs, ws, x, w in ((la, lb, a, b), (lb, la, b, a)):
+            src = _param_source(w, params)
+            if src is None or _is_param_derived(x, params) or len(ws) != ndim(w) < 2:
+                continue
+            if len(xs) < 2 or not (xs[0] == ws[0] == out[0]) or len(out) < 2:
+                continue
+            token = xs[1]
+            if token in ws or out[1] != token:
+                continue
+            E = _static(shape_of(w)[0])
+            if E is None or _static(shape_of(x)[0]) != E:
+                continue
+            return _ExpertMM(node, x, src[0], tuple(src[1]), E)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Growing regions of expert-local ops
+
+
+class _Finder:
+    def __init__(self, program: Program):
+        self.program = program
+        self.gm = program.gm
+        self.params = program.params
+        self.order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        self.activations = _activations(self.gm, set(self.params) | set(program.buffers))
+        self.mms = {}
+        for n in self.gm.graph.nodes:
+            mm = _expert_matmul(n, self.params)
+            if mm is not None:
+                self.mms[n] = mm
+
+    def local_op(self, node: fx.Node, E: int, region: set) -> bool:
+        """Does `node` treat each (expert, token) row of its region inputs on its own?"""
+        if node.op != "call_function":
+            return False
+        if node in self.mms:
+            return self.mms[node].experts == E
+        t = node.target
+        if t is operator.getitem:
+            return node.args[0] in region
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() < 2 or _static(val.shape[0]) != E:
+            return False
+        nd = val.dim()
+        if t in SPLITS:
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            return dim % nd >= 2
+        if t in ROW_LOCAL_LAST:
+            return node.args[1] % nd >= 2
+        if t in (aten.layer_norm.default, aten.rms_norm.default):
+            return len(node.args[1]) <= nd - 2 and self._others_ok(node, E, region, nd)
+        if t in ELEMENTWISE:
+            return self._others_ok(node, E, region, nd)
+        return False
+
+    def _others_ok(self, node, E, region, nd) -> bool:
+        for a in node.all_input_nodes:
+            if a in region:
+                continue
+            shape = shape_of(a)
+            lead = nd - len(shape)          # broadcasting aligns trailing dims
+            dims = {lead + i: d for i, d in enumerate(shape)}
+            if a.name not in self.activations:      # weights, constants: same on every rank
+                if _static(dims.get(0, 1)) == E and _param_source(a, self.params):
+                    continue                         # a per-expert parameter: sharded too
+                if _static(dims.get(0, 1)) in (1,) and _static(dims.get(1, 1)) == 1:
+                    continue
+                return False
+            # another activation: dispatched alongside when it is [E, tokens, ...]
+            if len(shape) != nd or _static(shape[0]) != E:
+                return False
+        return True
+
+    def regions(self) -> list[set]:
+        """Connected regions of expert-local ops around the expert matmuls."""
+        done: set = set()
+        out = []
+        for mm in sorted(self.mms, key=self.order.get):
+            if mm in done:
+                continue
+            E = self.mms[mm].experts
+            region = self._grow(mm, E)
+            done |= region
+            out.append(region)
+        return out
+
+    def _grow(self, seed, E) -> set:
+        """Forward closure from the seed's matmuls, pruned to ops that lead to a matmul; then
+        joined with any other matmul sharing an input (gate and up projections)."""
+        closure, stack = {seed}, [seed]
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                if u not in closure and self.local_op(u, E, closure):
+                    closure.add(u)
+                    stack.append(u)
+            if n in self.mms:                # siblings reading the same x (gate and up)
+                for u in self.mms[n].x.users:
+                    if u in self.mms and u not in closure and self.mms[u].experts == E:
+                        closure.add(u)
+                        stack.append(u)
+        keep = {n for n in closure if n in self.mms}
+        changed = True
+        while changed:                       # ops on a path from one matmul to another
+            changed = False
+            for n in closure - keep:
+                if any(u in keep for u in n.users):
+                    keep.add(n)
+                    changed = True
+        for n in list(keep):                 # whole multi-output ops: every getitem joins
+            if not isinstance(n.meta.get("val"), torch.Tensor):
+                keep |= {u for u in n.users if u.target is operator.getitem}
+        return keep
+
+
+def _activations(gm, state: set) -> set[str]:
+    """Nodes that a graph input flows into (the rest is computed from weights and constants)."""
+    out: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    return out
+
+
+def _cone(start: list, limit: int = 4000) -> list:
+    """Nodes `start` is computed from (breadth first, nearest first)."""
+    seen, order, frontier = set(start), [], list(start)
+    while frontier and len(order) < limit:
+        nxt = []
+        for n in frontier:
+            order.append(n)
+            for a in n.all_input_nodes:
+                if a not in seen:
+                    seen.add(a)
+                    nxt.append(a)
+        frontier = nxt
+    return order
+
+
+# ---------------------------------------------------------------------------------------------
+# Deciding layers
+
+
+def find_moe_layers(program: Program, ep: int = 1) -> EPPlan:
+    """The MoE layers of `program` and, for ep ranks, what each rank keeps (no rewrite)."""
+    f = _Finder(program)
+    plan = EPPlan(ep)
+    symbols = program.decisions.get("symbols", {})
+    for region in f.regions():
+        mms = sorted((n for n in region if n in f.mms), key=f.order.get)
+        first = mms[0]
+        E = f.mms[first].experts
+        entries = sorted({a for n in region for a in n.all_input_nodes
+                          if a not in region and a.name in f.activations}, key=f.order.get)
+        exits = sorted((n for n in region if isinstance(n.meta.get("val"), torch.Tensor)
+                        and any(u not in region for u in n.users)), key=f.order.get)
+        routing = [n for n in _cone(entries) if n.op == "call_function" and n.target in ROUTING]
+        if not routing:
+            plan.skipped.append((first.name, f"{E}-way batched matmul with a stacked weight, but "
+                                 "its input is not computed from a top-k/argmax/one-hot routing"))
+            continue
+        router = _router(routing, E, f.params)
+        params = _region_params(region, f, E)
+        _check_param_uses(f, params, region)
+        tokens = [sym_shape(n.meta["val"], symbols)[1] for n in entries + exits]
+        if any(sympy.simplify(t - tokens[0]) != 0 for t in tokens):
+            raise node_error(first, "the tensors entering and leaving this MoE layer's experts "
+                             f"have different token counts {tokens}", "route every expert input "
+                             "and output through the same [experts, tokens, ...] layout")
+        nbytes = sum(_nbytes(n, symbols) for n in entries + exits) * sympy.Rational(ep - 1, ep)
+        at = nbytes.subs({BATCH: program.batch_size, SEQ: program.seq_len or 1})
+        plan.layers.append(MoELayer(
+            name=_layer_name(first), num_experts=E, experts_per_rank=E // ep if E % ep == 0 else 0,
+            matmuls=tuple(n.name for n in mms), entries=tuple(n.name for n in entries),
+            exits=tuple(n.name for n in exits), params=tuple(params), router=router,
+            routing=tuple(sorted({n.target._schema.name.split("::")[-1] for n in routing})),
+            capacity=_capacity(entries, routing, E), tokens_per_expert=str(tokens[0]),
+            a2a_bytes=str(nbytes), a2a_bytes_at_capture=int(at), source=user_source_line(first)))
+        plan._regions = getattr(plan, "_regions", []) + [(region, entries, exits, first)]
+        for p in params:
+            plan.params[p] = ParamShard(0, (E,))
+    return plan
+
+
+def _layer_name(node) -> str:
+    path = module_path(node)
+    return path.rsplit(".", 1)[0] if path.endswith("experts") else path
+
+
+def _router(routing, E, params) -> str | None:
+    """The weight of the linear whose E outputs the routing op ranks."""
+    for n in _cone(routing, limit=200):
+        if n.op == "call_function" and n.target in LINEARS and _static(shape_of(n)[-1]) == E:
+            for a in n.all_input_nodes:
+                src = _param_source(a, params)
+                if src is not None:
+                    return src[0]
+    return None
+
+
+def _capacity(entries, routing, E) -> int | None:
+    """The size of the one-hot of buffer positions (the one-hot that is not over experts)."""
+    sizes = {n.args[1] for n in _cone(entries, limit=400)
+             if n.op == "call_function" and n.target is aten.one_hot.default
+             and isinstance(n.args[1] if len(n.args) > 1 else None, int) and n.args[1] != E}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _region_params(region, f: _Finder, E) -> list[str]:
+    out = []
+    for n in sorted(region, key=f.order.get):
+        for a in n.all_input_nodes:
+            src = _param_source(a, f.params)
+            if src is not None and _static(shape_of(a)[0] if ndim(a) else None) == E \
+                    and ndim(a) == ndim(n) and src[0] not in out:
+                out.append(src[0])
+    return out
+
+
+def _check_param_uses(f: _Finder, params, region) -> None:
+    """A sharded expert weight must not be needed whole anywhere else: every use is an expert
+    op of the region, possibly through dim-0-keeping views (transpose, cast)."""
+    for n in f.gm.graph.nodes:
+        if n.op != "get_attr" or n.target not in params:
+            continue
+        stack = [n]
+        while stack:
+            v = stack.pop()
+            for u in v.users:
+                if u in region:
+                    continue
+                if u.target is aten._assert_tensor_metadata.default and \
+                        u.kwargs.get("size") is None and u.kwargs.get("stride") is None:
+                    continue
+                if u.target in PARAM_VIEWS and _param_source(u, f.params) is not None:
+                    stack.append(u)
+                    continue
+                raise node_error(u, f"expert weight {n.target} is also used by {u.name} "
+                                 f"({u.target}), outside the experts, which needs all "
+                                 f"{shape_of(n)[0]} experts", "use the stacked expert weights "
+                                 "only in the expert computation")
+
+
+def _nbytes(node, symbols):
+    val = node.meta["val"]
+    return sympy.prod(sym_shape(val, symbols)) * val.element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass
+
+
+def shard_experts(program: Program, *, ep: int):
+    """Return (program rewritten for one expert-parallel rank, report).
+
+    >>> import torch
+    >>> from autopart.capture import capture
+    >>> from examples.switch import SwitchGPT, config, example_inputs
+    >>> cfg = config("tiny,n_layer=2")
+    >>> p, report = shard_experts(capture(SwitchGPT(cfg), example_inputs(cfg, 2)), ep=2)
+    >>> [(layer["name"], layer["experts_per_rank"]) for layer in report["layers"]]
+    [('transformer.h.1.mlp', 2)]
+    """
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise AutopartError(f"ep={ep!r} must be a positive integer")
+    plan = find_moe_layers(program, ep)
+    if ep == 1:
+        return program.replace(decisions={**program.decisions, "ep": plan}), _report(plan)
+    if not plan.layers:
+        why = "".join(f"\n  {n}: {r}" for n, r in plan.skipped)
+        raise AutopartError(
+            f"ep={ep} shards mixture-of-experts layers, but the model has none: no batched matmul "
+            "of routed tokens [E, tokens, d] with a parameter stacked over E experts [E, d, f] "
+            f"was found{why}\n  remedy: use ep=1 (plain data parallelism), or write the experts "
+            "as stacked weights with a leading expert dimension")
+    regions = plan._regions
+    for layer, (_, _, _, first) in zip(plan.layers, regions):
+        if layer.num_experts % ep:
+            E = layer.num_experts
+            ok = [d for d in range(1, E + 1) if E % d == 0]
+            raise node_error(first, f"MoE layer '{layer.name}' has {E} experts, not divisible by "
+                             f"ep={ep}", f"use ep in {ok} (a divisor of {E} that divides dp), or "
+                             f"{-(-E // ep) * ep} experts")
+    if COMM in {n.target for n in program.gm.graph.nodes if n.op == "get_attr"}:
+        raise AutopartError("shard_experts already ran on this program")
+    gm = _rewrite(program.gm, regions, ep)
+    del plan._regions
+    return program.replace(gm=gm, decisions={**program.decisions, "ep": plan}), _report(plan)
+
+
+def _report(plan: EPPlan) -> dict:
+    return {"ep": plan.ep, "layers": [vars(layer) for layer in plan.layers],
+            "expert_params": sorted(plan.params), "skipped": plan.skipped}
+
+
+def _rewrite(old: fx.GraphModule, regions, ep: int) -> fx.GraphModule:
+    in_region = {}
+    entries, exits = set(), set()
+    for region, ent, ex, _ in regions:
+        for n in region:
+            in_region[n] = True
+        entries |= set(ent)
+        exits |= set(ex)
+    g = fx.Graph()
+    comm = g.get_attr(COMM)
+    env: dict = {}          # old node -> new node (the value its own consumers see)
+    local: dict = {}        # entry -> dispatched, for region consumers
+    combined: dict = {}     # exit -> combined, for consumers outside
+    for node in old.graph.nodes:
+        if node in in_region:
+            new = g.node_copy(node, lambda a: local.get(a, env[a]))
+            new.meta["val"] = _local_val(node.meta.get("val"), ep)
+            new.meta["ep"] = "local experts"
+            env[node] = new
+            if node in exits:
+                combined[node] = _call(g, ep_ops.combine_from_experts, (new, comm), node,
+                                       node.meta.get("val"))
+        else:
+            env[node] = g.node_copy(node, lambda a: combined.get(a, env[a]))
+            if node in entries and any(u in in_region for u in node.users):
+                local[node] = _call(g, ep_ops.dispatch_to_experts, (env[node], comm), node,
+                                    _local_val(node.meta.get("val"), ep))
+    g.lint()
+    root = {n.target: _attr(old, n.target) for n in old.graph.nodes if n.op == "get_attr"}
+    root[COMM] = ep_ops.EPComm(ep)
+    gm = fx.GraphModule(root, g)
+    gm.recompile()
+    return gm
+
+
+def _call(g, fn, args, like: fx.Node, val) -> fx.Node:
+    out = g.create_node("call_function", fn, tuple(args), {})
+    out.meta = {k: like.meta[k] for k in ("stack_trace", "nn_module_stack") if k in like.meta}
+    out.meta["val"] = val
+    return out
+
+
+def _local_val(val, ep: int):
+    """The fake tensor a rank sees: [E/ep, ep*N, ...] for the global [E, N, ...]."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return val
+    shape = (val.shape[0] // ep, val.shape[1] * ep, *val.shape[2:])
+    try:
+        return val.new_empty(shape)
+    except Exception:  # noqa: BLE001  (a plain meta tensor, or no fake mode: keep the global one)
+        return val
+
+
+def _attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+__all__ = ["shard_experts", "find_moe_layers", "EPPlan", "MoELayer", "COMM"]
