@@ -24,6 +24,7 @@ class StepContext:
     seq: int | None
     device: torch.device
     loss_scale: float               # 1 / (microbatches * dp): the global-batch mean
+    group: object = None            # the pipeline's process group: its timeout bounds every wait
     acts: dict = field(default_factory=dict)       # (chunk, mb) -> received forward inputs
     outs: dict = field(default_factory=dict)       # (chunk, mb) -> forward outputs
     grads_in: dict = field(default_factory=dict)   # (chunk, mb) -> grads received for outputs
@@ -54,19 +55,23 @@ def _communicate(batch, ctx: StepContext) -> None:
         chunk = ctx.chunks[a.chunk]
         if a.kind == "SEND_F":
             for spec, t in zip(chunk.sends, ctx.outs[key]):
-                ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), ctx.peer(spec.peer_rank)))
+                ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), ctx.peer(spec.peer_rank),
+                                      ctx.group))
         elif a.kind == "SEND_B":
             for spec, g in zip(chunk.recvs, ctx.grads_out.pop(key)):
                 if spec.differentiable:
-                    ops.append(dist.P2POp(dist.isend, g.contiguous(), ctx.peer(spec.peer_rank)))
+                    ops.append(dist.P2POp(dist.isend, g.contiguous(), ctx.peer(spec.peer_rank),
+                                          ctx.group))
         elif a.kind == "RECV_F":
             bufs = [_empty(spec, ctx) for spec in chunk.recvs]
-            ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank)) for s, b in zip(chunk.recvs, bufs)]
+            ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank), ctx.group)
+                    for s, b in zip(chunk.recvs, bufs)]
             landing.append((ctx.acts, key, bufs))
         else:  # RECV_B: gradients of this chunk's outputs, from the next chunk
             specs = [s for s in chunk.sends if s.differentiable]
             bufs = [_empty(spec, ctx) for spec in specs]
-            ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank)) for s, b in zip(specs, bufs)]
+            ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank), ctx.group)
+                    for s, b in zip(specs, bufs)]
             landing.append((ctx.grads_in, key, bufs))
     if ops:
         for work in dist.batch_isend_irecv(ops):

@@ -18,6 +18,7 @@ from autopart.mesh import Mesh
 class RankGroups:
     rank: int
     mesh: Mesh
+    world: object       # every rank, with this model's timeout (the default group may have another)
     dp: object          # ranks holding the same chunks (data-parallel replicas)
     pp: object          # ranks of one pipeline (same dp and tp coordinates)
     shared: dict        # param name -> group of ranks whose chunks share it (tied weights)
@@ -29,12 +30,9 @@ def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs an initialized process group: call "
                             "torch.distributed.init_process_group (torchrun sets the environment)")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world != mesh.world_size:
-        raise AutopartError(
-            f"{mesh} needs {mesh.world_size} processes but the process group has {world}.\n"
-            f"  remedy: launch {mesh.world_size} processes (torchrun --nproc-per-node "
-            f"{mesh.world_size}), or choose a mesh whose pp*dp*tp = {world}")
+    check_world_size(mesh)
+    rank = dist.get_rank()
+    world = _mine([tuple(range(mesh.world_size))], rank, timeout)
     dp = _mine(mesh.groups("dp"), rank, timeout)
     pp = _mine(mesh.groups("pp"), rank, timeout)
     shared = {}
@@ -47,7 +45,17 @@ def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
         group = _mine(groups, rank, timeout)
         if group is not None:
             shared[name] = group
-    return RankGroups(rank, mesh, dp, pp, shared)
+    return RankGroups(rank, mesh, world, dp, pp, shared)
+
+
+def check_world_size(mesh: Mesh) -> None:
+    """Raise, on every rank alike, unless the process group has exactly the mesh's ranks."""
+    world = dist.get_world_size()
+    if world != mesh.world_size:
+        raise AutopartError(
+            f"{mesh} needs {mesh.world_size} processes but the process group has {world}.\n"
+            f"  remedy: launch {mesh.world_size} processes (torchrun --nproc-per-node "
+            f"{mesh.world_size}), or choose a mesh whose pp*dp*tp = {world}")
 
 
 def _mine(groups: list[tuple[int, ...]], rank: int, timeout: timedelta):

@@ -52,17 +52,22 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0,
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    _wait(procs, timeout)
+    try:
+        for p in procs:
+            p.start()
+        _wait(procs, timeout)
+        results = dict(results)
+    finally:   # also when interrupted (Ctrl-C, a test timeout): no stray rank or manager process
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        manager.shutdown()
     failed = {r: results.get(r, ("error", f"exit code {procs[r].exitcode}")) for r in range(world_size)
               if results.get(r, ("error",))[0] != "ok"}
     if failed:
         detail = "\n".join(f"--- rank {r}: {msg[1]}" for r, msg in sorted(failed.items()))
         raise RuntimeError(f"{len(failed)} of {world_size} ranks failed:\n{detail}")
-    out = [results[r][1] for r in range(world_size)]
-    manager.shutdown()
-    return out
+    return [results[r][1] for r in range(world_size)]
 
 
 def _wait(procs, timeout: float) -> None:

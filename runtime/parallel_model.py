@@ -13,7 +13,7 @@ from autopart.compiler import Compiled, compile as compile_model
 from autopart.errors import AutopartError
 from autopart.mesh import Mesh
 from autopart.runtime.executor import StepContext, run_actions
-from autopart.runtime.groups import RankGroups, build_groups
+from autopart.runtime.groups import RankGroups, build_groups, check_world_size
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -51,9 +51,18 @@ class ParallelModel:
             microbatch=lambda i: {k: v[i * plan.microbatch_size:(i + 1) * plan.microbatch_size]
                                   for k, v in batch.items()},
             batch=plan.microbatch_size, seq=self._seq_len(inputs), device=self.device,
-            loss_scale=1.0 / (plan.microbatches * self.mesh.dp))
+            loss_scale=1.0 / (plan.microbatches * self.mesh.dp), group=self._groups.pp)
+        # Reduce this step's gradients only. What .grad already holds (a train_step not yet zeroed,
+        # as after two loss.backward() calls) was reduced then; reducing it again would count it
+        # once per replica or per stage sharing it. It is added back after the reduction.
+        earlier = {n: p.grad for n, p in self._params.items() if p.grad is not None}
+        for p in self._params.values():
+            p.grad = None
         losses = run_actions(self.compiled.schedule.ranks[self.coords["pp"]], ctx)
         self._reduce_gradients()
+        for name, grad in earlier.items():
+            p = self._params[name]
+            p.grad = grad if p.grad is None else grad.add_(p.grad)
         return self._global_loss(losses)
 
     def _shard(self, inputs, target) -> dict[str, torch.Tensor]:
@@ -97,7 +106,7 @@ class ParallelModel:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if holds_loss:
             total += torch.stack(losses).float().sum() / (plan.microbatches * self.mesh.dp)
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self._groups.world)
         return total
 
     # -- parameters -------------------------------------------------------------------------
@@ -134,7 +143,7 @@ class ParallelModel:
             mine = {n: t.detach().cpu() for c in self.program.chunks
                     for n, t in c.gm.state_dict().items()}
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self._groups.world)
         full = {}
         for part in gathered:
             full.update(part)
@@ -168,6 +177,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
                             "first (or use autopart.compile to inspect without processes)")
+    # before compiling: a rank outside a smaller mesh would otherwise fail on its own, differently
+    check_world_size(mesh)
     device = _device_of(model)
     example_inputs = tuple(t.to(device) for t in example_inputs)
     target = target.to(device) if target is not None else None
@@ -175,9 +186,13 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
                              microbatches=microbatches, schedule=schedule,
                              virtual_stages=virtual_stages)
     keys = list(model.state_dict().keys())
-    graph_names = {n for i in list(compiled.program.params.values()) +
-                   list(compiled.program.buffers.values()) for n in (i.name, *i.aliases)}
-    extra = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in graph_names}
+    # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
+    # never changes in training; full_state_dict returns it as it is now.
+    canonical = {a: i.name for i in list(compiled.program.params.values()) +
+                 list(compiled.program.buffers.values()) for a in (i.name, *i.aliases)}
+    in_chunks = {n for c in compiled.program.decisions["chunks"] for n in c.gm.state_dict()}
+    extra = {k: v.detach().cpu() for k, v in model.state_dict().items()
+             if canonical.get(k, k) not in in_chunks}
     pm = ParallelModel(compiled, dist.get_rank(), device, timeout, extra)
     pm._key_order = keys
     return pm

@@ -1,0 +1,231 @@
+"""run_actions, one rank's training step, checked without processes: the ranks of a pipeline are
+threads of this process, and torch.distributed's point-to-point calls inside the executor are
+replaced by a queue per (sender, receiver) pair that records every batch. The chunks are
+compiled from the model itself and share its parameters, so after all ranks ran their actions
+the model's .grad holds every rank's contribution (tied weights: both stages', summed by
+autograd) and must equal the plain model's gradient on the same global batch.
+
+The multi-process runtime (groups, reductions, the ParallelModel API) is tested in
+runtime/test_parallel_model.py and tests/test_equivalence.py.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from collections import defaultdict
+
+import pytest
+import torch
+
+import autopart
+from autopart.runtime import executor
+from autopart.runtime.executor import StepContext, run_actions
+from tests._workers import ATOL, RTOL, Case, build
+
+_COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class ThreadComm:
+    """Stands in for torch.distributed inside the executor: isend/irecv between threads."""
+
+    def __init__(self, wait_s: float = 60.0):
+        self.wait_s = wait_s
+        self._lock = threading.Lock()
+        self._queues: dict = {}
+        self._local = threading.local()
+        self.batches: dict[int, list] = defaultdict(list)   # rank -> [[(kind, peer, dtype, shape)]]
+
+    class P2POp:
+        def __init__(self, op, tensor, peer, group=None):
+            self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+
+    @staticmethod
+    def isend(*_):
+        raise AssertionError("the executor must batch its sends")
+
+    @staticmethod
+    def irecv(*_):
+        raise AssertionError("the executor must batch its receives")
+
+    def set_rank(self, rank: int) -> None:
+        self._local.rank = rank
+
+    def _queue(self, src: int, dst: int) -> queue.Queue:
+        with self._lock:
+            return self._queues.setdefault((src, dst), queue.Queue())
+
+    def batch_isend_irecv(self, ops):
+        me = self._local.rank
+        self.batches[me].append([("send" if o.op is self.isend else "recv", o.peer, o.tensor.dtype,
+                                  tuple(o.tensor.shape)) for o in ops])
+        works = []
+        for o in ops:
+            if o.op is self.isend:
+                self._queue(me, o.peer).put(o.tensor.clone())
+                works.append(_Done())
+            else:
+                works.append(_Recv(self._queue(o.peer, me), o.tensor, self.wait_s))
+        return works
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+class _Recv:
+    def __init__(self, q: queue.Queue, buf: torch.Tensor, wait_s: float):
+        self.q, self.buf, self.wait_s = q, buf, wait_s
+
+    def wait(self):
+        got = self.q.get(timeout=self.wait_s)      # queue.Empty fails the test instead of hanging
+        assert got.shape == self.buf.shape and got.dtype == self.buf.dtype, (
+            f"received {got.dtype}{tuple(got.shape)} into a {self.buf.dtype}{tuple(self.buf.shape)}"
+            " buffer: sender and receiver disagree on the boundary")
+        self.buf.copy_(got)
+        return True
+
+
+def _run_pipeline(case: Case, monkeypatch) -> tuple:
+    """Compile `case` (pp ranks, dp=1) and run every rank's actions in its own thread."""
+    model, loss_fn, inputs, target = build(case)
+    ref = copy.deepcopy(model)
+    compiled = autopart.compile(model, autopart.Mesh(pp=case.pp), inputs, loss_fn=loss_fn,
+                                target=target, microbatches=case.microbatches,
+                                schedule=case.schedule, virtual_stages=case.virtual_stages)
+    plan = compiled.plan
+    comm = ThreadComm()
+    monkeypatch.setattr(executor, "dist", comm)
+    names = compiled.program.inputs
+    batch = dict(zip(names, list(inputs) + ([target] if target is not None else [])))
+    mbs = plan.microbatch_size
+    losses, errors = {}, {}
+
+    def rank_main(r: int) -> None:
+        comm.set_rank(r)
+        ctx = StepContext(
+            chunks={c.chunk: c for c in compiled.programs[r].chunks}, peer=lambda p: p,
+            microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
+            batch=mbs, seq=inputs[0].shape[1], device=torch.device("cpu"),
+            loss_scale=1.0 / plan.microbatches)
+        try:
+            losses[r] = run_actions(compiled.schedule.ranks[r], ctx)
+        except BaseException as e:  # noqa: BLE001  (reported by the test thread)
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(case.pp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank thread is still running: deadlock"
+    if errors:
+        raise next(iter(errors.values()))
+    return model, ref, loss_fn, inputs, target, compiled, comm, losses
+
+
+def _plain_microbatch_losses(ref, loss_fn, inputs, target, m: int) -> list[torch.Tensor]:
+    mbs = inputs[0].shape[0] // m
+    out = []
+    for i in range(m):
+        sl = slice(i * mbs, (i + 1) * mbs)
+        y = ref(*(t[sl] for t in inputs))
+        out.append((loss_fn(y, target[sl]) if loss_fn is not None else y).detach())
+    return out
+
+
+def _assert_grads_equal(model, ref, loss_fn, inputs, target) -> None:
+    y = ref(*inputs)
+    (loss_fn(y, target) if loss_fn is not None else y).backward()
+    plain = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        r = plain[name].grad
+        assert p.grad is not None or r is None or not r.any(), f"{name}: no gradient"
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(g, r if r is not None else torch.zeros_like(p), rtol=RTOL,
+                                   atol=ATOL, msg=lambda m: f"gradient of {name}: {m}")
+
+
+PIPELINES = [
+    Case("gpt-pp2-gpipe", pp=2, schedule="gpipe", microbatches=4),
+    Case("gpt-pp2-1f1b", pp=2, microbatches=4),
+    Case("gpt-pp2-interleaved-v2", pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+         microbatches=4),
+    Case("gpt-pp4-1f1b-mbs1", pp=4, batch=4, microbatches=4),
+    Case("gpt-pp4-interleaved-v2", pp=4, schedule="interleaved-1f1b", virtual_stages=2,
+         microbatches=4),
+    Case("hf-pp2-1f1b", model="hf", pp=2, batch=4, seq=32, microbatches=2),
+    Case("toy-pp2-mbs1", model="toy", pp=2, batch=4, microbatches=4),
+    Case("toy-pp4-1f1b", model="toy", pp=4, microbatches=4),
+]
+
+
+def _assert_one_batch_per_run_of_transfers(compiled, comm) -> None:
+    """Each maximal run of consecutive SEND/RECV actions is one batch_isend_irecv, whose ops
+    follow the boundaries: forward sends of every output, backward sends of float ones only."""
+    for r, actions in enumerate(compiled.schedule.ranks):
+        runs, prev = [], False
+        for a in actions:
+            if a.kind in _COMM and not prev:
+                runs.append([])
+            if a.kind in _COMM:
+                runs[-1].append(a)
+            prev = a.kind in _COMM
+        assert len(comm.batches[r]) == len(runs), f"rank {r}: {len(comm.batches[r])} batches"
+        chunks = {c.chunk: c for c in compiled.programs[r].chunks}
+        for run, ops in zip(runs, comm.batches[r]):
+            expected = []
+            for a in run:
+                c = chunks[a.chunk]
+                if a.kind == "SEND_F":
+                    expected += [("send", s.peer_rank, s.dtype) for s in c.sends]
+                elif a.kind == "RECV_F":
+                    expected += [("recv", s.peer_rank, s.dtype) for s in c.recvs]
+                elif a.kind == "SEND_B":
+                    expected += [("send", s.peer_rank, s.dtype) for s in c.recvs
+                                 if s.differentiable]
+                else:
+                    expected += [("recv", s.peer_rank, s.dtype) for s in c.sends
+                                 if s.differentiable]
+            assert [op[:3] for op in ops] == expected, f"rank {r}, run {run}"
+
+
+@pytest.mark.parametrize("case", PIPELINES, ids=[c.name for c in PIPELINES])
+def test_pipeline_equals_plain(case: Case, monkeypatch):
+    model, ref, loss_fn, inputs, target, compiled, comm, losses = _run_pipeline(case, monkeypatch)
+    last = compiled.plan.chunk_ranks[-1]
+    assert all(not losses[r] for r in losses if r != last), "only the last stage computes losses"
+    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches)
+    assert len(losses[last]) == case.microbatches
+    # the schedule decides the order of microbatches; compare as multisets
+    torch.testing.assert_close(sorted(float(x) for x in losses[last]),
+                               sorted(float(x) for x in expected), rtol=RTOL, atol=ATOL)
+    _assert_grads_equal(model, ref, loss_fn, inputs, target)
+    _assert_one_batch_per_run_of_transfers(compiled, comm)
+
+
+def test_non_float_boundaries_cross_forward_only(monkeypatch):
+    """Toy sends an int64 and a bool activation across every cut: forward only, never a grad."""
+    case = Case("toy-pp4", model="toy", pp=4, microbatches=4)
+    *_, compiled, comm, _ = _run_pipeline(case, monkeypatch)
+    dtypes = {s.dtype for p in compiled.programs.values() for c in p.chunks for s in c.recvs}
+    assert {torch.int64, torch.bool} <= dtypes, dtypes
+    for r, batches in comm.batches.items():
+        for ops in batches:
+            for kind, peer, dtype, _ in ops:
+                if kind == "send" and peer < r:     # backward: towards the previous stage
+                    assert dtype.is_floating_point, f"rank {r} sent a {dtype} gradient"
+    extra = [c for p in compiled.programs.values() for c in p.chunks if "mask" in c.inputs]
+    assert len(extra) > 1, "the later chunks need the second user input, `mask`"
+
+
+@pytest.mark.parametrize("case", [Case("gpt-pp1-m4", microbatches=4),
+                                  Case("toy-pp1-mbs1", model="toy", batch=4, microbatches=4)],
+                         ids=lambda c: c.name)
+def test_single_stage_accumulates_microbatches(case: Case, monkeypatch):
+    model, ref, loss_fn, inputs, target, _, comm, losses = _run_pipeline(case, monkeypatch)
+    assert not comm.batches, "one stage sends nothing"
+    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches)
+    torch.testing.assert_close(torch.stack(losses[0]), torch.stack(expected), rtol=RTOL, atol=ATOL)
+    _assert_grads_equal(model, ref, loss_fn, inputs, target)

@@ -1,0 +1,397 @@
+"""Rank functions for `autopart.runtime.launch.spawn` (module level, so that the rank processes
+can import them) and the models, batches and cases the multi-process tests share.
+
+Every equivalence case trains the parallel model and a deep copy of the unmodified model, taken
+before `parallelize`, on the same global batch in the same rank process, and compares the loss of
+every step, the gradients of the first step, the clipped gradient norm and every parameter after
+the last step. A rank returns plain data (problems found, parameter counts, timings); the test
+process asserts on it, so a failure names the case, the rank and the parameter.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# fp32 throughout. The parallel run sums the same products in a different order (per microbatch,
+# then across microbatches, stages and replicas), so results agree to fp32 round-off, not bits:
+# losses, gradients and SGD parameters all within rtol 1e-5 / atol 1e-6 (measured max abs errors
+# ~5e-7 on values up to ~1). A missing microbatch, replica or tied-weight share is a >= 12% error.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+def gpt_config(n_layer: int = 8):
+    from examples.gpt import GPTConfig
+    return GPTConfig(n_layer=n_layer, n_head=4, n_embd=32, vocab_size=128, block_size=16)
+
+
+def hf_loss(out, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on a Hugging Face CausalLMOutput's `.logits` (the model's own loss shifts)."""
+    logits = out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.table = nn.Embedding(width, width)
+
+    def forward(self, h, route, keep, mask):
+        h = h + torch.tanh(self.lin(h)) * mask[..., None] + self.table(route) * 0.1
+        return torch.where(keep[..., None], h, h * 0.5)
+
+
+class Toy(nn.Module):
+    """A model that exercises what GPT does not: a second user input (`mask`, float, read by every
+    block, so by every pipeline chunk), an int64 and a bool activation computed from the first
+    activations and read by every block (so they cross every pipeline cut as non-float boundary
+    tensors, with no gradient to send back), and a forward that takes the target and returns its
+    own loss (loss_fn=None)."""
+
+    def __init__(self, n_layer: int = 4, width: int = 32, vocab: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(ToyBlock(width) for _ in range(n_layer))
+        self.head = nn.Linear(width, vocab)
+        self.route_bias = nn.Embedding(width, vocab)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)                                  # (B, T, W)
+        route = h.argmax(-1)                             # int64 (B, T), from activations
+        keep = h.sum(-1) > 0                             # bool (B, T), from activations
+        for block in self.blocks:
+            h = block(h, route, keep, mask)
+        logits = self.head(h) + self.route_bias(route)   # route stays live to the end
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+class Extras(nn.Module):
+    """State beyond trainable weights: a frozen layer, a persistent and a non-persistent buffer
+    read in forward, and a parameter forward never uses (no gradient, still in the state dict)."""
+
+    def __init__(self, n_layer: int = 4, width: int = 16, vocab: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.frozen = nn.Linear(width, width).requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n_layer))
+        self.unused = nn.Linear(3, 3)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("shift", torch.full((width,), 0.1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.frozen(self.emb(x))
+        for block in self.blocks:
+            h = h + torch.tanh(block(h)) * self.scale + self.shift
+        return self.head(h)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One equivalence configuration; `world` ranks run it."""
+    name: str
+    model: str = "gpt"               # gpt (8 layers) | gpt4 (4 layers) | hf | toy | extras
+    pp: int = 1
+    dp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    batch: int = 8                   # global batch
+    seq: int = 16
+    optim: str = "sgd"               # sgd | adam
+    steps: int = 3
+    accumulate: int = 1              # train_step calls (same batch) per optimizer step
+    clip: float | None = 0.05        # clip_grad_norm_ on step 2 (small enough that it clips)
+    device: str = "cpu"              # cpu | cuda (rank r on cuda:r)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+
+def build(case: Case, seed: int = 0, device: str = "cpu"):
+    """(model, loss_fn, inputs, target) for a case, identical in every process."""
+    torch.manual_seed(seed)
+    if case.model in ("gpt", "gpt4"):
+        from examples.gpt import GPT, lm_loss
+        cfg = gpt_config(8 if case.model == "gpt" else 4)
+        model, loss_fn, vocab = GPT(cfg), lm_loss, cfg.vocab_size
+    elif case.model == "hf":
+        import transformers
+        transformers.logging.set_verbosity_error()
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256,
+                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model, loss_fn, vocab = transformers.GPT2LMHeadModel(cfg), hf_loss, cfg.vocab_size
+    elif case.model == "toy":
+        model, loss_fn, vocab = Toy(), None, 64
+    elif case.model == "extras":
+        from examples.gpt import lm_loss
+        model, loss_fn, vocab = Extras(), lm_loss, 64
+    else:
+        raise ValueError(case.model)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, vocab, (case.batch, case.seq), generator=g)
+    y = torch.randint(0, vocab, (case.batch, case.seq), generator=g)
+    model = model.to(device)
+    if case.model == "toy":      # the target is a model input: forward returns the loss itself
+        mask = torch.rand(case.batch, case.seq, generator=g) + 0.5
+        return model, loss_fn, tuple(t.to(device) for t in (x, mask, y)), None
+    return model, loss_fn, (x.to(device),), y.to(device)
+
+
+def _optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _param_atol(case: Case) -> float:
+    # Adam divides each gradient element by its own running magnitude, so an element whose
+    # gradient is within a few hundred ulps of zero (summed in another order) moves by a visibly
+    # different fraction of lr=1e-3: measured up to 1.6e-6. 1e-5 is still 1% of one Adam step
+    # (lr), so a parameter that missed a step or moved the wrong way fails. The loss and the
+    # step-1 gradients keep their tight bounds; SGD cases keep atol=1e-6 for the parameters.
+    return 1e-5 if case.optim == "adam" else ATOL
+
+
+def _compare(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float,
+             problems: list[str]) -> float:
+    """Record a problem unless `actual` is close to `expected`; returns the max absolute error."""
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
+    if actual.shape != expected.shape:
+        problems.append(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+        return float("inf")
+    err = (actual - expected).abs()
+    bad = err > atol + rtol * expected.abs()
+    if bad.any():
+        i = int(err.argmax())
+        a, e = float(actual.reshape(-1)[i]), float(expected.reshape(-1)[i])
+        problems.append(f"{what}: {int(bad.sum())} of {err.numel()} elements differ; max abs error "
+                        f"{float(err.max()):.3g} at flat index {i} ({a:.8g} vs {e:.8g}); "
+                        f"rtol={rtol} atol={atol}")
+    return float(err.max()) if err.numel() else 0.0
+
+
+def equivalence(case: Case, rank: int) -> dict:
+    """Train `case` for case.steps steps, parallel and plain; return what differs (none: equal)."""
+    import autopart
+
+    start = time.perf_counter()
+    device = f"cuda:{rank}" if case.device == "cuda" else "cpu"
+    model, loss_fn, inputs, target = build(case, device=device)
+    ref = copy.deepcopy(model)            # the unmodified model, before parallelize touches it
+    ref_sd0 = ref.state_dict()
+    ref_keys = list(ref_sd0.keys())
+    ref_shapes = {k: tuple(v.shape) for k, v in ref_sd0.items()}
+    ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=case.dp), inputs,
+                              loss_fn=loss_fn, target=target, microbatches=case.microbatches,
+                              schedule=case.schedule, virtual_stages=case.virtual_stages,
+                              timeout=timedelta(seconds=120))
+    compile_s = time.perf_counter() - start
+    opt, ref_opt = _optimizer(case.optim, pm.parameters()), _optimizer(case.optim, ref.parameters())
+    problems: list[str] = []
+    max_err = 0.0
+    for step in range(1, case.steps + 1):
+        for call in range(case.accumulate):
+            what = f"step {step}" + (f" call {call + 1}" if case.accumulate > 1 else "")
+            loss = pm.train_step(*inputs, target=target)
+            out = ref(*inputs)
+            ref_loss = loss_fn(out, target) if loss_fn is not None else out
+            ref_loss.backward()
+            max_err = max(max_err, _compare(f"{what} loss", loss, ref_loss, RTOL, ATOL, problems))
+        if step == 1:
+            # a parameter forward never reads has no gradient and never changes: no rank needs it
+            used = sorted(n for n, p in ref_params.items() if p.grad is not None)
+            for name, p in pm.named_parameters():
+                # None and all-zero gradients are the same to an optimizer without weight decay
+                g, r = p.grad, ref_params[name].grad
+                _compare(f"step 1 grad of {name}", g if g is not None else torch.zeros_like(p),
+                         r if r is not None else torch.zeros_like(p), RTOL, ATOL, problems)
+        if step == 2 and case.clip is not None:
+            norm = pm.clip_grad_norm_(case.clip)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
+            if float(ref_norm) <= case.clip:
+                problems.append(f"test setup: plain grad norm {float(ref_norm)} <= clip {case.clip}"
+                                " so clipping was not exercised")
+            _compare("step 2 clip_grad_norm_", norm, ref_norm, RTOL, ATOL, problems)
+        opt.step(), opt.zero_grad()
+        ref_opt.step(), ref_opt.zero_grad()
+    held = {}
+    for name, p in pm.named_parameters():
+        held[name] = p.numel()
+        max_err = max(max_err, _compare(f"parameter {name} after {case.steps} steps", p,
+                                        ref_params[name], RTOL, _param_atol(case), problems))
+    sd = pm.full_state_dict()
+    if list(sd.keys()) != ref_keys:
+        missing, extra = set(ref_keys) - set(sd), set(sd) - set(ref_keys)
+        problems.append(f"full_state_dict keys differ from model.state_dict(): missing "
+                        f"{sorted(missing)}, extra {sorted(extra)}"
+                        + ("" if missing or extra else " (same keys, different order)"))
+    ref_sd = ref.state_dict()
+    for k, v in sd.items():
+        if k in ref_shapes and tuple(v.shape) != ref_shapes[k]:
+            problems.append(f"full_state_dict[{k!r}] shape {tuple(v.shape)} != {ref_shapes[k]}")
+        elif k in ref_sd and ref_sd[k].is_floating_point():
+            _compare(f"full_state_dict[{k!r}]", v, ref_sd[k], RTOL, _param_atol(case), problems)
+    return {"case": case.name, "rank": rank, "problems": problems, "held": held,
+            "held_numel": sum(held.values()), "plain_names": used,
+            "total_numel": sum(p.numel() for p in ref_params.values()), "max_err": max_err,
+            "chunks": [c.chunk for c in pm.program.chunks], "compile_s": compile_s,
+            "seconds": time.perf_counter() - start}
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    """Rank function: every case in turn (all of this world size). A case that raises is recorded;
+    the cases after it are not run, since a peer may be stuck in that case's communication."""
+    out = []
+    for i, case in enumerate(cases):
+        assert case.world == world, (case, world)
+        try:
+            out.append(equivalence(case, rank))
+        except Exception:  # noqa: BLE001  (reported by the test process, per case)
+            out.append({"case": case.name, "rank": rank,
+                        "problems": [f"raised on rank {rank}:\n{traceback.format_exc()}"]})
+            out += [{"case": c.name, "rank": rank,
+                     "problems": [f"not run: case {case.name!r} failed before it"]}
+                    for c in cases[i + 1:]]
+            break
+    return out
+
+
+def mesh_mismatch(rank: int, world: int, meshes: list[dict]) -> list[str]:
+    """Rank function: parallelize with each mesh (none of size `world`); return each error text."""
+    import autopart
+    from examples.gpt import GPT, lm_loss
+
+    errors = []
+    x = torch.zeros(8, 16, dtype=torch.long)
+    for sizes in meshes:
+        torch.manual_seed(0)
+        try:
+            autopart.parallelize(GPT(gpt_config(8)), autopart.Mesh(**sizes), (x,), loss_fn=lm_loss,
+                                 target=x, microbatches=4, timeout=timedelta(seconds=30))
+            errors.append("no error")
+        except autopart.AutopartError as e:
+            errors.append(f"AutopartError: {e}")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__} (not AutopartError): {e}")
+    return errors
+
+
+def api_checks(rank: int, world: int) -> dict:
+    """Rank function for runtime/test_parallel_model.py: Mesh(pp=world) on Extras; returns
+    what the API did, for the test process to assert on."""
+    import autopart
+
+    case = Case("api", model="extras", pp=world, microbatches=2)
+    model, loss_fn, inputs, target = build(case)
+    pm = autopart.parallelize(model, autopart.Mesh(pp=world), inputs, loss_fn=loss_fn,
+                              target=target, microbatches=2, timeout=timedelta(seconds=60))
+    out: dict = {"rank": rank}
+    errors = {}
+    for what, args, kwargs in [("batch", (inputs[0][:4],), {"target": target[:4]}),
+                               ("arity", inputs, {}),
+                               ("extra", inputs + inputs, {"target": target})]:
+        try:
+            pm.train_step(*args, **kwargs)
+            errors[what] = "no error"
+        except Exception as e:  # noqa: BLE001
+            errors[what] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    loss = pm.train_step(*inputs, target=target)
+    out["loss"] = float(loss)
+    out["loss_shape"] = tuple(loss.shape)
+    out["params_unchanged"] = all(torch.equal(before[n], p) for n, p in pm.named_parameters())
+    out["grads"] = {n: p.grad is not None for n, p in pm.named_parameters()}
+    out["named_is_parameters"] = [id(p) for _, p in pm.named_parameters()] == \
+        [id(p) for p in pm.parameters()]
+    out["code"] = pm.program.code
+    out["chunks"] = [c.chunk for c in pm.program.chunks]
+    out["explain"] = pm.explain()
+    out["model_names"] = [n for n, _ in model.named_parameters()]
+    out["state_keys"] = list(pm.full_state_dict().keys())
+    out["plain_state_keys"] = list(model.state_dict().keys())
+    return out
+
+
+def die_mid_step(rank: int, world: int, how: str, victim: int, timeout_s: float,
+                 dp: int = 1) -> None:
+    """Rank function: Mesh(pp=world // dp, dp=dp) training in which rank `victim`, in its first
+    forward of step 2, exits (how="exit", as a killed process) or stops responding for longer
+    than the timeout (how="hang"). Every other rank must raise; its error says how long after
+    the start of its step it failed ("failed after 12.3 s in step 2")."""
+    import autopart
+
+    case = Case("die", pp=world // dp, dp=dp, microbatches=4)
+    model, loss_fn, inputs, target = build(case)
+    pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=dp), inputs, loss_fn=loss_fn,
+                              target=target, microbatches=4, timeout=timedelta(seconds=timeout_s))
+    step = 0
+    if rank == victim:
+        chunk = pm.program.chunks[0]
+        forward = chunk.gm.forward
+
+        def dying_forward(*args):
+            if step == 2:
+                if how == "exit":
+                    os._exit(13)
+                time.sleep(2 * timeout_s + 5)   # long enough for the others to time out, bounded
+                os._exit(14)
+            return forward(*args)
+        chunk.gm.forward = dying_forward
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    for step in (1, 2, 3):
+        started = time.monotonic()
+        try:
+            pm.train_step(*inputs, target=target)
+        except Exception as e:
+            raise RuntimeError(f"rank {rank} failed after {time.monotonic() - started:.1f} s in "
+                               f"step {step}: {type(e).__name__}: {e}") from e
+        opt.step(), opt.zero_grad()
+
+
+SPAWN_TIMEOUT = 420.0   # per spawn group: a hang is a failure, never a stuck CI job
+PG_TIMEOUT = 120.0      # the default process group's (parallelize is given its own timeout)
+
+
+def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT) -> dict:
+    """Run `cases` (same world size) in one spawn, once per session; {case name: [rank dicts]}."""
+    from autopart.runtime.launch import spawn
+
+    if key not in cache:
+        world = cases[0].world
+        assert all(c.world == world for c in cases), key
+        start = time.monotonic()
+        try:
+            per_rank = spawn(run_cases, world, list(cases), timeout=timeout, pg_timeout=PG_TIMEOUT)
+        except Exception as e:  # noqa: BLE001  (every test of the group reports it)
+            cache[key] = e
+        else:
+            results: dict = {c.name: [] for c in cases}
+            for rank_results in per_rank:
+                for r in rank_results:
+                    results[r["case"]].append(r)
+            cache[key] = results
+        print(f"[spawn {key}: {world} ranks, {len(cases)} cases, "
+              f"{time.monotonic() - start:.1f} s]", file=sys.stderr)
+    if isinstance(cache[key], Exception):
+        raise cache[key]
+    return cache[key]
+
+
+__all__ = ["Case", "Extras", "Toy", "api_checks", "build", "die_mid_step", "equivalence",
+           "mesh_mismatch", "run_cases", "run_group"]

@@ -1,0 +1,77 @@
+"""Failures end: a rank that dies or stops responding mid-step makes every other rank raise within
+the timeout given to parallelize (a hang is the failure these tests catch, so each one asserts the
+time it took), and a mesh that does not match the process group fails on every rank, clearly.
+
+Fast tier: python -m pytest -m "not full" tests/test_failures.py
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from autopart.runtime.launch import spawn
+from tests._workers import die_mid_step, mesh_mismatch
+
+TIMEOUT_S = 10.0     # parallelize(timeout=...): bounds every wait of the training step
+PG_TIMEOUT = 300.0   # the default group's, deliberately longer: parallelize's own must apply
+MARGIN_S = 15.0      # scheduling noise on a loaded 2-core machine
+
+
+def _failures(world: int, how: str, victim: int, dp: int = 1) -> tuple[str, float]:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        spawn(die_mid_step, world, how, victim, TIMEOUT_S, dp, timeout=240, pg_timeout=PG_TIMEOUT)
+    return str(info.value), time.monotonic() - start
+
+
+def _assert_survivors_raised(text: str, world: int, victim: int, code: int) -> None:
+    assert f"{world} of {world} ranks failed" in text, text[-3000:]
+    assert re.search(rf"--- rank {victim}: exit code {code}\b", text), text[-3000:]
+    for rank in range(world):
+        if rank == victim:
+            continue
+        m = re.search(rf"rank {rank} failed after ([0-9.]+) s in step (\d)", text)
+        assert m, f"rank {rank} did not raise a timely error (killed instead?):\n{text[-3000:]}"
+        assert m.group(2) == "2", f"rank {rank} failed in step {m.group(2)}, expected 2"
+        assert float(m.group(1)) <= TIMEOUT_S + MARGIN_S, (
+            f"rank {rank} took {m.group(1)} s to notice, timeout {TIMEOUT_S} s")
+
+
+def test_killed_rank_makes_the_others_fail_pp2():
+    text, elapsed = _failures(2, "exit", victim=1)
+    _assert_survivors_raised(text, 2, victim=1, code=13)
+    assert elapsed < 120, f"spawn took {elapsed:.0f} s"
+
+
+def test_unresponsive_rank_makes_the_others_fail_within_the_timeout_pp2():
+    # rank 1 sleeps 2 * TIMEOUT_S + 5 s in step 2: rank 0 must give up after TIMEOUT_S, well
+    # before the default group's 300 s, with an error rather than waiting for rank 1
+    text, elapsed = _failures(2, "hang", victim=1)
+    _assert_survivors_raised(text, 2, victim=1, code=14)
+    assert elapsed < 150, f"spawn took {elapsed:.0f} s"
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("how,victim,dp", [("exit", 0, 1), ("exit", 2, 1), ("hang", 1, 1),
+                                           ("exit", 3, 2), ("hang", 0, 2)],
+                         ids=["exit-first-pp4", "exit-middle-pp4", "hang-pp4",
+                              "exit-pp2xdp2", "hang-pp2xdp2"])
+def test_failing_rank_makes_all_others_fail_4_ranks(how, victim, dp):
+    text, elapsed = _failures(4, how, victim, dp)
+    _assert_survivors_raised(text, 4, victim, 13 if how == "exit" else 14)
+    assert elapsed < 200, f"spawn took {elapsed:.0f} s"
+
+
+def test_mesh_of_another_size_fails_clearly_on_every_rank():
+    meshes = [dict(pp=4), dict(pp=1), dict(pp=2, dp=2)]
+    per_rank = spawn(mesh_mismatch, 2, meshes, timeout=240)
+    for rank, errors in enumerate(per_rank):
+        for sizes, error in zip(meshes, errors):
+            n = 1
+            for v in sizes.values():
+                n *= v
+            assert error.startswith("AutopartError: "), (rank, sizes, error)
+            assert f"needs {n} processes but the process group has 2" in error, (rank, error)
+            assert "remedy" in error, error
