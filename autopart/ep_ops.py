@@ -13,6 +13,18 @@ Token block r*N .. r*N+N-1 of the local-expert tensor holds rank r's tokens, in 
 so any op that treats each (expert, token) row on its own (batched matmuls with the expert's
 weights, activations) gives the same rows as on one process.
 
+Dropless layers that sort their (token, choice) rows by expert and run grouped matmuls with
+cumulative row offsets per expert (Hugging Face's grouped_mm experts: Mixtral, Qwen2-MoE, OLMoE)
+send a data-dependent number of rows to each rank:
+
+    sorted_layout(offsets)          rows every rank sends this rank, per local expert [ep, E/ep]
+                                    (one all-to-all of counts; no gradient)
+    local_offsets(layout)           cumulative rows per local expert, for the grouped matmuls
+    dispatch_rows(x, offsets, layout)   [S, ...] rows sorted by expert -> [R, ...] this rank's
+                                    experts' rows from every rank, sorted by local expert
+    combine_rows(y, offsets, layout)    the inverse, [R, ...] -> [S, ...]; rows past offsets[-1]
+                                    (assigned to no expert) come back as zeros
+
 `localize_experts` gives a program its rank's slice of the expert weights (dim 0, E/ep each).
 """
 from __future__ import annotations
@@ -108,7 +120,119 @@ def combine_from_experts(y: torch.Tensor, comm: EPComm) -> torch.Tensor:
     return _Combine.apply(y, comm)
 
 
-for _fn in (dispatch_to_experts, combine_from_experts):
+# -- sorted rows with per-expert offsets (dropless, data-dependent sizes) ---------------------------
+
+
+def _counts(offsets: torch.Tensor) -> torch.Tensor:
+    """Rows per expert from cumulative offsets [E]."""
+    offsets = offsets.to(torch.int64)
+    return torch.diff(offsets, prepend=offsets.new_zeros(1))
+
+
+@torch.no_grad()
+def sorted_layout(offsets: torch.Tensor, comm: EPComm) -> torch.Tensor:
+    """int64 [ep, E/ep]: rows source rank r sends this rank for its local expert e."""
+    ep = comm.size
+    counts = _counts(offsets).view(ep, -1)               # [dest rank, its experts]
+    if ep == 1:
+        return counts
+    comm._check()
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=comm.group)
+    return out
+
+
+@torch.no_grad()
+def local_offsets(layout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Cumulative rows per local expert (the dtype of the original offsets)."""
+    return torch.cumsum(layout.sum(dim=0), dim=0).to(like.dtype)
+
+
+def _row_plan(offsets: torch.Tensor, layout: torch.Tensor, ep: int):
+    """(rows sent to each rank, rows received from each rank, permutation of the received rows
+    into local-expert order)."""
+    send = _counts(offsets).view(ep, -1).sum(dim=1).tolist()
+    recv = layout.sum(dim=1).tolist()
+    flat = layout.reshape(-1)                              # blocks in arrival order (r, e)
+    starts = torch.cumsum(flat, 0) - flat                  # where block (r, e) starts
+    by_expert = layout.t().reshape(-1)                     # blocks wanted in (e, r) order
+    block_start = starts.view(layout.shape).t().reshape(-1)
+    total = int(flat.sum())
+    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(by_expert, 0) - by_expert,
+                                                           by_expert)
+    perm = torch.repeat_interleave(block_start, by_expert) + within
+    return send, recv, perm
+
+
+def _rows_a2a(x: torch.Tensor, out_rows: int, in_splits, out_splits, comm) -> torch.Tensor:
+    comm._check()
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
+                           input_split_sizes=in_splits, group=comm.group)
+    return out
+
+
+def _rows_forward(x, offsets, layout, comm):
+    send, recv, perm = _row_plan(offsets, layout, comm.size)
+    got = _rows_a2a(x[:sum(send)], sum(recv), send, recv, comm)
+    return got[perm]
+
+
+def _rows_backward(y, offsets, layout, comm, rows: int):
+    send, recv, perm = _row_plan(offsets, layout, comm.size)
+    back = torch.empty_like(y)
+    back[perm] = y
+    out = _rows_a2a(back, sum(send), recv, send, comm)
+    if out.shape[0] < rows:                  # rows assigned to no expert: zeros
+        out = torch.cat([out, out.new_zeros((rows - out.shape[0], *out.shape[1:]))])
+    return out
+
+
+class _DispatchRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, offsets, layout, comm):
+        ctx.save_for_backward(offsets, layout)
+        ctx.comm, ctx.rows = comm, x.shape[0]
+        return _rows_forward(x, offsets, layout, comm)
+
+    @staticmethod
+    def backward(ctx, g):
+        offsets, layout = ctx.saved_tensors
+        return _rows_backward(g, offsets, layout, ctx.comm, ctx.rows), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, offsets, layout, rows, comm):
+        ctx.save_for_backward(offsets, layout)
+        ctx.comm = comm
+        return _rows_backward(y, offsets, layout, comm, rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        offsets, layout = ctx.saved_tensors
+        return _rows_forward(g, offsets, layout, ctx.comm), None, None, None, None
+
+
+def dispatch_rows(x: torch.Tensor, offsets: torch.Tensor, layout: torch.Tensor,
+                  comm: EPComm) -> torch.Tensor:
+    """Rows sorted by expert [S, ...] -> this rank's experts' rows from every rank [R, ...]."""
+    if comm.size == 1:
+        return x
+    return _DispatchRows.apply(x, offsets, layout, comm)
+
+
+def combine_rows(y: torch.Tensor, offsets: torch.Tensor, layout: torch.Tensor, like: torch.Tensor,
+                 comm: EPComm) -> torch.Tensor:
+    """The inverse of dispatch_rows: [R, ...] -> [S, ...] with S = like.shape[0] (the rows
+    dispatched); rows past offsets[-1] are zeros."""
+    if comm.size == 1:
+        return y
+    return _CombineRows.apply(y, offsets, layout, like.shape[0], comm)
+
+
+for _fn in (dispatch_to_experts, combine_from_experts, sorted_layout, local_offsets,
+            dispatch_rows, combine_rows):
     _fn.__module__ = "autopart.ep_ops"
 
 

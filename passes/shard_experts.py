@@ -1,19 +1,28 @@
 """shard_experts: mixture-of-experts layers found from ops and dataflow, experts sharded over ep.
 
-An *expert matmul* multiplies an activation whose dim 0 has size E by a parameter stacked over E
-experts ([E, a, b]) expert by expert: `bmm(x[E, N, a], w[E, a, b])`, a 3-D `matmul`, or an einsum
-such as "enm,emf->enf" whose expert letter leads both operands and the output and whose token
-letter survives. Starting from the expert matmuls, the pass grows a *region* of ops that treat
-each (expert, token) row on its own (elementwise ops, activations, feature splits, more expert
-matmuls). A region whose inputs are computed from a routing op (top-k, argmax, one-hot, sort) of a
-router is an MoE layer. Its rewrite, on every rank:
+An *expert matmul* multiplies routed tokens by a parameter stacked over E experts ([E, a, b]),
+expert by expert, in one of two layouts:
+
+  experts-major  tokens [E, N, a] (dim 0 the expert): `bmm(x, w)`, a 3-D `matmul`, or an einsum
+                 such as "enm,emf->enf" whose expert letter leads both operands and the output
+                 (GShard/Switch dense dispatch: examples/switch.py);
+  sorted rows    tokens [S, a] sorted by expert with cumulative row offsets per expert [E]:
+                 a grouped matmul (`transformers::grouped_mm_fallback`, `aten::_grouped_mm`:
+                 Hugging Face Mixtral / Qwen2-MoE / OLMoE, dropless).
+
+Starting from the expert matmuls, the pass grows a *region* of ops that treat each (expert,
+token) row on its own (elementwise ops, activations, feature splits, more expert matmuls). A
+region whose inputs are computed from a routing op (top-k, argmax, one-hot, sort) is an MoE
+layer. Its rewrite, on every rank:
 
     entry [E, N, ...]  --dispatch_to_experts-->  [E/ep, ep*N, ...]     (all-to-all)
     region ops with this rank's expert weights [E/ep, ...]
     exit  [E/ep, ep*N, ...]  --combine_from_experts-->  [E, N, ...]   (all-to-all back)
 
-so routing, capacity, dropping, the combine and the auxiliary losses stay on the rank that owns
-the tokens and run exactly as in the plain model. Nothing depends on module or parameter names.
+or, for sorted rows, sorted_layout (an all-to-all of row counts), dispatch_rows / combine_rows
+(all-to-alls of data-dependent size) and local_offsets for the grouped matmuls. Routing,
+capacity, dropping, the combine and the auxiliary losses stay on the rank that owns the tokens
+and run exactly as in the plain model. Nothing depends on module or parameter names.
 
 Gradients (the runtime's part): a rank's expert gradient already sums the contributions of the
 tokens of all ep ranks of its group; sum it over the dp/ep ranks that hold the same experts and
@@ -48,6 +57,7 @@ PARAM_VIEWS = {aten.transpose.int, aten._to_copy.default, aten.to.dtype, aten.al
 ROW_LOCAL_LAST = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
                   aten._log_softmax.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+GROUPED_MM = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")
 
 
 @dataclass(frozen=True)
@@ -62,11 +72,14 @@ class MoELayer:
     params: tuple                # expert-sharded parameters (dim 0)
     router: str | None           # the router's weight parameter
     routing: tuple               # routing ops found (e.g. ('one_hot', 'argmax'))
-    capacity: int | None         # tokens per expert per routing group (None: not found)
-    tokens_per_expert: str       # rows per expert per rank per microbatch, in b (and s)
-    a2a_bytes: str               # forward bytes one rank sends per microbatch (same in backward)
+    capacity: int | None         # tokens per expert per routing group (None: dropless/not found)
+    tokens_per_expert: str       # rows per expert per rank per microbatch, in b (and s); for
+                                 # sorted rows: all rows of the rank (data-dependent per expert)
+    a2a_bytes: str               # forward bytes one rank sends per microbatch (same in backward);
+                                 # sorted rows: the expectation under balanced routing
     a2a_bytes_at_capture: int    # a2a_bytes at the captured batch size
     source: str
+    layout: str = "experts-major"     # or "sorted-rows"
 
 
 @dataclass
@@ -123,11 +136,31 @@ class _ExpertMM:
     param: str
     views: tuple                 # nodes between the parameter and the matmul
     experts: int
+    offsets: fx.Node | None = None   # sorted rows: cumulative rows per expert
+
+
+def _grouped_matmul(node, params) -> _ExpertMM | None:
+    """grouped_mm(x [S, a], w [E, a, b], offsets [E]): rows sorted by expert."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+            or node.target._schema.name not in GROUPED_MM:
+        return None
+    x, w = node.args[:2]
+    offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+    src = _param_source(w, params)
+    if src is None or not isinstance(offs, fx.Node) or ndim(w) != 3 or ndim(x) != 2:
+        return None
+    E = _static(shape_of(w)[0])
+    if E is None or _static(shape_of(offs)[0]) != E:
+        return None
+    return _ExpertMM(node, x, src[0], tuple(src[1]), E, offs)
 
 
 def _expert_matmul(node, params) -> _ExpertMM | None:
     if node.op != "call_function":
         return None
+    grouped = _grouped_matmul(node, params)
+    if grouped is not None:
+        return grouped
     if node.target in MATMULS:
         x, w = node.args[:2]
         if not isinstance(x, fx.Node) or _is_param_derived(x, params):
@@ -178,31 +211,42 @@ class _Finder:
             if mm is not None:
                 self.mms[n] = mm
 
-    def local_op(self, node: fx.Node, E: int, region: set) -> bool:
+    def local_op(self, node: fx.Node, seed: _ExpertMM, region: set) -> bool:
         """Does `node` treat each (expert, token) row of its region inputs on its own?"""
         if node.op != "call_function":
             return False
+        E, offs = seed.experts, seed.offsets
         if node in self.mms:
-            return self.mms[node].experts == E
+            mm = self.mms[node]
+            return mm.experts == E and mm.offsets is offs
         t = node.target
         if t is operator.getitem:
             return node.args[0] in region
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dim() < 2 or _static(val.shape[0]) != E:
+        if t in SPLITS and isinstance(node.args[0], fx.Node):
+            val = node.args[0].meta.get("val")        # a split's output is a list: its input
+        if not isinstance(val, torch.Tensor) or val.dim() < 2 - (offs is not None):
             return False
         nd = val.dim()
+        # the first non-row dim: experts-major [E, N, ...] keeps dims 0, 1; sorted rows dim 0
+        free = 1 if offs is not None else 2
+        if offs is None and _static(val.shape[0]) != E:
+            return False
+        if offs is not None and not _same(val.shape[0], shape_of(seed.node)[0]):
+            return False
         if t in SPLITS:
             dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-            return dim % nd >= 2
+            return dim % nd >= free
         if t in ROW_LOCAL_LAST:
-            return node.args[1] % nd >= 2
+            return node.args[1] % nd >= free
         if t in (aten.layer_norm.default, aten.rms_norm.default):
-            return len(node.args[1]) <= nd - 2 and self._others_ok(node, E, region, nd)
+            return len(node.args[1]) <= nd - free and self._others_ok(node, seed, region, nd)
         if t in ELEMENTWISE:
-            return self._others_ok(node, E, region, nd)
+            return self._others_ok(node, seed, region, nd)
         return False
 
-    def _others_ok(self, node, E, region, nd) -> bool:
+    def _others_ok(self, node, seed, region, nd) -> bool:
+        E, rows = seed.experts, seed.offsets is not None
         for a in node.all_input_nodes:
             if a in region:
                 continue
@@ -210,42 +254,45 @@ class _Finder:
             lead = nd - len(shape)          # broadcasting aligns trailing dims
             dims = {lead + i: d for i, d in enumerate(shape)}
             if a.name not in self.activations:      # weights, constants: same on every rank
-                if _static(dims.get(0, 1)) == E and _param_source(a, self.params):
+                if not rows and _static(dims.get(0, 1)) == E and _param_source(a, self.params):
                     continue                         # a per-expert parameter: sharded too
-                if _static(dims.get(0, 1)) in (1,) and _static(dims.get(1, 1)) == 1:
+                if _static(dims.get(0, 1)) == 1 and (rows or _static(dims.get(1, 1)) == 1):
                     continue
                 return False
-            # another activation: dispatched alongside when it is [E, tokens, ...]
-            if len(shape) != nd or _static(shape[0]) != E:
+            # another activation: dispatched alongside when it has the same row layout
+            if len(shape) != nd:
+                return False
+            if rows and not _same(shape[0], shape_of(seed.node)[0]):
+                return False
+            if not rows and _static(shape[0]) != E:
                 return False
         return True
 
-    def regions(self) -> list[set]:
+    def regions(self) -> list[tuple[set, _ExpertMM]]:
         """Connected regions of expert-local ops around the expert matmuls."""
         done: set = set()
         out = []
         for mm in sorted(self.mms, key=self.order.get):
             if mm in done:
                 continue
-            E = self.mms[mm].experts
-            region = self._grow(mm, E)
+            region = self._grow(self.mms[mm])
             done |= region
-            out.append(region)
+            out.append((region, self.mms[mm]))
         return out
 
-    def _grow(self, seed, E) -> set:
+    def _grow(self, seed: _ExpertMM) -> set:
         """Forward closure from the seed's matmuls, pruned to ops that lead to a matmul; then
         joined with any other matmul sharing an input (gate and up projections)."""
-        closure, stack = {seed}, [seed]
+        closure, stack = {seed.node}, [seed.node]
         while stack:
             n = stack.pop()
             for u in n.users:
-                if u not in closure and self.local_op(u, E, closure):
+                if u not in closure and self.local_op(u, seed, closure):
                     closure.add(u)
                     stack.append(u)
             if n in self.mms:                # siblings reading the same x (gate and up)
                 for u in self.mms[n].x.users:
-                    if u in self.mms and u not in closure and self.mms[u].experts == E:
+                    if u in self.mms and u not in closure and self.local_op(u, seed, closure):
                         closure.add(u)
                         stack.append(u)
         keep = {n for n in closure if n in self.mms}
@@ -260,6 +307,19 @@ class _Finder:
             if not isinstance(n.meta.get("val"), torch.Tensor):
                 keep |= {u for u in n.users if u.target is operator.getitem}
         return keep
+
+
+def _dtype_check(node) -> bool:
+    """torch.export's dtype/device assertion before a cast: true of the local rows as well."""
+    return node.target is aten._assert_tensor_metadata.default and \
+        node.kwargs.get("size") is None and node.kwargs.get("stride") is None
+
+
+def _same(a, b) -> bool:
+    """Two (possibly symbolic) sizes are the same expression."""
+    ea = sympy.sympify(a.node.expr) if isinstance(a, torch.SymInt) else sympy.Integer(int(a))
+    eb = sympy.sympify(b.node.expr) if isinstance(b, torch.SymInt) else sympy.Integer(int(b))
+    return sympy.simplify(ea - eb) == 0
 
 
 def _activations(gm, state: set) -> set[str]:
@@ -295,15 +355,27 @@ def find_moe_layers(program: Program, ep: int = 1) -> EPPlan:
     f = _Finder(program)
     plan = EPPlan(ep)
     symbols = program.decisions.get("symbols", {})
-    for region in f.regions():
+    for n in f.gm.graph.nodes:      # stacked weights gathered per token: no expert dim left
+        if n.target is aten.index.Tensor and ndim(n.args[0]) == 3 and \
+                _param_source(n.args[0], f.params) is not None:
+            plan.skipped.append((n.name, f"the stacked weight {_param_source(n.args[0], f.params)[0]} "
+                                 "is gathered per token (weight[expert_ids]), so its matmuls have "
+                                 "no expert dimension to shard (Hugging Face "
+                                 "experts_implementation='batched_mm'; the default 'grouped_mm' "
+                                 "shards)"))
+    for region, seed in f.regions():
         mms = sorted((n for n in region if n in f.mms), key=f.order.get)
         first = mms[0]
-        E = f.mms[first].experts
+        E, offs = seed.experts, seed.offsets
+        rows = offs is not None
         entries = sorted({a for n in region for a in n.all_input_nodes
-                          if a not in region and a.name in f.activations}, key=f.order.get)
+                          if a not in region and a.name in f.activations and a is not offs},
+                         key=f.order.get)
         exits = sorted((n for n in region if isinstance(n.meta.get("val"), torch.Tensor)
-                        and any(u not in region for u in n.users)), key=f.order.get)
-        routing = [n for n in _cone(entries) if n.op == "call_function" and n.target in ROUTING]
+                        and any(u not in region and not _dtype_check(u) for u in n.users)),
+                       key=f.order.get)
+        routing = [n for n in _cone(entries + ([offs] if rows else []))
+                   if n.op == "call_function" and n.target in ROUTING]
         if not routing:
             plan.skipped.append((first.name, f"{E}-way batched matmul with a stacked weight, but "
                                  "its input is not computed from a top-k/argmax/one-hot routing"))
@@ -311,7 +383,7 @@ def find_moe_layers(program: Program, ep: int = 1) -> EPPlan:
         router = _router(routing, E, f.params)
         params = _region_params(region, f, E)
         _check_param_uses(f, params, region)
-        tokens = [sym_shape(n.meta["val"], symbols)[1] for n in entries + exits]
+        tokens = [sym_shape(n.meta["val"], symbols)[0 if rows else 1] for n in entries + exits]
         if any(sympy.simplify(t - tokens[0]) != 0 for t in tokens):
             raise node_error(first, "the tensors entering and leaving this MoE layer's experts "
                              f"have different token counts {tokens}", "route every expert input "
@@ -323,12 +395,23 @@ def find_moe_layers(program: Program, ep: int = 1) -> EPPlan:
             matmuls=tuple(n.name for n in mms), entries=tuple(n.name for n in entries),
             exits=tuple(n.name for n in exits), params=tuple(params), router=router,
             routing=tuple(sorted({n.target._schema.name.split("::")[-1] for n in routing})),
-            capacity=_capacity(entries, routing, E), tokens_per_expert=str(tokens[0]),
-            a2a_bytes=str(nbytes), a2a_bytes_at_capture=int(at), source=user_source_line(first)))
-        plan._regions = getattr(plan, "_regions", []) + [(region, entries, exits, first)]
+            capacity=None if rows else _capacity(entries, routing, E),
+            tokens_per_expert=str(tokens[0]), a2a_bytes=str(nbytes), a2a_bytes_at_capture=int(at),
+            source=user_source_line(first), layout="sorted-rows" if rows else "experts-major"))
+        plan._regions = getattr(plan, "_regions", []) + [_Region(region, entries, exits, first,
+                                                                  offs)]
         for p in params:
             plan.params[p] = ParamShard(0, (E,))
     return plan
+
+
+@dataclass
+class _Region:
+    nodes: set
+    entries: list
+    exits: list
+    first: fx.Node
+    offsets: fx.Node | None      # sorted rows: the cumulative rows per expert
 
 
 def _layer_name(node) -> str:
@@ -356,12 +439,16 @@ def _capacity(entries, routing, E) -> int | None:
 
 
 def _region_params(region, f: _Finder, E) -> list[str]:
+    """The expert matmuls' weights and any per-expert parameter [E, ...] the region broadcasts."""
     out = []
     for n in sorted(region, key=f.order.get):
+        if n in f.mms and f.mms[n].param not in out:
+            out.append(f.mms[n].param)
+            continue
         for a in n.all_input_nodes:
             src = _param_source(a, f.params)
-            if src is not None and _static(shape_of(a)[0] if ndim(a) else None) == E \
-                    and ndim(a) == ndim(n) and src[0] not in out:
+            if src is not None and ndim(a) == ndim(n) and _static(shape_of(a)[0]) == E \
+                    and src[0] not in out:
                 out.append(src[0])
     return out
 
@@ -378,8 +465,7 @@ def _check_param_uses(f: _Finder, params, region) -> None:
             for u in v.users:
                 if u in region:
                     continue
-                if u.target is aten._assert_tensor_metadata.default and \
-                        u.kwargs.get("size") is None and u.kwargs.get("stride") is None:
+                if _dtype_check(u):
                     continue
                 if u.target in PARAM_VIEWS and _param_source(u, f.params) is not None:
                     stack.append(u)
@@ -418,12 +504,14 @@ def shard_experts(program: Program, *, ep: int):
     if not plan.layers:
         why = "".join(f"\n  {n}: {r}" for n, r in plan.skipped)
         raise AutopartError(
-            f"ep={ep} shards mixture-of-experts layers, but the model has none: no batched matmul "
-            "of routed tokens [E, tokens, d] with a parameter stacked over E experts [E, d, f] "
-            f"was found{why}\n  remedy: use ep=1 (plain data parallelism), or write the experts "
-            "as stacked weights with a leading expert dimension")
+            f"ep={ep} shards mixture-of-experts layers, but the model has none: no matmul of "
+            "routed tokens ([E, tokens, d] batched, or rows sorted by expert in a grouped matmul) "
+            f"with a parameter stacked over E experts [E, d, f] was found{why}\n  remedy: use "
+            "ep=1 (plain data parallelism), or write the experts as stacked weights with a "
+            "leading expert dimension")
     regions = plan._regions
-    for layer, (_, _, _, first) in zip(plan.layers, regions):
+    for layer, region in zip(plan.layers, regions):
+        first = region.first
         if layer.num_experts % ep:
             E = layer.num_experts
             ok = [d for d in range(1, E + 1) if E % d == 0]
@@ -442,33 +530,62 @@ def _report(plan: EPPlan) -> dict:
             "expert_params": sorted(plan.params), "skipped": plan.skipped}
 
 
-def _rewrite(old: fx.GraphModule, regions, ep: int) -> fx.GraphModule:
-    in_region = {}
-    entries, exits = set(), set()
-    for region, ent, ex, _ in regions:
-        for n in region:
-            in_region[n] = True
-        entries |= set(ent)
-        exits |= set(ex)
+def _rewrite(old: fx.GraphModule, regions: list, ep: int) -> fx.GraphModule:
+    region_of = {n: r for r in regions for n in r.nodes}
     g = fx.Graph()
     comm = g.get_attr(COMM)
     env: dict = {}          # old node -> new node (the value its own consumers see)
     local: dict = {}        # entry -> dispatched, for region consumers
     combined: dict = {}     # exit -> combined, for consumers outside
+    layouts: dict = {}      # sorted rows: region -> (layout, local offsets)
+
+    def layout(r: _Region):
+        if id(r) not in layouts:
+            if r.offsets not in env:
+                raise node_error(r.first, "the expert row offsets are computed after the "
+                                 "tokens enter the experts", "compute the offsets first")
+            lay = _call(g, ep_ops.sorted_layout, (env[r.offsets], comm), r.offsets, None)
+            offs = _call(g, ep_ops.local_offsets, (lay, env[r.offsets]), r.offsets,
+                         r.offsets.meta.get("val"))
+            layouts[id(r)] = (lay, offs)
+        return layouts[id(r)]
+
+    def dispatched(a: fx.Node, r: _Region) -> fx.Node:
+        if a not in local:
+            if r.offsets is None:
+                local[a] = _call(g, ep_ops.dispatch_to_experts, (env[a], comm), a,
+                                 _local_val(a.meta.get("val"), ep))
+            else:
+                lay, _ = layout(r)
+                local[a] = _call(g, ep_ops.dispatch_rows, (env[a], env[r.offsets], lay, comm),
+                                 a, a.meta.get("val"))
+        return local[a]
+
     for node in old.graph.nodes:
-        if node in in_region:
-            new = g.node_copy(node, lambda a: local.get(a, env[a]))
-            new.meta["val"] = _local_val(node.meta.get("val"), ep)
+        r = region_of.get(node)
+        if r is not None:
+            def arg(a, r=r):
+                if r.offsets is not None and a is r.offsets:
+                    return layout(r)[1]
+                if a in r.entries:
+                    return dispatched(a, r)
+                return env[a]
+            new = g.node_copy(node, arg)
+            if r.offsets is None:
+                new.meta["val"] = _local_val(node.meta.get("val"), ep)
             new.meta["ep"] = "local experts"
             env[node] = new
-            if node in exits:
-                combined[node] = _call(g, ep_ops.combine_from_experts, (new, comm), node,
-                                       node.meta.get("val"))
+            if node in r.exits:
+                if r.offsets is None:
+                    combined[node] = _call(g, ep_ops.combine_from_experts, (new, comm), node,
+                                           node.meta.get("val"))
+                else:
+                    lay, _ = layout(r)
+                    combined[node] = _call(g, ep_ops.combine_rows, (
+                        new, env[r.offsets], lay, env[r.entries[0]], comm), node,
+                        node.meta.get("val"))
         else:
             env[node] = g.node_copy(node, lambda a: combined.get(a, env[a]))
-            if node in entries and any(u in in_region for u in node.users):
-                local[node] = _call(g, ep_ops.dispatch_to_experts, (env[node], comm), node,
-                                    _local_val(node.meta.get("val"), ep))
     g.lint()
     root = {n.target: _attr(old, n.target) for n in old.graph.nodes if n.op == "get_attr"}
     root[COMM] = ep_ops.EPComm(ep)
@@ -480,7 +597,8 @@ def _rewrite(old: fx.GraphModule, regions, ep: int) -> fx.GraphModule:
 def _call(g, fn, args, like: fx.Node, val) -> fx.Node:
     out = g.create_node("call_function", fn, tuple(args), {})
     out.meta = {k: like.meta[k] for k in ("stack_trace", "nn_module_stack") if k in like.meta}
-    out.meta["val"] = val
+    if val is not None:
+        out.meta["val"] = val
     return out
 
 

@@ -232,6 +232,59 @@ def test_an_expert_weight_used_whole_elsewhere_is_refused():
     assert "needs all 4 experts" in str(info.value)
 
 
+def _hf_program(impl: str = "grouped_mm"):
+    transformers = pytest.importorskip("transformers")
+    from tests.moe_workers import hf_loss
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        experts_implementation=impl)
+    x = torch.randint(0, 128, (2, 16))
+    return capture(transformers.MixtralForCausalLM(cfg), (x,), loss_fn=hf_loss, target=x)
+
+
+def test_hugging_face_mixtral_grouped_mm_experts():
+    """transformers 5.x Mixtral (also Qwen2-MoE, OLMoE): stacked gate_up_proj [E, 2F, C] and
+    down_proj [E, C, F], top-2 rows sorted by expert and run as grouped matmuls with per-expert
+    offsets; dropless, so the rows each rank sends are data-dependent."""
+    rewritten, report = shard_experts(_hf_program(), ep=2)
+    assert [layer["name"] for layer in report["layers"]] == ["model.layers.0.mlp",
+                                                             "model.layers.1.mlp"]
+    layer = report["layers"][0]
+    assert layer["layout"] == "sorted-rows" and layer["capacity"] is None
+    assert layer["params"] == ("model.layers.0.mlp.experts.gate_up_proj",
+                               "model.layers.0.mlp.experts.down_proj")
+    assert layer["router"] == "model.layers.0.mlp.gate.weight"
+    assert {"topk", "sort"} <= set(layer["routing"])
+    assert layer["tokens_per_expert"] == "2*b*s"           # top-2: two rows per token
+    assert layer["a2a_bytes"] == "256*b*s"                 # (rows x 32 floats) x2 ways, half away
+    counts = _counts(rewritten.gm)
+    assert counts["sorted_layout"] == counts["dispatch_rows"] == counts["combine_rows"] == 2
+    assert counts["grouped_mm_fallback.default"] == 4
+
+
+def test_hugging_face_batched_mm_experts_are_explained():
+    program = _hf_program("batched_mm")
+    with pytest.raises(AutopartError, match="gathered per token") as info:
+        shard_experts(program, ep=2)
+    assert "experts_implementation='batched_mm'" in str(info.value)
+
+
+def test_row_dispatch_plan_orders_rows_by_local_expert():
+    # 2 ranks x 4 experts; rank 1 keeps experts 2, 3. Rows per expert: rank 0 [1, 2, 3, 1],
+    # rank 1 [0, 1, 2, 2]. Rank 1 receives (from 0: 3 rows of e2, 1 of e3; from 1: 2 of e2,
+    # 2 of e3) and orders them e2 (rank 0's, then rank 1's), then e3.
+    layout = torch.tensor([[3, 1], [2, 2]])
+    offsets_r1 = torch.cumsum(torch.tensor([0, 1, 2, 2]), 0)
+    send, recv, perm = ep_ops._row_plan(offsets_r1, layout, 2)
+    assert send == [1, 4] and recv == [4, 4]
+    arrived = ["0e2a", "0e2b", "0e2c", "0e3a", "1e2a", "1e2b", "1e3a", "1e3b"]
+    assert [arrived[i] for i in perm] == ["0e2a", "0e2b", "0e2c", "1e2a", "1e2b",
+                                          "0e3a", "1e3a", "1e3b"]
+    assert ep_ops.local_offsets(layout, offsets_r1).tolist() == [5, 8]
+
+
 # -- on ranks ---------------------------------------------------------------------------------
 
 RANK_CASES = [
@@ -241,6 +294,7 @@ RANK_CASES = [
     EPCase("top1-dropless-skewed", "tiny,n_layer=2,capacity_factor=none", skew=True),
     EPCase("top2-dropless-skewed", "tiny,n_layer=2,top_k=2,capacity_factor=none", skew=True),
     EPCase("gated-swiglu-topk", "gated", batch=8),
+    EPCase("hf-mixtral", "hf-mixtral"),
     EPCase("bug-expert-grads-not-divided-by-ep", "tiny,n_layer=2", bug=True, steps=1),
 ]
 
@@ -258,8 +312,10 @@ def test_ranks_match_the_plain_model(two_ranks, name):
     results = two_ranks[name]
     for r in results:
         assert r["problems"] == [], f"rank {r['rank']}: " + "\n".join(r["problems"])
-    if name != "gated-swiglu-topk":
+    if name.startswith("top"):
         assert results[0]["local_shapes"]["transformer.h.1.mlp.c_fc"] == (2, 64, 256)
+    if name == "hf-mixtral":
+        assert results[0]["local_shapes"]["model.layers.1.mlp.experts.down_proj"] == (2, 32, 64)
 
 
 def test_skewed_router_binds_capacity_and_idles_an_expert(two_ranks):
@@ -280,6 +336,16 @@ def test_the_ep_times_too_large_expert_gradient_is_caught(two_ranks):
                                                 "grad transformer.h.1.mlp.c_proj"], problems
     assert all("norm ratio 2.000" in g for g in grads)
     assert all("mlp.c_" in p for p in problems)        # the dense parameters stay right
+
+
+@pytest.mark.full
+def test_hugging_face_olmoe_and_qwen2_moe_on_two_ranks():
+    from autopart.runtime.launch import spawn
+    from tests.moe_workers import ep_cases
+    cases = [EPCase("hf-olmoe", "hf-olmoe"), EPCase("hf-qwen2-moe", "hf-qwen2-moe")]
+    for rank_results in spawn(ep_cases, 2, cases, timeout=240, pg_timeout=60):
+        for r in rank_results:
+            assert r["problems"] == [], f"{r['case']} rank {r['rank']}: {r['problems']}"
 
 
 @pytest.mark.full

@@ -26,7 +26,7 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 @dataclass(frozen=True)
 class EPCase:
     name: str
-    spec: str                 # examples.switch config, or "gated" (GatedMoE)
+    spec: str                 # examples.switch config, "gated" (GatedMoE) or "hf-..." (hf_moe)
     skew: bool = False        # router skewed: capacity binds, the last expert gets no tokens
     ep: int = 0               # 0: ep = world (= dp)
     bug: bool = False         # reduce expert grads as dense ones over the replicas (the common
@@ -76,6 +76,29 @@ class GatedMoE(nn.Module):
         if self.shared_use:            # the expert weight read whole outside the experts
             loss = loss + 1e-3 * self.w_down.square().sum()
         return loss
+
+
+def hf_moe(name: str) -> nn.Module:
+    """An unmodified Hugging Face mixture-of-experts LM built from a small config (4 experts,
+    top-2, the default grouped_mm experts: rows sorted by expert, dropless)."""
+    import transformers
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2)
+    if name == "hf-mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4))
+    if name == "hf-olmoe":
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**common, num_experts=4))
+    if name == "hf-qwen2-moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=4, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64))
+    raise KeyError(name)
+
+
+def hf_loss(out, target: torch.Tensor) -> torch.Tensor:
+    logits = out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
 class WithStats(nn.Module):
@@ -153,13 +176,16 @@ def run_case(rank: int, world: int, case: EPCase, program_cache: dict) -> dict:
     from examples.switch import SwitchGPT, config
 
     gated = case.spec == "gated"
+    hf = case.spec.startswith("hf-")
     torch.manual_seed(0)
-    model = GatedMoE() if gated else SwitchGPT(config(case.spec))
-    data = batches(64 if gated else model.config.vocab_size, 16 if gated else
-                   model.config.block_size, case.steps, case.batch)
+    model = GatedMoE() if gated else hf_moe(case.spec) if hf else SwitchGPT(config(case.spec))
+    vocab, seq = (64, 16) if gated else (128, 16) if hf else (model.config.vocab_size,
+                                                              model.config.block_size)
+    data = batches(vocab, seq, case.steps, case.batch)
     if case.spec not in program_cache:
         x0, y0 = data[0][0][:2], data[0][1][:2]
         program_cache[case.spec] = (model, capture(model, (x0, y0)) if gated else
+                                    capture(model, (x0,), loss_fn=hf_loss, target=y0) if hf else
                                     capture_with_stats(model, x0, y0))
     shared, program = program_cache[case.spec]
     with torch.no_grad():   # this case's weights, into the model the program reads
@@ -186,8 +212,8 @@ def run_case(rank: int, world: int, case: EPCase, program_cache: dict) -> dict:
         out = gm(xs, ys)
         loss = out[0] if isinstance(out, (tuple, list)) else out
         loss.backward()
-        ref_out = ref(x, y) if gated else ref(x, y, True)
-        ref_loss = ref_out if gated else ref_out[0]
+        ref_out = ref(x, y) if gated else hf_loss(ref(x), y) if hf else ref(x, y, True)
+        ref_loss = ref_out if gated or hf else ref_out[0]
         ref_loss.backward()
 
         mean_loss = loss.detach().clone()
@@ -196,7 +222,7 @@ def run_case(rank: int, world: int, case: EPCase, program_cache: dict) -> dict:
         losses.append((float(mean_loss), float(ref_loss.detach())))
         if not torch.allclose(mean_loss, ref_loss.detach(), rtol=RTOL, atol=ATOL):
             problems.append(f"step {step}: loss {float(mean_loss)} != plain {float(ref_loss)}")
-        if not gated:
+        if not (gated or hf):
             ref_stats = ref_out[1]
             for key, count in zip(("routed", "processed", "dropped_tokens"), out[1:]):
                 total = count.clone()
