@@ -1,0 +1,370 @@
+"""autopart's pipeline runtime against torch.distributed.pipelining, on the same GPT, cuts and schedule.
+
+    python bench/pipeline_vs_torch.py                          # both schedules, table
+    python bench/pipeline_vs_torch.py --schedule 1f1b --microbatches 16 --steps 10 --json
+
+Two rank processes (Gloo, one thread each) run, per schedule, four things in turn, step after
+step in one run so that the machine's noise hits all of them alike:
+  autopart   ParallelModel.train_step on the global batch
+  torch      torch.distributed.pipelining: one PipelineStage per autopart chunk, built by splitting
+             the GPT at the layer boundaries autopart chose, driven by Schedule1F1B /
+             ScheduleInterleaved1F1B with the same loss function
+  floor      each rank's chunks run eagerly microbatch by microbatch, no communication
+  plain      the unsplit model, forward+backward on the whole global batch, on rank 0 alone
+and the table gives median step times, autopart/torch (wall and main-thread CPU time), and each
+one's share of the ideal pipeline:
+  ideal = plain / pp * (1 + (pp - 1) / (v * microbatches))     share = ideal / step time
+Before timing, both pipelines' first-step loss and gradients are checked against the plain model.
+See bench/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # for `examples.gpt`
+
+from examples.gpt import GPT, config, lm_loss  # noqa: E402
+
+SCHEDULES = {   # autopart name -> (virtual stages, torch schedule class name)
+    "1f1b": (1, "Schedule1F1B"),
+    "interleaved-1f1b": (2, "ScheduleInterleaved1F1B"),
+}
+PP = 2
+
+
+# -- torch's side: stage modules cut where autopart cut ------------------------------------------
+class GPTStage(nn.Module):
+    """Blocks `layers` of `model`, plus the embeddings on the first stage and ln_f + lm_head on the
+    last: the piece of the plain GPT that one autopart chunk computes (weights shared with `model`)."""
+
+    def __init__(self, model: GPT, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        t = model.transformer
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
+        self.h = nn.ModuleList(t.h[i] for i in layers)
+        if last:
+            self.ln_f, self.lm_head = t.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:                                   # x: int64[B, T] token ids
+            pos = torch.arange(0, x.shape[1], dtype=torch.long, device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.h:                             # x: float[B, T, C]
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))               # float[B, T, V]
+        return x
+
+
+def layer_cuts(chunk_layers, n_layer: int) -> list[list[int]]:
+    """autopart's `plan.chunk_layers` -> block indices per chunk; fails if a block is split."""
+    out, seen = [], []
+    for paths in chunk_layers:
+        idx = [int(re.fullmatch(r"transformer\.h\.(\d+)", p).group(1)) for p in paths]
+        out.append(idx)
+        seen += idx
+    if seen != list(range(n_layer)):
+        raise RuntimeError(f"autopart's chunks {chunk_layers} do not cut at whole-block boundaries "
+                           f"in order; this benchmark needs block boundaries to mirror them")
+    return out
+
+
+@dataclass
+class TorchPipe:
+    """This rank's torch.distributed.pipelining schedule and what a step needs around it."""
+    schedule: object
+    has_first: bool
+    has_last: bool
+    tied: list            # parameters whose grads are summed between ranks (the tied embedding)
+    params: list          # this rank's parameters, each once
+    names: dict           # id(param) -> name in the plain model
+    stages: list          # this rank's PipelineStages, in chunk order
+
+
+def torch_pipeline(model: GPT, compiled, rank: int, microbatches: int, schedule: str) -> TorchPipe:
+    """torch.distributed.pipelining stages for this rank's chunks, checked against autopart's."""
+    from torch.distributed import pipelining as tp
+    plan = compiled.plan
+    cuts = layer_cuts(plan.chunk_layers, model.config.n_layer)
+    k = len(cuts)
+    mine = [c for c in range(k) if plan.chunk_ranks[c] == rank]
+    names_of: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), set()).add(name)
+    by_chunk = {c.chunk: c for c in compiled.programs[rank].chunks}
+    stages = []
+    for c in mine:
+        module = GPTStage(model, cuts[c], first=c == 0, last=c == k - 1)
+        ours = {id(p) for p in module.parameters()}
+        theirs = set(by_chunk[c].params)
+        names = set().union(*(names_of[i] for i in ours))
+        if len(ours) != len(theirs) or not theirs <= names:
+            raise RuntimeError(f"chunk {c}: torch stage holds {sorted(names)} but autopart's chunk "
+                               f"holds {sorted(theirs)}")
+        stages.append(tp.PipelineStage(module, c, k, torch.device("cpu")))
+    cls = getattr(tp, SCHEDULES[schedule][1])
+    if len(stages) == 1:
+        sched = cls(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
+    else:
+        sched = cls(stages, n_microbatches=microbatches, loss_fn=lm_loss)
+    # Tied embedding / output projection: both ranks hold it; sum its grads as autopart does.
+    tied = []
+    first_rank, last_rank = plan.chunk_ranks[0], plan.chunk_ranks[-1]
+    if model.config.tie_weights and first_rank != last_rank:
+        tied = [model.transformer.wte.weight]
+    params = list({id(p): p for s in stages for p in s.submod.parameters()}.values())
+    return TorchPipe(sched, 0 in mine, k - 1 in mine, tied, params,
+                     {id(p): n for n, p in model.named_parameters()}, stages)
+
+
+def torch_step(pipe: TorchPipe, tokens, targets) -> torch.Tensor:
+    """One torch pipelining training step, with the same extra work autopart's train_step does:
+    the tied-weight gradient all-reduce and the global mean loss on every rank."""
+    losses: list = []
+    has_last = pipe.has_last
+    args = (tokens,) if pipe.has_first else ()
+    pipe.schedule.step(*args, target=targets if has_last else None,
+                       losses=losses if has_last else None)
+    for p in pipe.tied:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    total = torch.stack(losses).detach().sum() / len(losses) if has_last else torch.zeros(())
+    dist.all_reduce(total)
+    return total
+
+
+def plain_step(model: GPT, tokens, targets) -> torch.Tensor:
+    loss = lm_loss(model(tokens), targets)
+    loss.backward()
+    return loss.detach()
+
+
+# -- checks ----------------------------------------------------------------------------------------
+def _zero(params) -> None:
+    for p in params:
+        p.grad = None
+
+
+def _grad_error(pairs) -> float:
+    """Largest |g - g_plain| over all pairs, relative to the largest |g_plain|."""
+    worst, scale = 0.0, 1e-12
+    for g, ref in pairs:
+        g = torch.zeros_like(ref) if g is None else g
+        worst = max(worst, float((g - ref).abs().max()))
+        scale = max(scale, float(ref.abs().max()))
+    return worst / scale
+
+
+def check_equal_work(plain, pm, pipe, tokens, targets, tol: float) -> dict:
+    """First step of each on the same weights and batch: loss and grads must match the plain model."""
+    plain_params = dict(plain.named_parameters())
+    _zero(plain_params.values())
+    ref_loss = float(plain_step(plain, tokens, targets))
+    ap_loss = float(pm.train_step(tokens, target=targets))
+    ap_err = _grad_error([(p.grad, plain_params[n].grad) for n, p in pm.named_parameters()])
+    t_loss = float(torch_step(pipe, tokens, targets))
+    t_err = _grad_error([(p.grad, plain_params[pipe.names[id(p)]].grad) for p in pipe.params])
+    errs = torch.tensor([abs(ap_loss - ref_loss), abs(t_loss - ref_loss), ap_err, t_err])
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    out = {"plain_loss": ref_loss, "autopart_loss": ap_loss, "torch_loss": t_loss,
+           "autopart_grad_rel_err": float(errs[2]), "torch_grad_rel_err": float(errs[3])}
+    bad = [k for k, v in zip(("autopart loss", "torch loss", "autopart grads", "torch grads"), errs)
+           if not float(v) <= tol * (max(1.0, abs(ref_loss)) if "loss" in k else 1.0)]
+    if bad:
+        raise AssertionError(f"not the same work as the plain model: {', '.join(bad)} differ: {out}")
+    return out
+
+
+# -- compute floor: the same chunks, eager, microbatch by microbatch, no communication ------------------
+def floor_step(pipe: TorchPipe, tokens, targets, m: int, hidden: torch.Tensor) -> None:
+    """Forward+backward of this rank's chunks on every microbatch with no pipeline at all: the
+    compute any runtime must do at this microbatch size (inputs from other ranks are stand-ins)."""
+    mbs = tokens.shape[0] // m
+    for stage in pipe.stages:
+        mod = stage.submod
+        for i in range(m):
+            rows = slice(i * mbs, (i + 1) * mbs)
+            x = tokens[rows] if mod.first else hidden.detach().requires_grad_(True)
+            out = mod(x)
+            if mod.last:
+                (lm_loss(out, targets[rows]) / m).backward()
+            else:
+                out.backward(hidden)
+
+
+# -- one rank ----------------------------------------------------------------------------------------
+def _timed(fn, *args, sync: bool = True) -> tuple[float, float]:
+    """(wall, cpu) seconds of fn(*args); cpu is the calling thread's CPU time: the runtime's own
+    work (Python, compute, posting messages) without waiting, so other load on the machine
+    disturbs it far less than the wall time."""
+    if sync:
+        dist.barrier()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    fn(*args)
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def rank_main(rank: int, world: int, opts: dict) -> dict:
+    import autopart
+    torch.manual_seed(opts["seed"])
+    cfg = config(opts["config"])
+    plain = GPT(cfg)
+    m, mbs = opts["microbatches"], opts["microbatch_size"]
+    batch = m * mbs
+    g = torch.Generator().manual_seed(opts["seed"] + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    hidden = 0.02 * torch.randn(mbs, cfg.block_size, cfg.n_embd, generator=g)
+    results = []
+    for name in opts["schedules"]:
+        v = SCHEDULES[name][0]
+        ap_model, t_model = copy.deepcopy(plain), copy.deepcopy(plain)
+        t0 = time.perf_counter()
+        pm = autopart.parallelize(ap_model, autopart.Mesh(pp=PP), (tokens,), loss_fn=lm_loss,
+                                  target=targets, microbatches=m, schedule=name, virtual_stages=v)
+        compile_s = time.perf_counter() - t0
+        pipe = torch_pipeline(t_model, pm.compiled, pm.coords["pp"], m, name)
+        check = check_equal_work(plain, pm, pipe, tokens, targets, opts["tol"])
+
+        ap_params, t_params, p_params = list(pm.parameters()), pipe.params, list(plain.parameters())
+        runners = {   # every rank runs these together, each step starting at a barrier
+            "autopart": (lambda: pm.train_step(tokens, target=targets), ap_params),
+            "torch": (lambda: torch_step(pipe, tokens, targets), t_params),
+            "floor": (lambda: floor_step(pipe, tokens, targets, m, hidden), t_params),
+        }
+        wall = {k: [] for k in (*runners, "plain")}
+        cpu = {k: [] for k in (*runners, "plain")}
+        load = os.getloadavg()[0]
+        for it in range(opts["warmup"] + opts["steps"]):
+            for key, (fn, params) in runners.items():      # A, B, A, B, ...
+                _zero(params)
+                dt, dc = _timed(fn)
+                if it >= opts["warmup"]:
+                    wall[key].append(dt)
+                    cpu[key].append(dc)
+            _zero(p_params)   # plain: rank 0 alone, the other rank waits at the barrier
+            dist.barrier()
+            dt, dc = _timed(plain_step, plain, tokens, targets, sync=False) if rank == 0 else (0, 0)
+            dist.barrier()
+            if it >= opts["warmup"]:
+                wall["plain"].append(dt)
+                cpu["plain"].append(dc)
+        # a step lasts as long as its slowest rank
+        for d in (wall, cpu):
+            for key in d:
+                t = torch.tensor(d[key], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                d[key] = t.tolist()
+        med = {k: statistics.median(x) for k, x in wall.items()}
+        cmed = {k: statistics.median(x) for k, x in cpu.items()}
+        bubble = (PP - 1) / (v * m)
+        ideal = med["plain"] / PP * (1 + bubble)
+        results.append({
+            "schedule": name, "pp": PP, "virtual_stages": v, "microbatches": m,
+            "microbatch_size": mbs, "chunk_layers": [list(c) for c in pm.compiled.plan.chunk_layers],
+            "autopart_ms": 1e3 * med["autopart"], "torch_ms": 1e3 * med["torch"],
+            "plain_ms": 1e3 * med["plain"], "ideal_ms": 1e3 * ideal, "floor_ms": 1e3 * med["floor"],
+            "ratio": med["autopart"] / med["torch"],
+            "autopart_share": ideal / med["autopart"], "torch_share": ideal / med["torch"],
+            "floor_share": ideal / (med["floor"] * (1 + bubble)),
+            "autopart_cpu_ms": 1e3 * cmed["autopart"], "torch_cpu_ms": 1e3 * cmed["torch"],
+            "cpu_ratio": cmed["autopart"] / cmed["torch"],
+            "quartiles_ms": {k: [1e3 * q for q in statistics.quantiles(x, n=4)] if len(x) > 1
+                             else [1e3 * x[0]] * 3 for k, x in wall.items()},
+            "autopart_ms_all": [1e3 * t for t in wall["autopart"]],
+            "torch_ms_all": [1e3 * t for t in wall["torch"]],
+            "load_before": load, "load_after": os.getloadavg()[0],
+            "compile_s": compile_s, "check": check})
+        del pm, pipe
+    return {"results": results}
+
+
+# -- driver ------------------------------------------------------------------------------------------
+def table(opts: dict, results: list[dict]) -> str:
+    cfg = config(opts["config"])
+    lines = [f"GPT {opts['config']} (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+             f"block_size={cfg.block_size}, vocab={cfg.vocab_size}); pp={PP}, Gloo, 1 thread/rank; "
+             f"{opts['microbatches']} microbatches x {opts['microbatch_size']}; medians of "
+             f"{opts['steps']} steps after {opts['warmup']} warm-up, autopart/torch/floor/plain in turn",
+             "",
+             f"{'schedule':<20}{'autopart':>9}{'torch':>8}{'ratio':>7}{'cpu ratio':>10}"
+             f"{'plain':>8}{'ideal':>8}{'floor':>8}{'autopart':>10}{'torch':>8}{'floor':>8}",
+             f"{'':<20}{'ms':>9}{'ms':>8}{'':>7}{'':>10}{'ms':>8}{'ms':>8}{'ms':>8}"
+             f"{'share':>10}{'share':>8}{'share':>8}"]
+    for r in results:
+        name = r["schedule"] + (f" v={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+        lines.append(f"{name:<20}{r['autopart_ms']:>9.1f}{r['torch_ms']:>8.1f}{r['ratio']:>7.2f}"
+                     f"{r['cpu_ratio']:>10.2f}{r['plain_ms']:>8.1f}{r['ideal_ms']:>8.1f}"
+                     f"{r['floor_ms']:>8.1f}{100 * r['autopart_share']:>9.1f}%"
+                     f"{100 * r['torch_share']:>7.1f}%{100 * r['floor_share']:>7.1f}%")
+    lines += [
+        "",
+        "ratio      autopart / torch step time (wall, slowest rank); cpu ratio: the same for the",
+        "           main thread's CPU time (what the runtime itself costs, waiting excluded)",
+        "ideal      plain / pp * (1 + (pp-1)/(v*m)), plain = the unsplit model's forward+backward on",
+        "           the whole global batch on one rank; share = ideal / step time",
+        "floor      the rank's chunks run eagerly microbatch by microbatch, no communication: the",
+        "           compute any runtime must do at this microbatch size; floor share = ideal /",
+        "           (floor * (1 + bubble)), the best share a pipeline of eager chunks can reach"]
+    for r in results:
+        c = r["check"]
+        cuts = " | ".join(f"{p[0].split('.')[-1]}-{p[-1].split('.')[-1]}" for p in r["chunk_layers"])
+        lines.append(f"{r['schedule']}: blocks per chunk [{cuts}]; first-step loss plain "
+                     f"{c['plain_loss']:.6f} autopart {c['autopart_loss']:.6f} torch "
+                     f"{c['torch_loss']:.6f}; grad rel err autopart {c['autopart_grad_rel_err']:.1e} "
+                     f"torch {c['torch_grad_rel_err']:.1e}; load avg {r['load_before']:.1f} -> "
+                     f"{r['load_after']:.1f} on {os.cpu_count()} cpus")
+        q = r["quartiles_ms"]
+        lines.append("    step time quartiles (ms): " + "; ".join(
+            f"{k} {v[0]:.1f} / {v[1]:.1f} / {v[2]:.1f}" for k, v in q.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--schedule", choices=[*SCHEDULES, "all"], default="all")
+    ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--microbatch-size", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20, help="measured steps of each (default 20)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--config", default="tiny,n_layer=8,n_embd=64,block_size=32",
+                    help="GPT config spec for examples.gpt.config")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tol", type=float, default=1e-4,
+                    help="allowed loss / relative gradient difference from the plain model")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds before the ranks are killed")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON line on stdout (the table goes to stderr)")
+    a = ap.parse_args(argv)
+    opts = dict(schedules=list(SCHEDULES) if a.schedule == "all" else [a.schedule],
+                microbatches=a.microbatches, microbatch_size=a.microbatch_size, steps=a.steps,
+                warmup=a.warmup, config=a.config, seed=a.seed, tol=a.tol)
+    from autopart.runtime.launch import spawn
+    out = spawn(rank_main, PP, opts, timeout=a.timeout)[0]
+    text = table(opts, out["results"])
+    if a.json:
+        print(text, file=sys.stderr)
+        print(json.dumps({"bench": "pipeline_vs_torch", "options": opts, "results": out["results"]}))
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
