@@ -73,6 +73,8 @@ class MoELayer:
     router: str | None           # the router's weight parameter
     routing: tuple               # routing ops found (e.g. ('one_hot', 'argmax'))
     capacity: int | None         # tokens per expert per routing group (None: dropless/not found)
+    group_size: int | None       # tokens per routing group (None: per-token routing/not found);
+                                 # a microbatch shard must hold whole groups
     tokens_per_expert: str       # rows per expert per rank per microbatch, in b (and s); for
                                  # sorted rows: all rows of the rank (data-dependent per expert)
     a2a_bytes: str               # forward bytes one rank sends per microbatch (same in backward);
@@ -396,6 +398,7 @@ def find_moe_layers(program: Program, ep: int = 1) -> EPPlan:
             exits=tuple(n.name for n in exits), params=tuple(params), router=router,
             routing=tuple(sorted({n.target._schema.name.split("::")[-1] for n in routing})),
             capacity=None if rows else _capacity(entries, routing, E),
+            group_size=None if rows else _group_size(routing, E),
             tokens_per_expert=str(tokens[0]), a2a_bytes=str(nbytes), a2a_bytes_at_capture=int(at),
             source=user_source_line(first), layout="sorted-rows" if rows else "experts-major"))
         plan._regions = getattr(plan, "_regions", []) + [_Region(region, entries, exits, first,
@@ -428,6 +431,15 @@ def _router(routing, E, params) -> str | None:
                 if src is not None:
                     return src[0]
     return None
+
+
+def _group_size(routing, E) -> int | None:
+    """Tokens per routing group: dim -2 of the scores [..., group, E] the routing op ranks."""
+    sizes = {_static(shape_of(n.args[0])[-2]) for n in routing
+             if n.target in (aten.topk.default, aten.argmax.default, aten.max.dim)
+             and ndim(n.args[0]) >= 3 and _static(shape_of(n.args[0])[-1]) == E}
+    sizes.discard(None)
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _capacity(entries, routing, E) -> int | None:

@@ -52,7 +52,7 @@ def test_layers_found_on_the_switch_example(tiny):
                                                              "transformer.h.3.mlp"]
     for layer, i in zip(report["layers"], (1, 3)):
         assert layer["num_experts"] == 4 and layer["experts_per_rank"] == 2
-        assert layer["capacity"] == cfg.capacity == 5
+        assert layer["capacity"] == cfg.capacity == 5 and layer["group_size"] == 16
         assert layer["router"] == f"transformer.h.{i}.mlp.router.weight"
         assert set(layer["routing"]) >= {"argmax", "one_hot"}
         assert layer["params"] == (f"transformer.h.{i}.mlp.c_fc", f"transformer.h.{i}.mlp.c_proj")
@@ -156,7 +156,7 @@ def test_gated_experts_with_topk_bias_and_a_replicated_scale():
     (layer,) = report["layers"]
     assert set(layer["params"]) == {"w_gate", "w_up", "b_up", "w_down"}   # not `scale`
     assert "topk" in layer["routing"] and layer["router"] == "gate.weight"
-    assert len(layer["matmuls"]) == 3 and layer["capacity"] == 8
+    assert len(layer["matmuls"]) == 3 and layer["capacity"] == layer["group_size"] == 8
     counts = _counts(rewritten.gm)
     # gate and up read the same dispatched tokens: one all-to-all in, one out
     assert counts["dispatch_to_experts"] == counts["combine_from_experts"] == 1
@@ -252,7 +252,7 @@ def test_hugging_face_mixtral_grouped_mm_experts():
     assert [layer["name"] for layer in report["layers"]] == ["model.layers.0.mlp",
                                                              "model.layers.1.mlp"]
     layer = report["layers"][0]
-    assert layer["layout"] == "sorted-rows" and layer["capacity"] is None
+    assert layer["layout"] == "sorted-rows" and layer["capacity"] is layer["group_size"] is None
     assert layer["params"] == ("model.layers.0.mlp.experts.gate_up_proj",
                                "model.layers.0.mlp.experts.down_proj")
     assert layer["router"] == "model.layers.0.mlp.gate.weight"
@@ -359,3 +359,19 @@ def test_four_ranks_dp4_with_ep4_ep2_and_ep1():
     for rank_results in per_rank:
         for r in rank_results:
             assert r["problems"] == [], f"{r['case']} rank {r['rank']}: {r['problems']}"
+
+
+@pytest.mark.full
+def test_switch_c_on_the_meta_device():
+    """1.57e12 parameters, 2048 experts in each of 30 layers, never allocated."""
+    cfg = config("switch-c")
+    with torch.device("meta"):
+        model = SwitchGPT(cfg)
+    program = capture(model, example_inputs(cfg, 8, "meta"))
+    rewritten, report = shard_experts(program, ep=64)
+    assert len(report["layers"]) == 30
+    layer = report["layers"][0]
+    assert layer["experts_per_rank"] == 32 and layer["capacity"] == 1
+    assert layer["group_size"] == 2048 and layer["tokens_per_expert"] == "b"
+    expert = sum(program.params[p].numel for p in rewritten.decisions["ep"].params)
+    assert expert == 30 * 2048 * 2 * 2080 * 6144
