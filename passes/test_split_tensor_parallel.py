@@ -5,11 +5,7 @@ runs the programs on real ranks against the plain model.
 """
 from __future__ import annotations
 
-import re
-import sys
-import types
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +17,8 @@ from autopart.errors import AutopartError
 from autopart.localize import shard_tensor, unshard_tensor
 from autopart.passes.split_tensor_parallel import ParamShard, split_tensor_parallel
 from examples.gpt import GPT, config, lm_loss
+from tests._workers import renamed_gpt_module
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
 
 
 def _program(model, batch=2, seq=16, vocab=256):
@@ -33,22 +29,6 @@ def _program(model, batch=2, seq=16, vocab=256):
 def _counts(gm) -> Counter:
     return Counter(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
                    if n.op == "call_function")
-
-
-def renamed_gpt_module() -> types.ModuleType:
-    """examples/gpt.py with every class, module attribute and config field renamed."""
-    source = EXAMPLE.read_text()
-    names = {"CausalSelfAttention": "Mixer", "MLP": "Widen", "Block": "Unit", "c_attn": "w0",
-             "c_proj": "w1", "c_fc": "w2", "ln_1": "nA", "ln_2": "nB", "ln_f": "nZ", "attn": "mx",
-             "mlp": "wd", "transformer": "trunk", "lm_head": "readout", "wte": "tok",
-             "wpe": "where", "drop": "dz"}
-    for old, new in names.items():
-        source = re.sub(rf"\b{old}\b", new, source)
-    module = types.ModuleType("renamed_gpt")
-    module.__file__ = "renamed_gpt.py"
-    sys.modules["renamed_gpt"] = module      # dataclasses look their module up
-    exec(compile(source, "renamed_gpt.py", "exec"), module.__dict__)
-    return module
 
 
 def test_megatron_pattern_on_the_example_gpt():

@@ -22,6 +22,8 @@ class RankGroups:
     dp: object          # ranks holding the same chunks (data-parallel replicas)
     pp: object          # ranks of one pipeline (same dp and tp coordinates)
     shared: dict        # param name -> group of ranks whose chunks share it (tied weights)
+    tp: object = None   # ranks splitting the same layers (tensor parallelism)
+    model: object = None  # ranks holding one whole model replica (same dp): pp x tp
 
 
 def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
@@ -35,6 +37,10 @@ def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
     world = _mine([tuple(range(mesh.world_size))], rank, timeout)
     dp = _mine(mesh.groups("dp"), rank, timeout)
     pp = _mine(mesh.groups("pp"), rank, timeout)
+    tp = _mine(mesh.groups("tp"), rank, timeout)
+    replicas = sorted({tuple(r for r in range(mesh.world_size)
+                             if mesh.coords(r)["dp"] == d) for d in range(mesh.dp)})
+    model = _mine(replicas, rank, timeout)
     shared = {}
     for name in sorted(shared_params):
         pp_ranks = sorted({chunk_ranks[c] for c in shared_params[name]})
@@ -45,7 +51,7 @@ def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
         group = _mine(groups, rank, timeout)
         if group is not None:
             shared[name] = group
-    return RankGroups(rank, mesh, world, dp, pp, shared)
+    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model)
 
 
 def check_world_size(mesh: Mesh) -> None:

@@ -9,11 +9,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopart.compiler import Compiled, compile as compile_model
+from autopart.compiler import Compiled, RankProgram, compile as compile_model
+from autopart.localize import unshard_tensor
 from autopart.errors import AutopartError
 from autopart.mesh import Mesh
 from autopart.runtime.executor import StepContext, run_actions
 from autopart.runtime.groups import RankGroups, build_groups, check_world_size
+from autopart.runtime.tensor_parallel import localize_chunks, reduce_sequence_parallel_grads
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -27,15 +29,19 @@ class ParallelModel:
         self.mesh: Mesh = compiled.plan.mesh
         self.rank = rank
         self.coords = self.mesh.coords(rank)
-        self.program = compiled.programs[rank]
         self.device = device
+        self._tp = compiled.program.decisions.get("tp")
+        self._groups: RankGroups = build_groups(self.mesh, compiled.plan.shared_params,
+                                                compiled.plan.chunk_ranks, timeout)
+        mine = [c for c in compiled.program.decisions["chunks"] if c.rank == self.coords["pp"]]
+        # with tensor parallelism: this rank's own copies of its weight shards, comms bound
+        mine = localize_chunks(mine, self._tp, self.coords["tp"], self._groups.tp)
+        self.program = RankProgram(rank, self.coords, tuple(mine))
         self._chunks = {c.chunk: c for c in self.program.chunks}
         for c in self.program.chunks:
             c.gm.to(device)
         self._params = self.program.parameters()
         self._extra_state = extra_state
-        self._groups: RankGroups = build_groups(self.mesh, compiled.plan.shared_params,
-                                                compiled.plan.chunk_ranks, timeout)
 
     # -- training ---------------------------------------------------------------------------
     def train_step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,6 +91,7 @@ class ParallelModel:
         return int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None
 
     def _reduce_gradients(self) -> None:
+        reduce_sequence_parallel_grads(self._params, self._tp, self._groups.tp)
         for name, group in self._groups.shared.items():
             p = self._params[name]
             if p.grad is None:
@@ -124,10 +131,12 @@ class ParallelModel:
         for name, p in self._params.items():
             owner = plan.chunk_ranks[plan.shared_params[name][0]] if name in plan.shared_params \
                 else self.coords["pp"]
-            if p.grad is not None and owner == self.coords["pp"]:
+            # a tensor-parallel shard counts on every tp rank; a replicated weight on tp rank 0
+            counted = name in plan.tp_shards or self.coords["tp"] == 0
+            if p.grad is not None and owner == self.coords["pp"] and counted:
                 sq += p.grad.double().pow(2).sum()
-        if self._groups.pp is not None:
-            dist.all_reduce(sq, group=self._groups.pp)
+        if self._groups.model is not None:
+            dist.all_reduce(sq, group=self._groups.model)
         norm = sq.sqrt().float()
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
@@ -139,14 +148,23 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict (every key, full shapes), on every rank."""
         mine = {}
-        if self.coords["dp"] == 0 and self.coords["tp"] == 0:
+        if self.coords["dp"] == 0:
             mine = {n: t.detach().cpu() for c in self.program.chunks
                     for n, t in c.gm.state_dict().items()}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=self._groups.world)
-        full = {}
-        for part in gathered:
-            full.update(part)
+        full, shards = {}, {}
+        for rank, part in enumerate(gathered):
+            tp_rank = self.mesh.coords(rank)["tp"]
+            for name, tensor in part.items():
+                if name in self.compiled.plan.tp_shards:
+                    shards.setdefault(name, {})[tp_rank] = tensor
+                else:
+                    full[name] = tensor
+        for name, parts in shards.items():      # tensor-parallel shards, reassembled
+            spec = self.compiled.plan.tp_shards[name]
+            full[name] = unshard_tensor([parts[t] for t in range(self.mesh.tp)], spec.dim,
+                                        spec.sections)
         program = self.compiled.program
         out = {}
         for info in list(program.params.values()) + list(program.buffers.values()):
@@ -163,6 +181,7 @@ class ParallelModel:
 def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
                 loss_fn: Callable | None = None, target: torch.Tensor | None = None,
                 microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
+                sequence_parallel: bool = False,
                 timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
@@ -184,7 +203,7 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     target = target.to(device) if target is not None else None
     compiled = compile_model(model, mesh, example_inputs, loss_fn=loss_fn, target=target,
                              microbatches=microbatches, schedule=schedule,
-                             virtual_stages=virtual_stages)
+                             virtual_stages=virtual_stages, sequence_parallel=sequence_parallel)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
     # never changes in training; full_state_dict returns it as it is now.

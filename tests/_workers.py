@@ -104,6 +104,8 @@ class Case:
     model: str = "gpt"               # gpt (8 layers) | gpt4 (4 layers) | hf | toy | extras
     pp: int = 1
     dp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
     microbatches: int = 1
@@ -117,7 +119,7 @@ class Case:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
 
 def build(case: Case, seed: int = 0, device: str = "cpu"):
@@ -127,6 +129,10 @@ def build(case: Case, seed: int = 0, device: str = "cpu"):
         from examples.gpt import GPT, lm_loss
         cfg = gpt_config(8 if case.model == "gpt" else 4)
         model, loss_fn, vocab = GPT(cfg), lm_loss, cfg.vocab_size
+    elif case.model == "renamed":        # the example GPT with every name changed
+        module = renamed_gpt_module()
+        cfg = module.GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=128, block_size=16)
+        model, loss_fn, vocab = module.GPT(cfg), module.lm_loss, cfg.vocab_size
     elif case.model == "hf":
         import transformers
         transformers.logging.set_verbosity_error()
@@ -196,12 +202,14 @@ def equivalence(case: Case, rank: int) -> dict:
     ref_keys = list(ref_sd0.keys())
     ref_shapes = {k: tuple(v.shape) for k, v in ref_sd0.items()}
     ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
-    pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=case.dp), inputs,
+    pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp), inputs,
                               loss_fn=loss_fn, target=target, microbatches=case.microbatches,
                               schedule=case.schedule, virtual_stages=case.virtual_stages,
+                              sequence_parallel=case.sequence_parallel,
                               timeout=timedelta(seconds=120))
     compile_s = time.perf_counter() - start
     opt, ref_opt = _optimizer(case.optim, pm.parameters()), _optimizer(case.optim, ref.parameters())
+    mine = _local_view(pm, rank)        # the plain tensor -> this rank's shard of it
     problems: list[str] = []
     max_err = 0.0
     for step in range(1, case.steps + 1):
@@ -219,7 +227,8 @@ def equivalence(case: Case, rank: int) -> dict:
                 # None and all-zero gradients are the same to an optimizer without weight decay
                 g, r = p.grad, ref_params[name].grad
                 _compare(f"step 1 grad of {name}", g if g is not None else torch.zeros_like(p),
-                         r if r is not None else torch.zeros_like(p), RTOL, ATOL, problems)
+                         mine(name, r) if r is not None else torch.zeros_like(p), RTOL, ATOL,
+                         problems)
         if step == 2 and case.clip is not None:
             norm = pm.clip_grad_norm_(case.clip)
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
@@ -233,7 +242,8 @@ def equivalence(case: Case, rank: int) -> dict:
     for name, p in pm.named_parameters():
         held[name] = p.numel()
         max_err = max(max_err, _compare(f"parameter {name} after {case.steps} steps", p,
-                                        ref_params[name], RTOL, _param_atol(case), problems))
+                                        mine(name, ref_params[name]), RTOL, _param_atol(case),
+                                        problems))
     sd = pm.full_state_dict()
     if list(sd.keys()) != ref_keys:
         missing, extra = set(ref_keys) - set(sd), set(sd) - set(ref_keys)
@@ -251,6 +261,41 @@ def equivalence(case: Case, rank: int) -> dict:
             "total_numel": sum(p.numel() for p in ref_params.values()), "max_err": max_err,
             "chunks": [c.chunk for c in pm.program.chunks], "compile_s": compile_s,
             "seconds": time.perf_counter() - start}
+
+
+def _local_view(pm, rank: int):
+    """name, plain tensor -> the part of it this rank holds (its tensor-parallel shard)."""
+    from autopart.localize import shard_tensor
+    shards, tp = pm.compiled.plan.tp_shards, pm.mesh.tp
+    tp_rank = pm.mesh.coords(rank)["tp"]
+
+    def view(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in shards:
+            return tensor
+        return shard_tensor(tensor, shards[name].dim, shards[name].sections, tp, tp_rank)
+    return view
+
+
+def renamed_gpt_module():
+    """examples/gpt.py with every class, module attribute and config field renamed (the passes
+    must decide by ops and dataflow, never by names)."""
+    import re
+    import types
+    from pathlib import Path
+    if "renamed_gpt" in sys.modules:
+        return sys.modules["renamed_gpt"]
+    source = (Path(__file__).resolve().parent.parent / "examples" / "gpt.py").read_text()
+    names = {"CausalSelfAttention": "Mixer", "MLP": "Widen", "Block": "Unit", "c_attn": "w0",
+             "c_proj": "w1", "c_fc": "w2", "ln_1": "nA", "ln_2": "nB", "ln_f": "nZ", "attn": "mx",
+             "mlp": "wd", "transformer": "trunk", "lm_head": "readout", "wte": "tok",
+             "wpe": "where", "drop": "dz"}
+    for old, new in names.items():
+        source = re.sub(rf"\b{old}\b", new, source)
+    module = types.ModuleType("renamed_gpt")
+    module.__file__ = "renamed_gpt.py"
+    sys.modules["renamed_gpt"] = module      # dataclasses look their module up
+    exec(compile(source, "renamed_gpt.py", "exec"), module.__dict__)
+    return module
 
 
 def run_cases(rank: int, world: int, cases: list[Case]) -> list[dict]:

@@ -1,0 +1,68 @@
+"""Tensor (and sequence) parallelism on real ranks equals the plain model: every step's loss, the
+first step's gradients (each rank's shard against the same shard of the plain gradient), the
+clipped gradient norm, every parameter after 3 SGD steps, and full_state_dict() with full shapes.
+Composed with pipeline and data parallelism (tp innermost in rank order), on the example GPT, an
+unmodified Hugging Face GPT-2 and a copy of the example GPT with every name changed.
+
+Fast tier: python -m pytest -m "not full" tests/test_tensor_parallel.py
+Full matrix: python -m pytest tests/test_tensor_parallel.py
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests._workers import Case, run_group
+
+FAST_2 = [
+    Case("gpt-tp2", model="gpt4", tp=2, microbatches=2),
+    Case("gpt-tp2-sp", model="gpt4", tp=2, sequence_parallel=True, microbatches=2),
+    Case("hf-tp2", model="hf", tp=2, batch=4, seq=32),
+    Case("renamed-tp2", model="renamed", tp=2, microbatches=2),
+]
+FAST_4 = [
+    Case("gpt-tp2xpp2", model="gpt4", tp=2, pp=2, microbatches=2),
+    Case("gpt-tp4", model="gpt4", tp=4, microbatches=2),
+]
+FULL_4 = [
+    Case("gpt-tp4-sp", model="gpt4", tp=4, sequence_parallel=True),
+    Case("gpt-tp2xpp2-interleaved-sp", tp=2, pp=2, schedule="interleaved-1f1b",
+         virtual_stages=2, sequence_parallel=True, microbatches=2),
+    Case("gpt-tp2xdp2", model="gpt4", tp=2, dp=2, microbatches=2),
+    Case("hf-tp4", model="hf", tp=4, batch=4, seq=32),
+    Case("hf-tp2-sp", model="hf", tp=2, sequence_parallel=True, batch=4, seq=32, dp=2),
+    Case("renamed-tp2xpp2", model="renamed", tp=2, pp=2, microbatches=2),
+]
+FULL_8 = [
+    Case("gpt-tp2xpp2xdp2", model="gpt4", tp=2, pp=2, dp=2, microbatches=2),
+    Case("hf-tp2xpp2xdp2-sp", model="hf", tp=2, pp=2, dp=2, sequence_parallel=True, batch=4,
+         seq=32, microbatches=2),
+]
+GROUPS = {("tp-fast", 2): FAST_2, ("tp-fast", 4): FAST_4, ("tp-full", 4): FULL_4,
+          ("tp-full", 8): FULL_8}
+_GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
+CASES = [pytest.param(c, id=c.name) for c in FAST_2 + FAST_4] + [
+    pytest.param(c, id=c.name, marks=pytest.mark.full) for c in FULL_4 + FULL_8]
+
+
+def _results(case, spawn_cache) -> list[dict]:
+    key = _GROUP_OF[case.name]
+    return run_group(spawn_cache, key, GROUPS[key])[case.name]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_plain_model(case: Case, spawn_cache):
+    ranks = _results(case, spawn_cache)
+    assert sorted(r["rank"] for r in ranks) == list(range(case.world))
+    problems = [f"rank {r['rank']}: {p}" for r in ranks for p in r["problems"]]
+    assert not problems, f"{case}\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_rank_holds_only_its_share(case: Case, spawn_cache):
+    """With tp=t and pp=p, no rank holds more than about 1.5/(t*p) of the parameters."""
+    for r in _results(case, spawn_cache):
+        assert "held_numel" in r, "the case failed: see test_matches_plain_model"
+        share = r["held_numel"] / r["total_numel"]
+        bound = 1.5 / (case.tp * case.pp)
+        assert share <= bound, (f"{case.name}: rank {r['rank']} holds {share:.2f} of the "
+                                f"parameters, more than 1.5/(tp*pp) = {bound:.2f}")
