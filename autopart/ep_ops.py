@@ -79,7 +79,7 @@ def _combine(y: torch.Tensor, comm: EPComm) -> torch.Tensor:
     if ep == 1:
         return y
     local, N, rest = y.shape[0], y.shape[1] // ep, tuple(y.shape[2:])
-    send = y.view(local, ep, N, *rest).transpose(0, 1)           # [ep(owner of tokens), E/ep, N, ...]
+    send = y.view(local, ep, N, *rest).transpose(0, 1)           # [ep(token owner), E/ep, N, ...]
     got = _all_to_all(send, comm)                                # [ep(expert owner), E/ep, N, ...]
     return got.view(ep * local, N, *rest)
 
@@ -120,7 +120,7 @@ def combine_from_experts(y: torch.Tensor, comm: EPComm) -> torch.Tensor:
     return _Combine.apply(y, comm)
 
 
-# -- sorted rows with per-expert offsets (dropless, data-dependent sizes) ---------------------------
+# -- sorted rows with per-expert offsets (dropless, data-dependent sizes) -----------------------
 
 
 def _counts(offsets: torch.Tensor) -> torch.Tensor:

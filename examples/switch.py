@@ -62,7 +62,8 @@ class SwitchConfig:
                              "least 1 expert")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} with num_experts={self.num_experts}: each token "
-                             f"picks top_k distinct experts, so use 1 <= top_k <= {self.num_experts}")
+                             "picks top_k distinct experts, so use 1 <= top_k <= "
+                             f"{self.num_experts}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (1.0-1.25 is "
                              "usual), or None for dropless routing")
@@ -78,7 +79,8 @@ class SwitchConfig:
         """Tokens each expert takes from each routing group."""
         if self.capacity_factor is None:
             return self.group_size
-        return max(1, math.floor(self.capacity_factor * self.top_k * self.group_size / self.num_experts))
+        slots = self.capacity_factor * self.top_k * self.group_size / self.num_experts
+        return max(1, math.floor(slots))
 
     def is_moe(self, layer: int) -> bool:
         return (layer + 1) % self.moe_every == 0
@@ -96,7 +98,8 @@ class SwitchConfig:
         dense = 2 * h * f + (f + h) * b
         moe = E * h + 2 * E * h * f
         moe_layers = self.n_moe_layers
-        blocks = self.n_layer * (attn + norms) + moe_layers * moe + (self.n_layer - moe_layers) * dense
+        blocks = (self.n_layer * (attn + norms) + moe_layers * moe
+                  + (self.n_layer - moe_layers) * dense)
         head = 0 if self.tie_weights else V * h
         return blocks + V * h + self.block_size * h + (2 * h if self.bias else h) + head
 
@@ -188,8 +191,8 @@ class MoE(nn.Module):
         """Router logits (G, S, E) -> dispatch, combine (G, S, E, capacity), per-choice masks.
 
         Returns (router probabilities, dispatch 0/1, combine gate weights, the one-hot of each
-        choice, and of each choice within capacity). Positions in an expert's buffer: all first choices in token order, then all
-        second choices; a position >= capacity is dropped."""
+        choice, and of each choice within capacity). Positions in an expert's buffer: all first
+        choices in token order, then all second choices; a position >= capacity is dropped."""
         cfg = self.cfg
         E, cap = cfg.num_experts, cfg.capacity
         probs = logits.softmax(dim=-1)                                   # (G, S, E) float32

@@ -182,7 +182,7 @@ def _expert_matmul(node, params) -> _ExpertMM | None:
         (la, lb), (a, b) = ins.split(","), node.args[1]
         for xs, ws, x, w in ((la, lb, a, b), (lb, la, b, a)):
             src = _param_source(w, params)
-            if src is None or _is_param_derived(x, params) or len(ws) != ndim(w) < 2:
+            if src is None or _is_param_derived(x, params) or len(ws) != ndim(w) or ndim(w) < 2:
                 continue
             if len(xs) < 2 or not (xs[0] == ws[0] == out[0]) or len(out) < 2:
                 continue
@@ -354,13 +354,19 @@ def _cone(start: list, limit: int = 4000) -> list:
 
 def find_moe_layers(program: Program, ep: int = 1) -> EPPlan:
     """The MoE layers of `program` and, for ep ranks, what each rank keeps (no rewrite)."""
+    return _find(program, ep)[0]
+
+
+def _find(program: Program, ep: int):
     f = _Finder(program)
     plan = EPPlan(ep)
+    regions = []
     symbols = program.decisions.get("symbols", {})
     for n in f.gm.graph.nodes:      # stacked weights gathered per token: no expert dim left
         if n.target is aten.index.Tensor and ndim(n.args[0]) == 3 and \
                 _param_source(n.args[0], f.params) is not None:
-            plan.skipped.append((n.name, f"the stacked weight {_param_source(n.args[0], f.params)[0]} "
+            weight = _param_source(n.args[0], f.params)[0]
+            plan.skipped.append((n.name, f"the stacked weight {weight} "
                                  "is gathered per token (weight[expert_ids]), so its matmuls have "
                                  "no expert dimension to shard (Hugging Face "
                                  "experts_implementation='batched_mm'; the default 'grouped_mm' "
@@ -401,11 +407,10 @@ def find_moe_layers(program: Program, ep: int = 1) -> EPPlan:
             group_size=None if rows else _group_size(routing, E),
             tokens_per_expert=str(tokens[0]), a2a_bytes=str(nbytes), a2a_bytes_at_capture=int(at),
             source=user_source_line(first), layout="sorted-rows" if rows else "experts-major"))
-        plan._regions = getattr(plan, "_regions", []) + [_Region(region, entries, exits, first,
-                                                                  offs)]
+        regions.append(_Region(region, entries, exits, first, offs))
         for p in params:
             plan.params[p] = ParamShard(0, (E,))
-    return plan
+    return plan, regions
 
 
 @dataclass
@@ -510,7 +515,7 @@ def shard_experts(program: Program, *, ep: int):
     """
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise AutopartError(f"ep={ep!r} must be a positive integer")
-    plan = find_moe_layers(program, ep)
+    plan, regions = _find(program, ep)
     if ep == 1:
         return program.replace(decisions={**program.decisions, "ep": plan}), _report(plan)
     if not plan.layers:
@@ -521,7 +526,6 @@ def shard_experts(program: Program, *, ep: int):
             f"with a parameter stacked over E experts [E, d, f] was found{why}\n  remedy: use "
             "ep=1 (plain data parallelism), or write the experts as stacked weights with a "
             "leading expert dimension")
-    regions = plan._regions
     for layer, region in zip(plan.layers, regions):
         first = region.first
         if layer.num_experts % ep:
@@ -533,7 +537,6 @@ def shard_experts(program: Program, *, ep: int):
     if COMM in {n.target for n in program.gm.graph.nodes if n.op == "get_attr"}:
         raise AutopartError("shard_experts already ran on this program")
     gm = _rewrite(program.gm, regions, ep)
-    del plan._regions
     return program.replace(gm=gm, decisions={**program.decisions, "ep": plan}), _report(plan)
 
 

@@ -1,13 +1,14 @@
 """Rank functions for the expert-parallel tests (module level, so spawned ranks can import them).
 
-`ep_cases` runs, on each of `world` ranks (dp = world, ep | dp), examples/switch.py captured with its
-routing counts, rewritten by shard_experts and given the rank's experts; each rank is fed its own
-data-parallel shard of the global batch. Against a deep copy of the plain model (taken before
-capture: captured programs share parameter objects with the model) run on the whole batch, it
-checks every SGD step's loss (mean over ranks), the routing counts (summed over ranks), the first
-step's gradients and every parameter after the last step. Gradients are reduced as the runtime
-must: dense ones summed over the dp ranks and divided by dp; expert ones summed over the dp/ep
-ranks holding the same experts and divided by dp (see reduce_grad).
+`ep_cases` runs, on each of `world` ranks (dp = world, ep | dp), an MoE model (examples/switch.py
+captured with its routing counts, GatedMoE, or an unmodified Hugging Face MoE) rewritten by
+shard_experts and given the rank's experts; each rank is fed its own data-parallel shard of the
+global batch. Against a deep copy of the plain model (taken before capture: captured programs
+share parameter objects with the model) run on the whole batch, it checks every SGD step's loss
+(mean over ranks), the routing counts (summed over ranks), the first step's gradients and every
+parameter after the last step. Gradients are reduced as the runtime must: dense ones summed over
+the dp ranks and divided by dp; expert ones summed over the dp/ep ranks holding the same experts
+and divided by dp (see reduce_grad).
 """
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def test_routing_matches_the_reference_loop(k, factor):
 def test_capacity_formula():
     assert SwitchConfig(group_size=16, num_experts=4, capacity_factor=1.25).capacity == 5
     assert SwitchConfig(group_size=16, num_experts=4, top_k=2, capacity_factor=1.0).capacity == 8
-    assert SwitchConfig(group_size=4, num_experts=64, capacity_factor=1.0).capacity == 1  # at least 1
+    assert SwitchConfig(group_size=4, num_experts=64, capacity_factor=1.0).capacity == 1  # >= 1
     assert SwitchConfig(group_size=16, capacity_factor=None).capacity == 16
 
 
