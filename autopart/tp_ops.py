@@ -40,6 +40,11 @@ class TPComm(nn.Module):
                                "it through autopart.parallelize, not directly")
 
 
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_reduce(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     comm._check()
     x = x.contiguous().clone()
@@ -51,7 +56,7 @@ def _all_gather(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     comm._check()
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((comm.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=comm.group)
+    _all_gather_into(out, x, group=comm.group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -59,7 +64,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     comm._check()
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // comm.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=comm.group)
+    _reduce_scatter_into(out, x, group=comm.group)
     return out.movedim(0, dim).contiguous()
 
 

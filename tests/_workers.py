@@ -440,3 +440,40 @@ def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT) -> 
 
 __all__ = ["Case", "Extras", "Toy", "api_checks", "build", "die_mid_step", "equivalence",
            "mesh_mismatch", "run_cases", "run_group"]
+
+
+def activation_bytes(rank: int, world: int, seq: int = 64) -> dict:
+    """Rank function: bytes of activations autograd saves for backward in one forward of the
+    example GPT, per rank, for the plain model, tensor parallelism and tensor + sequence
+    parallelism (weights excluded: only what grows with batch and sequence)."""
+    import autopart
+    from examples.gpt import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=seq)
+    x = torch.randint(0, 128, (4, seq), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, sp in (("plain", None), ("tp", False), ("tp+sp", True)):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if sp is None:
+            chunk, args = model, (x,)
+            weights = {p.data_ptr() for p in model.parameters()}
+            run = lambda: lm_loss(model(x), x)      # noqa: E731
+        else:
+            pm = autopart.parallelize(model, autopart.Mesh(tp=world), (x,), loss_fn=lm_loss,
+                                      target=x, sequence_parallel=sp,
+                                      timeout=timedelta(seconds=60))
+            gm = pm.program.chunks[0].gm
+            weights = {p.data_ptr() for p in gm.parameters()}
+            run = lambda gm=gm: gm(x, x)[0]          # noqa: E731
+        saved = []
+
+        def pack(t, saved=saved, weights=weights):
+            if t.data_ptr() not in weights:
+                saved.append((t.data_ptr(), t.numel() * t.element_size()))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = run()
+        loss.backward()
+        out[name] = sum(dict(saved).values())     # each storage once
+    return out

@@ -66,3 +66,17 @@ def test_each_rank_holds_only_its_share(case: Case, spawn_cache):
         bound = 1.5 / (case.tp * case.pp)
         assert share <= bound, (f"{case.name}: rank {r['rank']} holds {share:.2f} of the "
                                 f"parameters, more than 1.5/(tp*pp) = {bound:.2f}")
+
+
+def test_sequence_parallel_divides_activation_memory(spawn_cache):
+    """Sequence parallelism shards what tensor parallelism leaves whole (norms, residuals,
+    dropout) and re-gathers linear inputs in backward instead of keeping them: the activations a
+    rank saves for backward drop to about 1/tp of the plain model's."""
+    from autopart.runtime.launch import spawn
+    from tests._workers import activation_bytes
+    if "act" not in spawn_cache:
+        spawn_cache["act"] = spawn(activation_bytes, 2, timeout=300)
+    for r in spawn_cache["act"]:
+        plain, tp, sp = r["plain"], r["tp"], r["tp+sp"]
+        assert sp < tp < plain, r
+        assert sp <= 0.6 * plain, f"tp=2 with sequence parallelism saves {sp / plain:.2f} of plain"
