@@ -7,6 +7,7 @@ Decisions come from ops and shapes only, never from module or attribute names.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -95,23 +96,28 @@ def map_view(in_shape: tuple, out_shape: tuple, dim: int, tp: int) -> int:
 
     Raises NoRule when the sharded dim merges into a preceding dim (its block would not be
     contiguous) or splits into a leading factor that tp does not divide."""
-    ins = [_expr(d) for d in in_shape]
-    outs = [_expr(d) for d in out_shape]
-    start = sympy.prod(ins[:dim]) if dim else sympy.Integer(1)
+    return _map_view(tuple(_expr(d) for d in in_shape), tuple(_expr(d) for d in out_shape), dim, tp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _map_view(ins: tuple, outs: tuple, dim: int, tp: int) -> int:
+    # Sizes are products of integers and the symbols b, s: sympy keeps those canonical, so
+    # equality and exact division need no simplify() (which dominated compile time).
+    start = sympy.Mul(*ins[:dim])
     acc = sympy.Integer(1)
     for e, size in enumerate(outs):
-        if sympy.simplify(acc - start) == 0 and size != 1:
-            if sympy.simplify(size - ins[dim]) == 0:
+        if acc == start and size != 1:
+            if size == ins[dim]:
                 return e
-            ratio = sympy.simplify(ins[dim] / size)
+            ratio = ins[dim] / size
             if ratio.is_Integer and size.is_Integer and int(size) % tp == 0:
                 return e            # the dim splits: the shard goes to its leading factor
-            ratio = sympy.simplify(size / ins[dim])
+            ratio = size / ins[dim]
             if ratio.is_Integer or (ratio.is_number is False and ins[dim].is_Integer):
                 return e            # the dim merges with the dims after it: still contiguous
             break
         acc = acc * size
-    raise NoRule(f"the view from {tuple(in_shape)} to {tuple(out_shape)} moves sharded dim {dim} "
+    raise NoRule(f"the view from {tuple(ins)} to {tuple(outs)} moves sharded dim {dim} "
                  "where its 1/tp block is not contiguous")
 
 
