@@ -22,8 +22,11 @@ from autopart.errors import AutopartError
 from autopart.mesh import Mesh
 from autopart.pass_runner import PassResult, run_passes
 from autopart.localize import localize_module
+from autopart.ep_ops import localize_experts
+from autopart.passes.shard_experts import COMM as EP_COMM
 from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
 from autopart.passes.emit_rank_programs import ChunkProgram, emit_rank_programs
+from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 
 
@@ -41,6 +44,7 @@ class Plan:
     shared_params: dict[str, tuple[int, ...]]
     sequence_parallel: bool = False
     tp_shards: dict = field(default_factory=dict)   # param name -> ParamShard (tensor parallel)
+    ep_shards: dict = field(default_factory=dict)   # expert param name -> ParamShard(0, (E,))
 
 
 @dataclass
@@ -106,7 +110,12 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                             "sequence_parallel")
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
     program = _capture(model, example_inputs, loss_fn, target, mbs)
+    # shard_experts first: split_tensor_parallel then counts each expert weight as 1/ep a rank's
+    # (the rewritten graphs are the same in either order)
+    experts = [("shard_experts", shard_experts, dict(ep=mesh.ep, microbatch_size=mbs))] \
+        if mesh.ep > 1 else []
     passes = [
+        *experts,
         ("split_tensor_parallel", split_tensor_parallel,
          dict(tp=mesh.tp, sequence_parallel=sequence_parallel)),
         ("analyze_costs", analyze_costs, {}),
@@ -117,12 +126,14 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     program, results = run_passes(program, passes, dump_dir)
     stages = program.decisions["stages"]
     tp_plan = program.decisions.get("tp")
+    ep_plan = program.decisions.get("ep")
     plan = Plan(mesh, the_schedule.name, microbatches, virtual_stages,
                 int(example_inputs[0].shape[0]), mbs,
                 tuple(stages.rank_of_chunk(c) for c in range(stages.num_chunks)),
                 stages.chunk_layers, stages.shared_params, sequence_parallel,
-                dict(tp_plan.params) if tp_plan is not None else {})
-    programs = RankPrograms(mesh, tuple(program.decisions["chunks"]), tp_plan)
+                dict(tp_plan.params) if tp_plan is not None else {},
+                dict(ep_plan.params) if ep_plan is not None and mesh.ep > 1 else {})
+    programs = RankPrograms(mesh, tuple(program.decisions["chunks"]), tp_plan, ep_plan)
     sim = _simulate(the_schedule, stages.chunk_cost)
     return Compiled(program, plan, programs, the_schedule, sim, results,
                     time.perf_counter() - start, program.decisions["costs"])
@@ -131,20 +142,26 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
 class RankPrograms(Mapping):
     """rank -> RankProgram, made on first access: with tensor parallelism each (pp, tp) pair
     holds its own weight shards, and a 3072-rank mesh need not build 3072 programs to inspect
-    one of them."""
+    one of them. With expert parallelism each expert-parallel rank (dp index mod ep) also holds
+    its own experts."""
 
-    def __init__(self, mesh: Mesh, chunks: tuple, tp_plan):
-        self.mesh, self.chunks, self.tp_plan = mesh, chunks, tp_plan
-        self._cache: dict[tuple[int, int], tuple] = {}
+    def __init__(self, mesh: Mesh, chunks: tuple, tp_plan, ep_plan=None):
+        self.mesh, self.chunks, self.tp_plan, self.ep_plan = mesh, chunks, tp_plan, ep_plan
+        self._cache: dict[tuple[int, int, int], tuple] = {}
 
     def __getitem__(self, rank: int) -> RankProgram:
         c = self.mesh.coords(rank)
-        key = (c["pp"], c["tp"])
+        ep_rank = c["dp"] % self.mesh.ep
+        key = (c["pp"], c["tp"], ep_rank)
         if key not in self._cache:
             mine = [ch for ch in self.chunks if ch.rank == c["pp"]]
             if self.tp_plan is not None and self.mesh.tp > 1:
                 mine = [dataclasses.replace(ch, gm=localize_module(
                     ch.gm, self.tp_plan.params, self.mesh.tp, c["tp"], copy=False)) for ch in mine]
+            if self.ep_plan is not None and self.mesh.ep > 1:
+                mine = [dataclasses.replace(ch, gm=localize_experts(
+                    ch.gm, self.ep_plan.params, self.mesh.ep, ep_rank, copy=False))
+                    if hasattr(ch.gm, EP_COMM) else ch for ch in mine]
             self._cache[key] = tuple(mine)
         return RankProgram(rank, c, self._cache[key])
 
@@ -155,9 +172,10 @@ class RankPrograms(Mapping):
         return self.mesh.world_size
 
     def distinct(self) -> list[RankProgram]:
-        """One program per (pipeline rank, tensor-parallel rank): the ones that differ."""
-        return [self[self.mesh.rank(pp=p, tp=t)] for p in range(self.mesh.pp)
-                for t in range(self.mesh.tp)]
+        """One program per (pipeline rank, tensor-parallel rank, expert-parallel rank): the ones
+        that differ."""
+        return [self[self.mesh.rank(pp=p, dp=e, tp=t)] for p in range(self.mesh.pp)
+                for e in range(self.mesh.ep) for t in range(self.mesh.tp)]
 
 
 def _microbatch_size(inputs: tuple, mesh: Mesh, microbatches: int) -> int:

@@ -36,7 +36,58 @@ def chunk_rows(compiled) -> list[dict]:
 
 def _local_numel(program, plan, name: str) -> int:
     n = program.params[name].numel
+    if name in plan.ep_shards:
+        return n // plan.mesh.ep
     return n // plan.mesh.tp if name in plan.tp_shards else n
+
+
+def ep_rows(compiled) -> list[dict]:
+    """One row per MoE layer sharded over ep: experts per rank, capacity, all-to-all bytes one
+    rank sends per microbatch (forward; backward sends the same again)."""
+    plan, program = compiled.plan, compiled.program
+    ep_plan = program.decisions.get("ep")
+    if plan.mesh.ep == 1 or ep_plan is None:
+        return []
+    b, s = plan.microbatch_size, program.seq_len
+    return [{"name": layer.name, "num_experts": layer.num_experts,
+             "experts_per_rank": layer.experts_per_rank, "capacity": layer.capacity,
+             "group_size": layer.group_size, "layout": layer.layout,
+             "params": list(layer.params), "router": layer.router,
+             "tokens_per_expert": layer.tokens_per_expert,
+             "a2a_bytes_formula": layer.a2a_bytes,
+             "a2a_bytes_per_microbatch": _at(layer.a2a_bytes, b, s),
+             "source": layer.source}
+            for layer in ep_plan.layers]
+
+
+def _at(formula: str, b: int, s) -> float:
+    """A printed size formula in b and s (the plan keeps it as text) at b and s."""
+    expr = sympy.sympify(formula)
+    values = {"b": b, "s": s or 1}
+    return float(expr.subs({x: values[x.name] for x in expr.free_symbols if x.name in values}))
+
+
+def _ep_lines(compiled) -> list[str]:
+    rows = ep_rows(compiled)
+    if not rows:
+        return []
+    ep = compiled.plan.mesh.ep
+    lines = [f"expert parallelism over ep={ep} (groups of {ep} consecutive dp ranks; expert "
+             f"gradients summed over the {compiled.plan.mesh.dp // ep} ranks holding the same "
+             "experts); all-to-all bytes each rank sends per microbatch (b = microbatch size, "
+             "s = sequence), forward, and the same again in backward:"]
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        cap = (f"capacity {r['capacity']} per group of {r['group_size']} tokens"
+               if r["capacity"] is not None else
+               "dropless, rows sorted by expert" if r["layout"] == "sorted-rows" else "dropless")
+        lines.append(f"  {r['name']:<{width}}  {r['experts_per_rank']} of {r['num_experts']} "
+                     f"experts per rank  {cap}  all-to-all {_fmt(r['a2a_bytes_per_microbatch'], 'B')}"
+                     f" = {r['a2a_bytes_formula']}")
+    total = sum(r["a2a_bytes_per_microbatch"] for r in rows)
+    lines.append(f"  {len(rows)} MoE layers: {_fmt(total, 'B')} forward + {_fmt(total, 'B')} "
+                 f"backward all-to-all per rank per microbatch")
+    return lines
 
 
 # Per-rank bytes moved by ring collectives, as a multiple of the tensor's size, for tp ranks:
@@ -140,6 +191,7 @@ def explain_table(compiled) -> str:
     lines.append(f"parameters: {_fmt(total)} in all (shared ones counted per chunk); "
                  f"largest pipeline rank holds {max(per_rank) / max(total, 1):.1%}")
     lines += _tp_lines(compiled)
+    lines += _ep_lines(compiled)
     if plan.shared_params:
         shared = ", ".join(f"{n} (chunks {list(c)})" for n, c in plan.shared_params.items())
         lines.append(f"shared parameters, gradients summed between their chunks: {shared}")
@@ -169,6 +221,7 @@ def explain_json(compiled) -> dict:
         "shared_params": {k: list(v) for k, v in plan.shared_params.items()},
         "tensor_parallel": tp_rows(compiled),
         "sequence_parallel": plan.sequence_parallel,
+        "expert_parallel": ep_rows(compiled),
         "bubble": sim.bubble, "peak_in_flight": list(sim.peak_in_flight),
         "passes": [{"name": p.name, "seconds": p.seconds} for p in compiled.passes],
         "compile_seconds": compiled.seconds,

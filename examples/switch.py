@@ -336,8 +336,11 @@ class SwitchGPT(nn.Module):
         return out, stats
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy alone (no auxiliary losses: train with model(idx, targets))."""
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy alone (no auxiliary losses: train with model(idx, targets)).
+
+    Not named lm_loss: `autopart compile` applies a module's lm_loss to the model's output, and
+    this model computes its own training loss from (idx, targets) (see example_inputs)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 

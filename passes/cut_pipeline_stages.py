@@ -157,7 +157,7 @@ def _choose_cuts(compute, cost, cross_bytes, k, layers) -> list[int]:
             f"pp*virtual_stages = {k} pipeline chunks: every chunk needs at least one layer.\n"
             f"  remedy: use pp*virtual_stages <= {len(layers)} (e.g. pp={min(k, len(layers))}, "
             "virtual_stages=1), or a deeper model")
-    candidates, floor = _cut_candidates(compute, cost, cross_bytes, layers)
+    candidates, floor = _cut_candidates(compute, cost, cross_bytes, layers, _expert_gaps(compute))
     if len(candidates) < k - 1:
         where = compute[len(compute) // 2]
         raise node_error(where, f"found only {len(candidates)} cut points where just the residual "
@@ -169,7 +169,23 @@ def _choose_cuts(compute, cost, cross_bytes, k, layers) -> list[int]:
     return [edges[j] for j in parts]
 
 
-def _cut_candidates(compute, cost, cross_bytes, layers) -> tuple[list[int], float]:
+def _expert_gaps(compute) -> set[int]:
+    """Gaps inside an expert region (shard_experts' meta["ep"]): a cut there would split the
+    all-to-all dispatch, the local experts and the combine over two chunks."""
+    pos = {n: i for i, n in enumerate(compute)}
+    banned: set[int] = set()
+    for i, n in enumerate(compute):
+        if n.meta.get("ep") != "local experts":
+            continue
+        for m in [*n.users, *n.all_input_nodes]:
+            j = pos.get(m)
+            if j is not None and j != i:
+                banned.update(range(min(i, j) + 1, max(i, j) + 1))
+    return banned
+
+
+def _cut_candidates(compute, cost, cross_bytes, layers,
+                    banned: set[int] = frozenset()) -> tuple[list[int], float]:
     """Gaps where only the residual stream is live, and its size (bytes per microbatch).
 
     With repeated layers, no gap lies before the first layer starts or after the last one ends:
@@ -180,7 +196,8 @@ def _cut_candidates(compute, cost, cross_bytes, layers) -> tuple[list[int], floa
     for c in cost:
         prefix.append(acc)
         acc += c
-    body = [g for g in range(1, len(compute)) if 0.02 * total <= prefix[g] <= 0.98 * total]
+    body = [g for g in range(1, len(compute))
+            if 0.02 * total <= prefix[g] <= 0.98 * total and g not in banned]
     floor = min((cross_bytes[g] for g in body), default=min(cross_bytes[1:len(compute)]))
     lo, hi = 1, len(compute) - 1
     if layers:
@@ -188,7 +205,8 @@ def _cut_candidates(compute, cost, cross_bytes, layers) -> tuple[list[int], floa
         first = min(pos[n] for n in layers[0].nodes if n in pos)
         last = max(pos[n] for n in layers[-1].nodes if n in pos)
         lo, hi = first + 1, last
-    return [g for g in range(lo, hi + 1) if cross_bytes[g] <= floor * _TOLERANCE], floor
+    return [g for g in range(lo, hi + 1)
+            if cross_bytes[g] <= floor * _TOLERANCE and g not in banned], floor
 
 
 def _shared_params(graph, chunk_of, replicated) -> dict[str, tuple[int, ...]]:

@@ -502,8 +502,11 @@ def _nbytes(node, symbols):
 # The pass
 
 
-def shard_experts(program: Program, *, ep: int):
+def shard_experts(program: Program, *, ep: int, microbatch_size: int | None = None):
     """Return (program rewritten for one expert-parallel rank, report).
+
+    With `microbatch_size`, every microbatch (microbatch_size * seq tokens) must hold whole
+    routing groups of every layer that has them (capacity and dropping are decided per group).
 
     >>> import torch
     >>> from autopart.capture import capture
@@ -534,10 +537,29 @@ def shard_experts(program: Program, *, ep: int):
             raise node_error(first, f"MoE layer '{layer.name}' has {E} experts, not divisible by "
                              f"ep={ep}", f"use ep in {ok} (a divisor of {E} that divides dp), or "
                              f"{-(-E // ep) * ep} experts")
+    if microbatch_size is not None:
+        _check_groups(program, plan, regions, microbatch_size)
     if COMM in {n.target for n in program.gm.graph.nodes if n.op == "get_attr"}:
         raise AutopartError("shard_experts already ran on this program")
     gm = _rewrite(program.gm, regions, ep)
     return program.replace(gm=gm, decisions={**program.decisions, "ep": plan}), _report(plan)
+
+
+def _check_groups(program: Program, plan: EPPlan, regions, microbatch_size: int) -> None:
+    """Each microbatch routes on its own: it must hold whole routing groups, or a rank would route
+    a group the plain model never forms."""
+    seq = program.seq_len or 1
+    tokens = microbatch_size * seq
+    for layer, region in zip(plan.layers, regions):
+        S = layer.group_size
+        if S is None or tokens % S == 0:
+            continue
+        ok = [b for b in range(1, 4 * S + 1) if (b * seq) % S == 0][:4]
+        raise node_error(region.first, f"MoE layer '{layer.name}' routes groups of {S} tokens, "
+                         f"but a microbatch holds {microbatch_size} x {seq} = {tokens} tokens, "
+                         f"not a multiple of {S}", f"use a microbatch size (global batch / "
+                         f"(dp * microbatches)) in {ok} ..., fewer microbatches, or a group "
+                         f"size dividing {tokens}")
 
 
 def _report(plan: EPPlan) -> dict:

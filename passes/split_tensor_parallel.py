@@ -483,8 +483,10 @@ def _check_heads(program, plan, tp) -> None:
 def _check_share(program, plan, tp) -> None:
     """Replicating whole layers is not tensor parallelism: fail, naming what blocked the split."""
     total = sum(p.numel for p in program.params.values())
-    local = sum(p.numel // tp if name in plan.params else p.numel
-                for name, p in program.params.items())
+    ep_plan = program.decisions.get("ep")       # experts sharded over ep (shard_experts ran)
+    experts, ep = (ep_plan.params, ep_plan.ep) if ep_plan is not None else ({}, 1)
+    local = sum(p.numel // tp if name in plan.params else p.numel // ep if name in experts
+                else p.numel for name, p in program.params.items())
     if total and local / total > 1.5 / tp:
         nodes = {n.name: n for n in program.gm.graph.nodes}
         linears = find_linears(program.gm, program.params)

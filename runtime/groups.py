@@ -24,6 +24,8 @@ class RankGroups:
     shared: dict        # param name -> group of ranks whose chunks share it (tied weights)
     tp: object = None   # ranks splitting the same layers (tensor parallelism)
     model: object = None  # ranks holding one whole model replica (same dp): pp x tp
+    ep: object = None     # ranks exchanging tokens for their experts: same pp, tp, dp // ep
+    ep_replica: object = None  # ranks holding the same experts: same pp, tp, dp % ep
 
 
 def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
@@ -41,6 +43,9 @@ def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
     replicas = sorted({tuple(r for r in range(mesh.world_size)
                              if mesh.coords(r)["dp"] == d) for d in range(mesh.dp)})
     model = _mine(replicas, rank, timeout)
+    ep, ep_replica = _mine(ep_groups(mesh), rank, timeout), None
+    if mesh.ep > 1:
+        ep_replica = _mine(ep_replica_groups(mesh), rank, timeout)
     shared = {}
     for name in sorted(shared_params):
         pp_ranks = sorted({chunk_ranks[c] for c in shared_params[name]})
@@ -51,7 +56,22 @@ def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
         group = _mine(groups, rank, timeout)
         if group is not None:
             shared[name] = group
-    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model)
+    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica)
+
+
+def ep_groups(mesh: Mesh) -> list[tuple[int, ...]]:
+    """Expert-parallel groups: for each (pp, tp), the ep consecutive dp indices with the same
+    dp // ep (GShard shards experts over data-parallel ranks); ep_rank = dp % ep."""
+    if mesh.ep == 1:
+        return []
+    return [tuple(mesh.rank(pp=p, dp=g * mesh.ep + e, tp=t) for e in range(mesh.ep))
+            for p in range(mesh.pp) for t in range(mesh.tp) for g in range(mesh.dp // mesh.ep)]
+
+
+def ep_replica_groups(mesh: Mesh) -> list[tuple[int, ...]]:
+    """Ranks holding the same experts: same (pp, tp, dp % ep), one per ep group (dp/ep ranks)."""
+    return [tuple(mesh.rank(pp=p, dp=g * mesh.ep + e, tp=t) for g in range(mesh.dp // mesh.ep))
+            for p in range(mesh.pp) for t in range(mesh.tp) for e in range(mesh.ep)]
 
 
 def check_world_size(mesh: Mesh) -> None:

@@ -16,6 +16,7 @@ from autopart.mesh import Mesh
 from autopart.runtime.executor import StepContext, run_actions
 from autopart.runtime.groups import RankGroups, build_groups, check_world_size
 from autopart.runtime.tensor_parallel import localize_chunks, reduce_sequence_parallel_grads
+from autopart.runtime.expert_parallel import localize_expert_chunks
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -36,6 +37,11 @@ class ParallelModel:
         mine = [c for c in compiled.program.decisions["chunks"] if c.rank == self.coords["pp"]]
         # with tensor parallelism: this rank's own copies of its weight shards, comms bound
         mine = localize_chunks(mine, self._tp, self.coords["tp"], self._groups.tp)
+        # with expert parallelism: this rank's own experts (dp index mod ep), comms bound
+        self._experts = compiled.plan.ep_shards
+        self.ep_rank = self.coords["dp"] % self.mesh.ep
+        mine = localize_expert_chunks(mine, self._experts, self.mesh.ep, self.ep_rank,
+                                      self._groups.ep)
         self.program = RankProgram(rank, self.coords, tuple(mine))
         self._chunks = {c.chunk: c for c in self.program.chunks}
         for c in self.program.chunks:
@@ -97,15 +103,15 @@ class ParallelModel:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
-        if self._groups.dp is not None:
-            grads = [p.grad for p in self._params.values() if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self._groups.dp)
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+        # The loss was scaled by 1/(microbatches * dp): summing gives the mean. Dense gradients
+        # sum over the dp replicas; an expert gradient already holds every token of its ep group,
+        # so it sums over the dp/ep ranks holding the same experts only.
+        dense = [p.grad for n, p in self._params.items()
+                 if p.grad is not None and n not in self._experts]
+        experts = [p.grad for n, p in self._params.items()
+                   if p.grad is not None and n in self._experts]
+        _all_reduce_flat(dense, self._groups.dp)
+        _all_reduce_flat(experts, self._groups.ep_replica)
 
     def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         plan = self.compiled.plan
@@ -127,6 +133,7 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm over all shards, each shared parameter counted once."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        sq_experts = torch.zeros((), dtype=torch.float64, device=self.device)
         plan = self.compiled.plan
         for name, p in self._params.items():
             owner = plan.chunk_ranks[plan.shared_params[name][0]] if name in plan.shared_params \
@@ -134,7 +141,13 @@ class ParallelModel:
             # a tensor-parallel shard counts on every tp rank; a replicated weight on tp rank 0
             counted = name in plan.tp_shards or self.coords["tp"] == 0
             if p.grad is not None and owner == self.coords["pp"] and counted:
-                sq += p.grad.double().pow(2).sum()
+                if name in self._experts:
+                    sq_experts += p.grad.double().pow(2).sum()
+                else:
+                    sq += p.grad.double().pow(2).sum()
+        if self._groups.ep is not None:      # each ep rank holds 1/ep of the experts
+            dist.all_reduce(sq_experts, group=self._groups.ep)
+        sq += sq_experts
         if self._groups.model is not None:
             dist.all_reduce(sq, group=self._groups.model)
         norm = sq.sqrt().float()
@@ -148,16 +161,20 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict (every key, full shapes), on every rank."""
         mine = {}
-        if self.coords["dp"] == 0:
+        ep = self.mesh.ep
+        if self.coords["dp"] < ep:       # replica 0: dense state from dp 0, experts from its ep group
             mine = {n: t.detach().cpu() for c in self.program.chunks
-                    for n, t in c.gm.state_dict().items()}
+                    for n, t in c.gm.state_dict().items()
+                    if self.coords["dp"] == 0 or n in self._experts}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=self._groups.world)
-        full, shards = {}, {}
+        full, shards, expert_parts = {}, {}, {}
         for rank, part in enumerate(gathered):
             tp_rank = self.mesh.coords(rank)["tp"]
             for name, tensor in part.items():
-                if name in self.compiled.plan.tp_shards:
+                if name in self._experts:
+                    expert_parts.setdefault(name, {})[self.mesh.coords(rank)["dp"] % ep] = tensor
+                elif name in self.compiled.plan.tp_shards:
                     shards.setdefault(name, {})[tp_rank] = tensor
                 else:
                     full[name] = tensor
@@ -165,6 +182,8 @@ class ParallelModel:
             spec = self.compiled.plan.tp_shards[name]
             full[name] = unshard_tensor([parts[t] for t in range(self.mesh.tp)], spec.dim,
                                         spec.sections)
+        for name, parts in expert_parts.items():     # expert shards, dim 0 in ep-rank order
+            full[name] = torch.cat([parts[e] for e in range(ep)], dim=0)
         program = self.compiled.program
         out = {}
         for info in list(program.params.values()) + list(program.buffers.values()):
@@ -215,6 +234,18 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     pm = ParallelModel(compiled, dist.get_rank(), device, timeout, extra)
     pm._key_order = keys
     return pm
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    """Sum `grads` over `group` in one all-reduce (nothing to do without a group)."""
+    if group is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _device_of(model: nn.Module) -> torch.device:

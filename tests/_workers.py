@@ -97,14 +97,23 @@ class Extras(nn.Module):
         return self.head(h)
 
 
+# examples/switch.py's tiny config, made smaller: one 16-token sequence per routing group, 4
+# experts in blocks 1 and 3 (capacity floor(1.25 * 16 / 4) = 5 tokens per expert per group)
+SWITCH = "tiny,n_layer=4,n_embd=32,d_ff=64,vocab_size=128,block_size=16,group_size=16"
+SWITCH_SPECS = {"switch": SWITCH,                                        # top-1 with capacity
+                "switch-top2": SWITCH + ",top_k=2,capacity_factor=none"}  # top-2 dropless
+
+
 @dataclass(frozen=True)
 class Case:
     """One equivalence configuration; `world` ranks run it."""
     name: str
     model: str = "gpt"               # gpt (8 layers) | gpt4 (4 layers) | hf | toy | extras
+                                     # | switch | switch-top2 | mixtral (mixture of experts)
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1                      # experts sharded over ep of the dp ranks
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -140,6 +149,14 @@ def build(case: Case, seed: int = 0, device: str = "cpu"):
                                       n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         model, loss_fn, vocab = transformers.GPT2LMHeadModel(cfg), hf_loss, cfg.vocab_size
+    elif case.model in SWITCH_SPECS:     # the model returns its own loss (LM + auxiliary)
+        from examples.switch import SwitchGPT, config
+        model, loss_fn, vocab = SwitchGPT(config(SWITCH_SPECS[case.model])), None, 128
+    elif case.model == "mixtral":
+        from tests.moe_workers import hf_moe
+        import transformers
+        transformers.logging.set_verbosity_error()
+        model, loss_fn, vocab = hf_moe("hf-mixtral"), hf_loss, 128
     elif case.model == "toy":
         model, loss_fn, vocab = Toy(), None, 64
     elif case.model == "extras":
@@ -154,6 +171,8 @@ def build(case: Case, seed: int = 0, device: str = "cpu"):
     if case.model == "toy":      # the target is a model input: forward returns the loss itself
         mask = torch.rand(case.batch, case.seq, generator=g) + 0.5
         return model, loss_fn, tuple(t.to(device) for t in (x, mask, y)), None
+    if case.model in SWITCH_SPECS:
+        return model, loss_fn, (x.to(device), y.to(device)), None
     return model, loss_fn, (x.to(device),), y.to(device)
 
 
@@ -202,7 +221,8 @@ def equivalence(case: Case, rank: int) -> dict:
     ref_keys = list(ref_sd0.keys())
     ref_shapes = {k: tuple(v.shape) for k, v in ref_sd0.items()}
     ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
-    pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp), inputs,
+    mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep)
+    pm = autopart.parallelize(model, mesh, inputs,
                               loss_fn=loss_fn, target=target, microbatches=case.microbatches,
                               schedule=case.schedule, virtual_stages=case.virtual_stages,
                               sequence_parallel=case.sequence_parallel,
@@ -264,12 +284,17 @@ def equivalence(case: Case, rank: int) -> dict:
 
 
 def _local_view(pm, rank: int):
-    """name, plain tensor -> the part of it this rank holds (its tensor-parallel shard)."""
+    """name, plain tensor -> the part of it this rank holds (its tensor-parallel shard, or its
+    experts: rows ep_rank*E/ep .. of dim 0, ep_rank = dp index mod ep)."""
     from autopart.localize import shard_tensor
     shards, tp = pm.compiled.plan.tp_shards, pm.mesh.tp
+    experts, ep = pm.compiled.plan.ep_shards, pm.mesh.ep
     tp_rank = pm.mesh.coords(rank)["tp"]
+    ep_rank = pm.mesh.coords(rank)["dp"] % ep
 
     def view(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in experts:
+            return tensor.chunk(ep, dim=0)[ep_rank]
         if name not in shards:
             return tensor
         return shard_tensor(tensor, shards[name].dim, shards[name].sections, tp, tp_rank)

@@ -1,0 +1,127 @@
+"""Expert parallelism on real ranks equals the plain model: examples/switch.py (top-1 with
+capacity, top-2 dropless) and an unmodified Hugging Face Mixtral, with experts sharded over ep of
+the dp ranks, composed with pipeline and tensor parallelism. Every step's loss, the first step's
+gradients (each rank's experts against the same experts' rows of the plain gradient), the clipped
+gradient norm, every parameter after 3 SGD steps and full_state_dict() with full shapes.
+
+Each dp rank's microbatches hold whole routing groups (16-token groups, one per sequence), and
+the example averages its auxiliary losses over groups, so the plain model's loss on the global
+batch is the mean of the per-microbatch losses.
+
+Fast tier: python -m pytest -m "not full" tests/test_expert_parallel.py
+Full matrix: python -m pytest tests/test_expert_parallel.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopart
+from tests._workers import SWITCH_SPECS, Case, run_group
+
+FAST_2 = [
+    Case("switch-dp2-ep2", model="switch", dp=2, ep=2, microbatches=2),
+    Case("switch-top2-dp2-ep2", model="switch-top2", dp=2, ep=2, microbatches=2),
+]
+FAST_4 = [
+    Case("switch-dp2-ep2xpp2", model="switch", dp=2, ep=2, pp=2, microbatches=2),
+]
+FULL_4 = [
+    Case("switch-dp4-ep4", model="switch", dp=4, ep=4, microbatches=2),
+    Case("switch-top2-dp4-ep2", model="switch-top2", dp=4, ep=2, microbatches=2),
+    Case("switch-dp2-ep2xpp2-interleaved", model="switch", dp=2, ep=2, pp=2,
+         schedule="interleaved-1f1b", virtual_stages=2, microbatches=2),
+    Case("switch-dp2-ep2xtp2", model="switch", dp=2, ep=2, tp=2, microbatches=2),
+]
+FULL_2 = [
+    Case("mixtral-dp2-ep2", model="mixtral", dp=2, ep=2, microbatches=2, batch=4),
+]
+GROUPS = {("ep-fast", 2): FAST_2, ("ep-fast", 4): FAST_4, ("ep-full", 4): FULL_4,
+          ("ep-full", 2): FULL_2}
+_GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
+CASES = [pytest.param(c, id=c.name) for c in FAST_2 + FAST_4] + [
+    pytest.param(c, id=c.name, marks=pytest.mark.full) for c in FULL_4 + FULL_2]
+
+
+def _results(case, spawn_cache) -> list[dict]:
+    key = _GROUP_OF[case.name]
+    return run_group(spawn_cache, key, GROUPS[key])[case.name]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_plain_model(case: Case, spawn_cache):
+    ranks = _results(case, spawn_cache)
+    assert sorted(r["rank"] for r in ranks) == list(range(case.world))
+    problems = [f"rank {r['rank']}: {p}" for r in ranks for p in r["problems"]]
+    assert not problems, f"{case}\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_rank_holds_its_experts(case: Case, spawn_cache):
+    """With ep ranks per expert group, each rank holds 1/ep of the expert weights (and, with
+    tp, 1/tp of the split dense weights): less than the whole model."""
+    ranks = _results(case, spawn_cache)
+    for r in ranks:
+        assert r["held_numel"] < r["total_numel"], r["case"]
+
+
+# -- bad inputs, at compile time, in one process -------------------------------------------------
+
+def _switch(spec: str):
+    from examples.switch import SwitchGPT, config
+    torch.manual_seed(0)
+    cfg = config(spec)
+    x = torch.zeros(8, cfg.block_size, dtype=torch.long)
+    return SwitchGPT(cfg), (x, x.clone())
+
+
+def test_experts_not_divisible_by_ep():
+    model, inputs = _switch(SWITCH_SPECS["switch"] + ",num_experts=6")
+    with pytest.raises(autopart.AutopartError) as e:
+        autopart.compile(model, autopart.Mesh(dp=4, ep=4), inputs, microbatches=2)
+    text = str(e.value)
+    assert "transformer.h.1.mlp" in text and "6 experts" in text and "ep=4" in text
+    assert "[1, 2, 3, 6]" in text
+
+
+def test_ep_not_dividing_dp():
+    with pytest.raises(autopart.AutopartError, match=r"ep=3 must divide dp=4.*\[1, 2, 4\]"):
+        autopart.Mesh(dp=4, ep=3)
+
+
+def test_microbatch_not_holding_whole_routing_groups():
+    model, inputs = _switch(SWITCH_SPECS["switch"] + ",group_size=32")
+    with pytest.raises(autopart.AutopartError) as e:       # 1 x 16 tokens per microbatch
+        autopart.compile(model, autopart.Mesh(dp=2, ep=2), inputs, microbatches=4)
+    text = str(e.value)
+    assert "transformer.h.1.mlp" in text and "groups of 32 tokens" in text and "1 x 16" in text
+    assert "remedy" in text
+
+
+def test_model_without_experts():
+    from examples.gpt import GPT, lm_loss
+    x = torch.zeros(4, 64, dtype=torch.long)
+    with pytest.raises(autopart.AutopartError, match="has none"):
+        autopart.compile(GPT("tiny"), autopart.Mesh(dp=2, ep=2), (x,), loss_fn=lm_loss, target=x)
+
+
+def test_compile_shards_experts_and_explains():
+    model, inputs = _switch(SWITCH_SPECS["switch"])
+    c = autopart.compile(model, autopart.Mesh(dp=2, ep=2, pp=2), inputs, microbatches=2)
+    assert set(c.plan.ep_shards) == {"transformer.h.1.mlp.c_fc", "transformer.h.1.mlp.c_proj",
+                                     "transformer.h.3.mlp.c_fc", "transformer.h.3.mlp.c_proj"}
+    for rank in range(4):
+        params = c.programs[rank].parameters()
+        for name, p in params.items():
+            if name in c.plan.ep_shards:
+                assert p.shape[0] == 2, (rank, name)
+    # the expert region of each layer stays in one chunk
+    for chunk in c.program.decisions["chunks"]:
+        names = {n.target.__name__ for n in chunk.gm.graph.nodes if n.op == "call_function"
+                 and getattr(n.target, "__module__", "") == "autopart.ep_ops"}
+        assert names in (set(), {"dispatch_to_experts", "combine_from_experts"})
+    text = c.explain()
+    assert "expert parallelism over ep=2" in text and "transformer.h.1.mlp" in text
+    assert "2 of 4 experts per rank" in text and "capacity 5" in text
+    js = c.to_json()["expert_parallel"]
+    assert [layer["name"] for layer in js] == ["transformer.h.1.mlp", "transformer.h.3.mlp"]
