@@ -61,6 +61,7 @@ class _WithLoss(nn.Module):
     def __init__(self, model: nn.Module, loss_fn: Callable | None, has_target: bool):
         super().__init__()
         self.model, self.loss_fn, self.has_target = model, loss_fn, has_target
+        self.stat_names = _Names()          # filled while tracing (export may copy the module)
 
     def forward(self, *args):
         inputs, target = (args[:-1], args[-1]) if self.has_target else (args, None)
@@ -68,6 +69,10 @@ class _WithLoss(nn.Module):
         if self.loss_fn is not None:
             loss = self.loss_fn(out, target) if self.has_target else self.loss_fn(out)
             return _check_scalar(loss, "loss_fn returned")
+        stats = _stats_of(out)
+        if stats:       # (loss, {name: tensor}): the tensors become extra graph outputs
+            self.stat_names[:] = list(stats)
+            return (_as_loss(out), *stats.values())
         return _as_loss(out)
 
 
@@ -82,6 +87,25 @@ def _as_loss(out):
             f"the model returned {type(out).__name__}, not a loss; pass loss_fn=... to turn its "
             "output (and the target) into a scalar loss")
     return _check_scalar(loss, f"the model returned {type(out).__name__} whose loss is")
+
+
+class _Names(list):
+    """A list that copies to itself, so what a traced copy of the wrapper records is seen."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+
+def _stats_of(out) -> dict:
+    """A model returning (loss, {name: tensor}) reports training statistics beside its loss
+    (routing counts, say): kept as graph outputs, summed over the global batch by the runtime."""
+    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], dict) and out[1] \
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in out[1].items()):
+        return dict(out[1])
+    return {}
 
 
 def _example_shape(t: torch.Tensor) -> tuple:
@@ -119,7 +143,10 @@ def capture(model: nn.Module, example_inputs: tuple, *, loss_fn: Callable | None
     args = tuple(a.clone() if a.device.type != "meta" else a.detach() for a in args)  # distinct objects
     ep, dynamic = _export(wrapper, args)
     names = _input_names(model, len(example_inputs)) + (["target"] if target is not None else [])
-    return _to_program(ep, model, args, dynamic, names)
+    program = _to_program(ep, model, args, dynamic, names)
+    if wrapper.stat_names:      # graph outputs 1.. (output 0 is the loss)
+        program.decisions["stats"] = tuple(wrapper.stat_names)
+    return program
 
 
 def _input_names(model: nn.Module, n: int) -> list[str]:

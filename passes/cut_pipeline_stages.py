@@ -51,7 +51,9 @@ def cut_pipeline_stages(program: Program, *, pp: int, virtual_stages: int = 1,
     b, s = microbatch_size, program.seq_len
     cost = [max(evaluate(costs[n.name].fwd_bwd_flops, b, s), 1.0) for n in compute]
     last_use = _last_uses(compute)
-    cross_bytes = _crossing_bytes(compute, last_use, [_bytes(n, program, b, s) for n in compute])
+    stats_only = _stats_only(graph)
+    cross_bytes = _crossing_bytes(compute, last_use, [0.0 if n in stats_only else
+                                                      _bytes(n, program, b, s) for n in compute])
     layers = detect_layers(program)
     cuts = _choose_cuts(compute, cost, cross_bytes, k, layers)
     bounds = [0, *cuts, len(compute)]
@@ -66,6 +68,25 @@ def cut_pipeline_stages(program: Program, *, pp: int, virtual_stages: int = 1,
               "max_over_mean_cost": max(plan.chunk_cost) / (sum(plan.chunk_cost) / k),
               "shared_params": dict(plan.shared_params)}
     return program.replace(decisions={**program.decisions, "stages": plan}), report
+
+
+def _stats_only(graph: fx.Graph) -> set:
+    """Nodes only the statistics outputs (outputs 1.., beside the loss) need: small counts that
+    ride along a cut without moving it (they would not fit the residual stream's 1% tolerance)."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    if len(results) < 2:
+        return set()
+
+    def ancestors(roots) -> set:
+        seen, stack = set(), [r for r in roots if isinstance(r, fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(n.all_input_nodes)
+        return seen
+    return ancestors(results[1:]) - ancestors(results[:1])
 
 
 def _input_derived(graph: fx.Graph) -> set[str]:

@@ -85,7 +85,9 @@ def _emit_chunk(program: Program, plan, c: int) -> ChunkProgram:
     mine = [n for n in src_graph.nodes if plan.chunk_of.get(n.name) == c]
     recv_names = plan.crossings[c - 1] if c > 0 else ()
     send_names = plan.crossings[c] if c < plan.num_chunks - 1 else ()
-    needed_repl = _replicated_needed(mine, set(plan.replicated))
+    last = c == plan.num_chunks - 1       # it also computes outputs made from the inputs alone
+    out_node = next(n for n in src_graph.nodes if n.op == "output")
+    needed_repl = _replicated_needed(mine + ([out_node] if last else []), set(plan.replicated))
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     prev_rank, next_rank = plan.rank_of_chunk(c - 1), plan.rank_of_chunk(c + 1)

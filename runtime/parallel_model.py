@@ -48,6 +48,10 @@ class ParallelModel:
             c.gm.to(device)
         self._params = self.program.parameters()
         self._extra_state = extra_state
+        # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over
+        # the microbatches and data-parallel replicas of the global batch, on every rank
+        self._stat_names = compiled.program.decisions.get("stats", ())
+        self.last_stats: dict[str, torch.Tensor] = {}
 
     # -- training ---------------------------------------------------------------------------
     def train_step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,6 +76,8 @@ class ParallelModel:
             p.grad = None
         losses = run_actions(self.compiled.schedule.ranks[self.coords["pp"]], ctx)
         self._reduce_gradients()
+        if self._stat_names:
+            self.last_stats = self._global_stats(ctx.stats)
         for name, grad in earlier.items():
             p = self._params[name]
             p.grad = grad if p.grad is None else grad.add_(p.grad)
@@ -112,6 +118,20 @@ class ParallelModel:
                    if p.grad is not None and n in self._experts]
         _all_reduce_flat(dense, self._groups.dp)
         _all_reduce_flat(experts, self._groups.ep_replica)
+
+    def _global_stats(self, per_microbatch: list[tuple]) -> dict[str, torch.Tensor]:
+        """The statistics outputs summed over the global batch (their shapes and dtypes are
+        the model's: counts stay integers). Only the last pipeline rank's tp rank 0 holds them."""
+        plan = self.compiled.plan
+        holds = self.coords["pp"] == plan.chunk_ranks[-1] and self.coords["tp"] == 0
+        mine = None
+        if holds and per_microbatch:
+            mine = [torch.stack([mb[i] for mb in per_microbatch]).sum(0).cpu()
+                    for i in range(len(self._stat_names))]
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine, group=self._groups.world)
+        parts = [g for g in gathered if g is not None]
+        return {name: sum(p[i] for p in parts) for i, name in enumerate(self._stat_names)}
 
     def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         plan = self.compiled.plan

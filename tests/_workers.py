@@ -101,7 +101,19 @@ class Extras(nn.Module):
 # experts in blocks 1 and 3 (capacity floor(1.25 * 16 / 4) = 5 tokens per expert per group)
 SWITCH = "tiny,n_layer=4,n_embd=32,d_ff=64,vocab_size=128,block_size=16,group_size=16"
 SWITCH_SPECS = {"switch": SWITCH,                                        # top-1 with capacity
-                "switch-top2": SWITCH + ",top_k=2,capacity_factor=none"}  # top-2 dropless
+                "switch-top2": SWITCH + ",top_k=2,capacity_factor=none",  # top-2 dropless
+                "switch-stats": SWITCH}     # returns (loss, routing counts): pm.last_stats
+
+
+class WithStats(nn.Module):
+    """model(idx, targets, True): (loss, {routed, processed, dropped_tokens, tokens})."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, targets):
+        return self.model(idx, targets, True)
 
 
 @dataclass(frozen=True)
@@ -152,6 +164,8 @@ def build(case: Case, seed: int = 0, device: str = "cpu"):
     elif case.model in SWITCH_SPECS:     # the model returns its own loss (LM + auxiliary)
         from examples.switch import SwitchGPT, config
         model, loss_fn, vocab = SwitchGPT(config(SWITCH_SPECS[case.model])), None, 128
+        if case.model == "switch-stats":
+            model = WithStats(model)
     elif case.model == "mixtral":
         from tests.moe_workers import hf_moe
         import transformers
@@ -238,6 +252,14 @@ def equivalence(case: Case, rank: int) -> dict:
             loss = pm.train_step(*inputs, target=target)
             out = ref(*inputs)
             ref_loss = loss_fn(out, target) if loss_fn is not None else out
+            if isinstance(ref_loss, tuple):        # (loss, statistics summed over the batch)
+                ref_loss, ref_stats = ref_loss
+                if set(pm.last_stats) != set(ref_stats):
+                    problems.append(f"{what} stats {sorted(pm.last_stats)} != {sorted(ref_stats)}")
+                for k, v in ref_stats.items():
+                    if k in pm.last_stats and not torch.equal(pm.last_stats[k].cpu(), v.cpu()):
+                        problems.append(f"{what} stat {k}: {pm.last_stats[k].tolist()} != plain "
+                                        f"{v.tolist()}")
             ref_loss.backward()
             max_err = max(max_err, _compare(f"{what} loss", loss, ref_loss, RTOL, ATOL, problems))
         if step == 1:

@@ -25,6 +25,8 @@ FAST_2 = [
 ]
 FAST_4 = [
     Case("switch-dp2-ep2xpp2", model="switch", dp=2, ep=2, pp=2, microbatches=2),
+    # the model returns (loss, routing counts): pm.last_stats sums them over the global batch
+    Case("switch-stats-dp2-ep2xpp2", model="switch-stats", dp=2, ep=2, pp=2, microbatches=2),
 ]
 FULL_4 = [
     Case("switch-dp4-ep4", model="switch", dp=4, ep=4, microbatches=2),
