@@ -41,6 +41,10 @@ def make_model(args) -> GPT:
     return GPT(config(args.config))
 
 
+def make_optimizer(params, args):
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+
+
 def train_parallel(rank: int, world: int, args) -> list[float]:
     """One rank's training loop; returns the loss of every step."""
     import autopart
@@ -51,7 +55,7 @@ def train_parallel(rank: int, world: int, args) -> list[float]:
                               microbatches=args.microbatches, schedule=args.schedule,
                               virtual_stages=args.virtual_stages)
     del model      # this rank now holds only its share of the weights (through pm)
-    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = make_optimizer(pm.parameters(), args)
     if rank == 0:
         print(pm.explain(), flush=True)
     losses = []
@@ -71,7 +75,7 @@ def train_parallel(rank: int, world: int, args) -> list[float]:
 def train_plain(args) -> list[float]:
     """The unmodified model on one process, same init, same batches, same optimizer."""
     model = make_model(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = make_optimizer(model.parameters(), args)
     losses = []
     for x, y in batches(args.steps, args.batch, model.config.block_size, args.seed):
         loss = lm_loss(model(x), y)
@@ -96,12 +100,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mesh", default="pp=2,dp=2")
     p.add_argument("--config", default="tiny")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3)
+    # 3e-3 trains this model faster but chaotically: two runs that differ only in the order of
+    # fp32 sums (parallel vs plain) drift apart by ~1e-3 after 20 steps. At 1e-3 they agree to
+    # round-off (5e-7) over the whole run.
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before all ranks are killed")
     return p.parse_args(argv)
