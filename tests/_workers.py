@@ -434,8 +434,9 @@ def die_mid_step(rank: int, world: int, how: str, victim: int, timeout_s: float,
                               target=target, microbatches=4, timeout=timedelta(seconds=timeout_s))
     step = 0
     if rank == victim:
-        chunk = pm.program.chunks[0]
-        forward = chunk.gm.forward
+        from autopart.runtime.executor import executable
+        runs = executable(pm.program.chunks[0].gm)   # the copy of the program the executor calls
+        forward = runs.forward
 
         def dying_forward(*args):
             if step == 2:
@@ -444,7 +445,7 @@ def die_mid_step(rank: int, world: int, how: str, victim: int, timeout_s: float,
                 time.sleep(2 * timeout_s + 5)   # long enough for the others to time out, bounded
                 os._exit(14)
             return forward(*args)
-        chunk.gm.forward = dying_forward
+        runs.forward = dying_forward
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     for step in (1, 2, 3):
         started = time.monotonic()
