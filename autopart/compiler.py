@@ -112,7 +112,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     program = _capture(model, example_inputs, loss_fn, target, mbs)
     # shard_experts first: split_tensor_parallel then counts each expert weight as 1/ep a rank's
     # (the rewritten graphs are the same in either order)
-    experts = [("shard_experts", shard_experts, dict(ep=mesh.ep, microbatch_size=mbs))] \
+    experts = [("shard_experts", shard_experts, dict(ep=mesh.ep, microbatch_size=mbs, dp=mesh.dp))] \
         if mesh.ep > 1 else []
     passes = [
         *experts,

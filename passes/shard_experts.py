@@ -502,11 +502,13 @@ def _nbytes(node, symbols):
 # The pass
 
 
-def shard_experts(program: Program, *, ep: int, microbatch_size: int | None = None):
+def shard_experts(program: Program, *, ep: int, microbatch_size: int | None = None,
+                  dp: int | None = None):
     """Return (program rewritten for one expert-parallel rank, report).
 
     With `microbatch_size`, every microbatch (microbatch_size * seq tokens) must hold whole
     routing groups of every layer that has them (capacity and dropping are decided per group).
+    With `dp`, the ep values an error suggests also divide dp.
 
     >>> import torch
     >>> from autopart.capture import capture
@@ -533,10 +535,11 @@ def shard_experts(program: Program, *, ep: int, microbatch_size: int | None = No
         first = region.first
         if layer.num_experts % ep:
             E = layer.num_experts
-            ok = [d for d in range(1, E + 1) if E % d == 0]
+            ok = [d for d in range(1, E + 1) if E % d == 0 and (dp is None or dp % d == 0)]
+            within = f" dp={dp}" if dp is not None else " dp"
             raise node_error(first, f"MoE layer '{layer.name}' has {E} experts, not divisible by "
-                             f"ep={ep}", f"use ep in {ok} (a divisor of {E} that divides dp), or "
-                             f"{-(-E // ep) * ep} experts")
+                             f"ep={ep}", f"use ep in {ok} (the divisors of {E} that divide"
+                             f"{within}), or {-(-E // ep) * ep} experts")
     if microbatch_size is not None:
         _check_groups(program, plan, regions, microbatch_size)
     if COMM in {n.target for n in program.gm.graph.nodes if n.op == "get_attr"}:
