@@ -127,3 +127,25 @@ def test_compile_shards_experts_and_explains():
     assert "2 of 4 experts per rank" in text and "capacity 5" in text
     js = c.to_json()["expert_parallel"]
     assert [layer["name"] for layer in js] == ["transformer.h.1.mlp", "transformer.h.3.mlp"]
+
+
+@pytest.mark.full
+def test_switch_c_compiles_on_meta_with_pipeline_and_expert_parallelism():
+    """Switch-C (1.57e12 parameters, 2048 experts in each of 30 layers) on the meta device:
+    pp=2 x dp=64 with ep=64, 32 experts per rank, no expert region cut, ranks' experts distinct."""
+    from examples.switch import SwitchGPT, config, example_inputs
+    cfg = config("switch-c")
+    with torch.device("meta"):
+        model = SwitchGPT(cfg)
+    mesh = autopart.Mesh(pp=2, dp=64, ep=64)
+    c = autopart.compile(model, mesh, example_inputs(cfg, 128, "meta"), microbatches=2)
+    assert len(c.plan.ep_shards) == 60 and c.plan.microbatch_size == 1
+    rows = c.to_json()["expert_parallel"]
+    assert len(rows) == 30 and {r["experts_per_rank"] for r in rows} == {32}
+    # forward all-to-all per rank per microbatch: tokens of b groups x capacity 1, in and out
+    assert rows[0]["a2a_bytes_per_microbatch"] == 2 * 2048 * 2080 * 4 * 63 / 64
+    p0, p1 = c.programs[mesh.rank(pp=0, dp=0)], c.programs[mesh.rank(pp=0, dp=1)]
+    w0 = p0.parameters()["transformer.h.0.mlp.c_fc"]
+    assert tuple(w0.shape) == (32, 2080, 6144)
+    assert p1.parameters()["transformer.h.0.mlp.c_fc"].shape == w0.shape
+    assert "expert parallelism over ep=64" in c.explain()
