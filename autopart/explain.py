@@ -71,10 +71,11 @@ def _ep_lines(compiled) -> list[str]:
     rows = ep_rows(compiled)
     if not rows:
         return []
-    ep = compiled.plan.mesh.ep
-    lines = [f"expert parallelism over ep={ep} (groups of {ep} consecutive dp ranks; expert "
-             f"gradients summed over the {compiled.plan.mesh.dp // ep} ranks holding the same "
-             "experts); all-to-all bytes each rank sends per microbatch (b = microbatch size, "
+    ep, replicas = compiled.plan.mesh.ep, compiled.plan.mesh.dp // compiled.plan.mesh.ep
+    reduce = (f"expert gradients summed over the {replicas} ranks holding the same experts"
+              if replicas > 1 else "dp = ep: no rank shares its experts, no expert all-reduce")
+    lines = [f"expert parallelism over ep={ep} (groups of {ep} consecutive dp ranks; {reduce}); "
+             "all-to-all bytes each rank sends per microbatch (b = microbatch size, "
              "s = sequence), forward, and the same again in backward:"]
     width = max(len(r["name"]) for r in rows)
     for r in rows:
