@@ -223,11 +223,25 @@ def _cut_candidates(compute, cost, cross_bytes, layers,
     lo, hi = 1, len(compute) - 1
     if layers:
         pos = {n.name: i for i, n in enumerate(compute)}
-        first = min(pos[n] for n in layers[0].nodes if n in pos)
-        last = max(pos[n] for n in layers[-1].nodes if n in pos)
-        lo, hi = first + 1, last
+        spans = [(min(pos[n] for n in layer.nodes if n in pos),
+                  max(pos[n] for n in layer.nodes if n in pos)) for layer in layers]
+        lo, hi = spans[0][0] + 1, spans[-1][1]
+        floor = _typical_layer_floor(spans, cross_bytes, banned, floor)
     return [g for g in range(lo, hi + 1)
             if cross_bytes[g] <= floor * _TOLERANCE and g not in banned], floor
+
+
+def _typical_layer_floor(spans, cross_bytes, banned, default: float) -> float:
+    """The median over layers of the smallest crossing inside each layer (and at its end).
+
+    Not the smallest over the whole body: a tensor that every layer reads but nothing after the
+    last one (a routing index, a mask made from activations) is dead inside the last layer, so
+    that layer alone has a smaller crossing than every boundary between layers, and a global
+    minimum would leave no cut point at all."""
+    minima = sorted(min((cross_bytes[g] for g in range(a + 1, b + 2)
+                         if g < len(cross_bytes) and g not in banned), default=default)
+                    for a, b in spans)
+    return minima[len(minima) // 2] if minima else default
 
 
 def _shared_params(graph, chunk_of, replicated) -> dict[str, tuple[int, ...]]:

@@ -205,3 +205,43 @@ def test_crossing_bytes_match_the_definition():
         assert fast[g] == sum(nbytes[compute.index(n)] for n in live), g
     body = fast[2:-2]
     assert min(body) == 2 * 2 * 5 * 8 * 4, "x and the skip x0 cross every layer boundary"
+
+
+class _SideTensorBlock(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.table = torch.nn.Embedding(width, width)
+
+    def forward(self, h, route):
+        return h + torch.tanh(self.lin(h)) + self.table(route) * 0.1
+
+
+class _SideTensorModel(torch.nn.Module):
+    """Every block reads `route` (made from the first activations); nothing after the last block
+    does, so inside the last block only h is live: less than at any boundary between blocks."""
+
+    def __init__(self, n_layer: int = 4, width: int = 32, vocab: int = 64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(_SideTensorBlock(width) for _ in range(n_layer))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, x, target):
+        h = self.emb(x)
+        route = h.argmax(-1)
+        for block in self.blocks:
+            h = block(h, route)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                 target.reshape(-1))
+
+
+def test_side_tensor_dead_in_the_last_layer_still_leaves_cut_points():
+    import autopart
+    model = _SideTensorModel()
+    x = torch.randint(0, 64, (4, 8))
+    compiled = autopart.compile(model, autopart.Mesh(pp=4), (x, x), microbatches=4)
+    assert len(compiled.plan.chunk_layers) == 4 and all(compiled.plan.chunk_layers)
+    for chunk in compiled.program.decisions["chunks"][:-1]:
+        assert len(chunk.sends) == 2        # the residual stream and route, nothing more
