@@ -15,7 +15,8 @@ from autopart.errors import AutopartError
 from autopart.mesh import Mesh
 from autopart.runtime.executor import StepContext, run_actions
 from autopart.runtime.groups import RankGroups, build_groups, check_world_size
-from autopart.runtime.tensor_parallel import localize_chunks, reduce_sequence_parallel_grads
+from autopart.runtime.tensor_parallel import (all_reduce_flat, localize_chunks,
+                                               reduce_sequence_parallel_grads)
 from autopart.runtime.expert_parallel import localize_expert_chunks
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -116,8 +117,8 @@ class ParallelModel:
                  if p.grad is not None and n not in self._experts]
         experts = [p.grad for n, p in self._params.items()
                    if p.grad is not None and n in self._experts]
-        _all_reduce_flat(dense, self._groups.dp)
-        _all_reduce_flat(experts, self._groups.ep_replica)
+        all_reduce_flat(dense, self._groups.dp)
+        all_reduce_flat(experts, self._groups.ep_replica)
 
     def _global_stats(self, per_microbatch: list[tuple]) -> dict[str, torch.Tensor]:
         """The statistics outputs summed over the global batch (their shapes and dtypes are
@@ -254,18 +255,6 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     pm = ParallelModel(compiled, dist.get_rank(), device, timeout, extra)
     pm._key_order = keys
     return pm
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    """Sum `grads` over `group` in one all-reduce (nothing to do without a group)."""
-    if group is None or not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -31,14 +31,19 @@ def _with_gm(chunk: ChunkProgram, gm) -> ChunkProgram:
 
 def reduce_sequence_parallel_grads(params: dict, tp_plan, tp_group) -> None:
     """Sum over tp the gradients of replicated weights used on sequence shards (norms, biases)."""
-    if tp_plan is None or tp_group is None or not tp_plan.sp_grad_reduce:
+    if tp_plan is None or not tp_plan.sp_grad_reduce:
         return
-    grads = [params[n].grad for n in sorted(tp_plan.sp_grad_reduce)
-             if n in params and params[n].grad is not None]
-    if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=tp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    all_reduce_flat([params[n].grad for n in sorted(tp_plan.sp_grad_reduce)
+                     if n in params and params[n].grad is not None], tp_group)
+
+
+def all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    """Sum `grads` over `group` in one all-reduce (nothing to do without a group)."""
+    if group is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
