@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from autopart.localize import attribute
 
 
 class EPComm(nn.Module):
@@ -252,7 +253,7 @@ def localize_experts(gm: fx.GraphModule, expert_params, ep: int, rank: int,
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target in attrs:
             continue
-        value = _get(gm, node.target)
+        value = attribute(gm, node.target)
         if isinstance(value, EPComm):
             attrs[node.target] = EPComm(ep, rank)
         elif node.target in expert_params:
@@ -263,9 +264,3 @@ def localize_experts(gm: fx.GraphModule, expert_params, ep: int, rank: int,
             attrs[node.target] = value
     return fx.GraphModule(attrs, gm.graph, class_name=type(gm).__name__)
 
-
-def _get(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -5,6 +5,8 @@ the same 1/tp slice of every section, so each rank gets its own heads of q, of k
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -38,7 +40,7 @@ def localize_module(gm: fx.GraphModule, shards: dict, tp: int, rank: int,
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        value = _get(gm, node.target)
+        value = attribute(gm, node.target)
         if isinstance(value, TPComm):
             attrs[node.target] = TPComm(tp, rank)
         elif node.target in shards:
@@ -52,8 +54,6 @@ def localize_module(gm: fx.GraphModule, shards: dict, tp: int, rank: int,
     return out
 
 
-def _get(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+def attribute(gm: torch.nn.Module, target: str):
+    """The object at a dotted attribute path of a module (a get_attr node's target)."""
+    return operator.attrgetter(target)(gm)

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from autopart import p2p
 from autopart.capture import Program, sym_shape
+from autopart.localize import attribute
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def _emit_chunk(program: Program, plan, c: int) -> ChunkProgram:
     def lookup(n: fx.Node) -> fx.Node:
         if n not in env and n.op == "get_attr":
             attrs[n.target] = program.gm.get_parameter(n.target) if _has_param(program.gm, n.target) \
-                else _get_attr(program.gm, n.target)
+                else attribute(program.gm, n.target)
             env[n] = g.get_attr(n.target)
             env[n].meta = dict(n.meta)
         return env[n]
@@ -163,9 +164,3 @@ def _has_param(gm: fx.GraphModule, target: str) -> bool:
     except AttributeError:
         return False
 
-
-def _get_attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

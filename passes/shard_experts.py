@@ -42,6 +42,7 @@ from autopart.capture import BATCH, SEQ, Program, sym_shape
 from autopart.errors import AutopartError, module_path, node_error, user_source_line
 from autopart.passes.split_tensor_parallel import ParamShard
 from autopart.placement import ELEMENTWISE, ndim, shape_of
+from autopart.localize import attribute
 
 aten = torch.ops.aten
 COMM = "ep_comm"
@@ -627,7 +628,7 @@ def _rewrite(old: fx.GraphModule, regions: list, ep: int) -> fx.GraphModule:
         else:
             env[node] = g.node_copy(node, lambda a: combined.get(a, env[a]))
     g.lint()
-    root = {n.target: _attr(old, n.target) for n in old.graph.nodes if n.op == "get_attr"}
+    root = {n.target: attribute(old, n.target) for n in old.graph.nodes if n.op == "get_attr"}
     root[COMM] = ep_ops.EPComm(ep)
     gm = fx.GraphModule(root, g)
     gm.recompile()
@@ -652,12 +653,6 @@ def _local_val(val, ep: int):
     except Exception:  # noqa: BLE001  (a plain meta tensor, or no fake mode: keep the global one)
         return val
 
-
-def _attr(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 __all__ = ["shard_experts", "find_moe_layers", "EPPlan", "MoELayer", "COMM"]

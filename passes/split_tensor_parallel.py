@@ -28,6 +28,7 @@ from autopart import tp_ops
 from autopart.capture import SEQ, Program
 from autopart.errors import AutopartError, module_path, node_error
 from autopart.placement import (NoRule, Need, P, R, Shard, SplitOnShard, carry, ndim, shape_of)
+from autopart.localize import attribute
 
 aten = torch.ops.aten
 COMM = "tp_comm"
@@ -543,7 +544,7 @@ def _rewrite(program: Program, plan: TPPlan) -> fx.GraphModule:
             _localize_args(new, node, plan)
             env[node] = new
     g.lint()
-    root = {name: _attr(old, name) for name in _attr_targets(old)}
+    root = {name: attribute(old, name) for name in _attr_targets(old)}
     root[COMM] = tp_ops.TPComm(plan.tp)
     return fx.GraphModule(root, g)
 
@@ -655,12 +656,6 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TPPlan) -> None:
 def _attr_targets(gm) -> list[str]:
     return [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target != COMM]
 
-
-def _attr(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 __all__ = ["split_tensor_parallel", "decide", "TPPlan", "ParamShard", "find_linears", "SEQ",
