@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -98,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:     # `autopart schedule ... | head`: the reader left, nothing wrong
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except ValueError as error:  # bad user input, ScheduleError included; not worth a traceback
         print(f"autopart {args.command}: error: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2
