@@ -140,7 +140,6 @@ def carry(node: fx.Node, pl: dict, tp: int):
     Returns a placement, a tuple of placements (multi-output ops), a Need (an input must be
     sharded first) or a SplitOnShard marker with the placement; raises NoRule."""
     t = node.target
-    ins = [a for a in node.args if isinstance(a, fx.Node)]
     if t is operator.getitem:
         src = pl.get(node.args[0], R)
         return src[node.args[1]] if isinstance(src, tuple) else src

@@ -10,7 +10,6 @@ autopart takes each rank's data-parallel shard and microbatches from it.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time

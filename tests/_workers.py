@@ -461,6 +461,13 @@ SPAWN_TIMEOUT = 420.0   # per spawn group: a hang is a failure, never a stuck CI
 PG_TIMEOUT = 120.0      # the default process group's (parallelize is given its own timeout)
 
 
+def assert_all_ranks_equal_plain(case: Case, ranks: list[dict]) -> None:
+    """Every rank of `case` reported, and none found a difference from the plain model."""
+    assert sorted(r["rank"] for r in ranks) == list(range(case.world)), f"{case.name}: ranks?"
+    problems = [f"rank {r['rank']}: {p}" for r in ranks for p in r["problems"]]
+    assert not problems, f"{case}\n" + "\n".join(problems)
+
+
 def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT) -> dict:
     """Run `cases` (same world size) in one spawn, once per session; {case name: [rank dicts]}."""
     from autopart.runtime.launch import spawn
@@ -486,7 +493,8 @@ def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT) -> 
     return cache[key]
 
 
-__all__ = ["Case", "Extras", "Toy", "api_checks", "build", "die_mid_step", "equivalence",
+__all__ = ["Case", "Extras", "Toy", "api_checks", "assert_all_ranks_equal_plain", "build",
+           "die_mid_step", "equivalence",
            "mesh_mismatch", "run_cases", "run_group"]
 
 
@@ -504,7 +512,6 @@ def activation_bytes(rank: int, world: int, seq: int = 64) -> dict:
         torch.manual_seed(0)
         model = GPT(cfg)
         if sp is None:
-            chunk, args = model, (x,)
             weights = {p.data_ptr() for p in model.parameters()}
             run = lambda: lm_loss(model(x), x)      # noqa: E731
         else:

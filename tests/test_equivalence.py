@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._workers import Case, equivalence, run_group
+from tests._workers import Case, assert_all_ranks_equal_plain, equivalence, run_group
 
 M = dict(microbatches=4)
 
@@ -99,9 +99,7 @@ IN_PROCESS = _params(FAST_1, False) + _params(FULL_1, True)
 
 
 def _assert_equal_to_plain(case: Case, ranks: list[dict]) -> None:
-    assert sorted(r["rank"] for r in ranks) == list(range(case.world)), f"{case.name}: ranks?"
-    problems = [f"rank {r['rank']}: {p}" for r in ranks for p in r["problems"]]
-    assert not problems, f"{case}\n" + "\n".join(problems)
+    assert_all_ranks_equal_plain(case, ranks)
     held = set().union(*(r["held"] for r in ranks))
     plain = set(ranks[0]["plain_names"])
     assert held == plain, (f"{case.name}: parameters held by no rank {sorted(plain - held)}, "

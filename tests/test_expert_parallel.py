@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import autopart
-from tests._workers import SWITCH_SPECS, Case, run_group
+from tests._workers import SWITCH_SPECS, Case, assert_all_ranks_equal_plain, run_group
 
 FAST_2 = [
     Case("switch-dp2-ep2", model="switch", dp=2, ep=2, microbatches=2),
@@ -52,10 +52,7 @@ def _results(case, spawn_cache) -> list[dict]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_plain_model(case: Case, spawn_cache):
-    ranks = _results(case, spawn_cache)
-    assert sorted(r["rank"] for r in ranks) == list(range(case.world))
-    problems = [f"rank {r['rank']}: {p}" for r in ranks for p in r["problems"]]
-    assert not problems, f"{case}\n" + "\n".join(problems)
+    assert_all_ranks_equal_plain(case, _results(case, spawn_cache))
 
 
 @pytest.mark.parametrize("case", CASES)

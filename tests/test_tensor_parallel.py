@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._workers import Case, run_group
+from tests._workers import Case, assert_all_ranks_equal_plain, run_group
 
 FAST_2 = [
     Case("gpt-tp2", model="gpt4", tp=2, microbatches=2),
@@ -51,10 +51,7 @@ def _results(case, spawn_cache) -> list[dict]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_plain_model(case: Case, spawn_cache):
-    ranks = _results(case, spawn_cache)
-    assert sorted(r["rank"] for r in ranks) == list(range(case.world))
-    problems = [f"rank {r['rank']}: {p}" for r in ranks for p in r["problems"]]
-    assert not problems, f"{case}\n" + "\n".join(problems)
+    assert_all_ranks_equal_plain(case, _results(case, spawn_cache))
 
 
 @pytest.mark.parametrize("case", CASES)
