@@ -33,27 +33,16 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+
+from autopart.comm import GroupComm
 from autopart.localize import attribute
 
 
-class EPComm(nn.Module):
+class EPComm(GroupComm):
     """This program's expert-parallel group: size, this rank's index in it, the process group."""
 
-    def __init__(self, size: int, rank: int = 0):
-        super().__init__()
-        self.size, self.rank, self.group = size, rank, None
-
-    def bind(self, group, rank: int) -> "EPComm":
-        self.group, self.rank = group, rank
-        return self
-
-    def extra_repr(self) -> str:
-        return f"size={self.size}, rank={self.rank}, bound={self.group is not None}"
-
-    def _check(self):
-        if self.group is None and self.size > 1:
-            raise RuntimeError("this expert-parallel program is not bound to a process group: run "
-                               "it through autopart.parallelize, not directly")
+    axis = "expert-parallel"
+    unbound_ok_when_alone = True   # one expert group: nothing to exchange
 
 
 def _all_to_all(x: torch.Tensor, comm: EPComm) -> torch.Tensor:

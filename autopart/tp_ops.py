@@ -16,28 +16,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
+from autopart.comm import GroupComm
 
-class TPComm(nn.Module):
+
+class TPComm(GroupComm):
     """This program's tensor-parallel group: size, this rank's index in it, the process group."""
 
-    def __init__(self, size: int, rank: int = 0):
-        super().__init__()
-        self.size, self.rank, self.group = size, rank, None
-
-    def bind(self, group, rank: int) -> "TPComm":
-        self.group, self.rank = group, rank
-        return self
-
-    def extra_repr(self) -> str:
-        return f"size={self.size}, rank={self.rank}, bound={self.group is not None}"
-
-    def _check(self):
-        if self.group is None:
-            raise RuntimeError("this tensor-parallel program is not bound to a process group: run "
-                               "it through autopart.parallelize, not directly")
+    axis = "tensor-parallel"
 
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
