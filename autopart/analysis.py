@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 import re
 from dataclasses import dataclass
 
@@ -12,8 +13,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopart.capture import BATCH, SEQ, Program, sym_shape
-from autopart.errors import module_path
+from autopart.errors import _clean_path, module_path
+from autopart.ir import BATCH, META_TP, SEQ, NodeCost, Program, sym_shape
+from autopart.ops import op_info
+from autopart.placement import Partial, Shard
 
 aten = torch.ops.aten
 
@@ -29,17 +32,6 @@ _PER_ELEMENT = {aten.layer_norm.default: 8, aten.native_layer_norm.default: 8,
                 aten.rms_norm.default: 4, aten._softmax.default: 5, aten.softmax.int: 5,
                 aten.gelu.default: 8, aten.silu.default: 4, aten.tanh.default: 4,
                 aten.log_softmax.int: 5}
-
-
-@dataclass(frozen=True)
-class NodeCost:
-    flops: sympy.Expr        # forward FLOPs
-    out_bytes: sympy.Expr    # bytes of the node's outputs that are new memory (0 for views)
-    bytes_moved: sympy.Expr  # inputs read + outputs written
-
-    @property
-    def fwd_bwd_flops(self) -> sympy.Expr:
-        return 3 * self.flops   # backward costs twice the forward (two matmuls per matmul)
 
 
 @dataclass(frozen=True)
@@ -87,9 +79,10 @@ def _matmul_flops(node, symbols) -> sympy.Expr | None:
 def node_cost(node: fx.Node, symbols: dict) -> NodeCost:
     """FLOPs and bytes of one call_function node, symbolic in b and s."""
     zero = sympy.Integer(0)
-    if node.op != "call_function" or node.target in _VIEWS or node.target is getattr_op():
+    if node.op != "call_function" or node.target in _VIEWS or node.target is operator.getitem:
         return NodeCost(zero, zero, zero)
-    if getattr(node.target, "__module__", "") in ("autopart.tp_ops", "autopart.p2p"):
+    info = op_info(node.target)
+    if info is not None and info.communicates:
         return NodeCost(zero, zero, zero)     # communication: its bytes are reported apart
     out = _nbytes(node, symbols)
     read = sum((_nbytes(a, symbols) for a in node.all_input_nodes), zero)
@@ -103,17 +96,11 @@ def node_cost(node: fx.Node, symbols: dict) -> NodeCost:
     return NodeCost(sympy.expand(flops), out, out + read)
 
 
-def getattr_op():
-    import operator
-    return operator.getitem
-
-
 def analyze(program: Program) -> dict[str, NodeCost]:
     """node name -> NodeCost for every call_function node of the program, per rank: after
     split_tensor_parallel, work on sharded or partial tensors is 1/tp of the whole."""
-    symbols = program.decisions.get("symbols", {})
-    tp_plan = program.decisions.get("tp")
-    tp = tp_plan.tp if tp_plan is not None else 1
+    symbols = program.symbols
+    tp = program.tp.tp if program.tp is not None else 1   # before split_tensor_parallel: whole ops
     out = {}
     for n in program.gm.graph.nodes:
         if n.op == "call_function":
@@ -125,16 +112,16 @@ def analyze(program: Program) -> dict[str, NodeCost]:
 
 
 def _split_over_tp(node: fx.Node) -> bool:
-    from autopart.placement import Partial, Shard
-    if getattr(node.target, "__module__", "") == "autopart.tp_ops":
+    if op_info(node.target) is not None:      # our collectives: their cost is communication
         return False
-    return isinstance(node.meta.get("tp"), (Shard, Partial, tuple))
+    return isinstance(node.meta.get(META_TP), (Shard, Partial, tuple))
 
 
 def analyze_costs(program: Program):
-    """The analysis as a pass: program.decisions['costs'] = analyze(program)."""
+    """The analysis as a pass: program.costs = analyze(program) (needs the tp plan: work on
+    sharded tensors is counted per rank)."""
     costs = analyze(program)
-    return program.replace(decisions={**program.decisions, "costs": costs}), {"nodes": len(costs)}
+    return program.replace(costs=costs), {"nodes": len(costs)}
 
 
 def evaluate(expr, b: int, s: int | None) -> float:
@@ -175,7 +162,6 @@ def detect_layers(program: Program) -> list[Layer]:
 
 
 def _paths(node: fx.Node) -> list[str]:
-    from autopart.errors import _clean_path
     return [_clean_path(p) for p, _ in (node.meta.get("nn_module_stack") or {}).values()]
 
 

@@ -7,52 +7,18 @@ under the plain model's names, so every later program names them as the user doe
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
-import sympy
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
 
 from autopart.errors import AutopartError, node_error
+from autopart.ir import BATCH, SEQ, Program, TensorInfo
 
-BATCH, SEQ = sympy.Symbol("b", positive=True, integer=True), sympy.Symbol("s", positive=True, integer=True)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Name, shape (sympy, in b and s), dtype and aliases of a parameter or buffer."""
-    name: str
-    shape: tuple
-    dtype: torch.dtype
-    aliases: tuple[str, ...] = ()      # other names of the same tensor (tied weights)
-    requires_grad: bool = True
-    persistent: bool = True
-
-    @property
-    def numel(self) -> int:
-        return int(sympy.prod(self.shape)) if self.shape else 1
-
-
-@dataclass
-class Program:
-    """The whole model as one graph plus what the passes have decided about it so far."""
-    gm: fx.GraphModule
-    params: dict[str, TensorInfo]            # canonical name -> info (trainable parameters)
-    buffers: dict[str, TensorInfo]           # buffers, frozen parameters and lifted constants
-    inputs: list[str]                        # user input placeholder names, target last if any
-    batch_size: int                          # the global batch the model was captured with
-    seq_len: int | None
-    dynamic: bool                            # sizes are symbolic in b (and s)
-    decisions: dict[str, Any] = field(default_factory=dict)   # filled in by passes
-
-    def replace(self, **changes) -> "Program":
-        return dataclasses.replace(self, **changes)
 
 
 class _WithLoss(nn.Module):
@@ -144,9 +110,8 @@ def capture(model: nn.Module, example_inputs: tuple, *, loss_fn: Callable | None
     ep, dynamic = _export(wrapper, args)
     names = _input_names(model, len(example_inputs)) + (["target"] if target is not None else [])
     program = _to_program(ep, model, args, dynamic, names)
-    if wrapper.stat_names:      # graph outputs 1.. (output 0 is the loss)
-        program.decisions["stats"] = tuple(wrapper.stat_names)
-    return program
+    # graph outputs 1.. (output 0 is the loss)
+    return program.replace(stats=tuple(wrapper.stat_names))
 
 
 def _input_names(model: nn.Module, n: int) -> list[str]:
@@ -188,8 +153,7 @@ def _export(wrapper: nn.Module, args: tuple):
     last_error = None
     for dyn, dynamic in attempts:
         try:
-            with torch.no_grad() if False else _nullcontext():
-                ep = torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
+            ep = torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
             return ep, dynamic and args[0].shape[0] > 1
         except AutopartError:
             raise                 # ours, from inside forward (e.g. no loss): already explained
@@ -198,14 +162,6 @@ def _export(wrapper: nn.Module, args: tuple):
             if not _is_shape_error(e):
                 break
     raise _capture_error(last_error) from last_error
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _is_shape_error(e: Exception) -> bool:
@@ -283,8 +239,7 @@ def _to_program(ep, model: nn.Module, args: tuple, dynamic: bool, names: list[st
     _check_no_state_mutation(graph)
     new_gm = fx.GraphModule(attrs, graph)
     return Program(new_gm, params, buffers, inputs, int(args[0].shape[0]),
-                   int(args[0].shape[1]) if args[0].dim() > 1 else None, dynamic,
-                   {"symbols": symbols})
+                   int(args[0].shape[1]) if args[0].dim() > 1 else None, dynamic, symbols)
 
 
 # Ops that update running statistics in place when their `training` flag (arg 5) is set, although
@@ -354,14 +309,3 @@ def _rename_meta(node: fx.Node, symbols: dict) -> None:
         node.meta["nn_module_stack"] = {
             k: (_strip(re.sub(r"^L\['self'\]\.?", "", path)), cls) for k, (path, cls) in stack.items()
             if _strip(re.sub(r"^L\['self'\]\.?", "", path)) not in ("", "model")}
-
-
-def sym_shape(val, symbols: dict) -> tuple:
-    """A FakeTensor's shape as sympy expressions in b and s."""
-    out = []
-    for d in val.shape:
-        if isinstance(d, torch.SymInt):
-            out.append(sympy.sympify(d.node.expr).xreplace(symbols))
-        else:
-            out.append(sympy.Integer(int(d)))
-    return tuple(out)

@@ -5,8 +5,6 @@ hundreds of billions of parameters compiles without being allocated.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,55 +14,47 @@ import torch
 import torch.nn as nn
 
 from autopart import schedule as sched
-from autopart.analysis import analyze_costs, evaluate
-from autopart.capture import Program, capture
+from autopart.analysis import analyze_costs
+from autopart.capture import capture
 from autopart.errors import AutopartError
+from autopart.ir import Plan, Program, RankProgram
+from autopart.localize import localize_chunk
 from autopart.mesh import Mesh
-from autopart.pass_runner import PassResult, run_passes
-from autopart.localize import localize_module
-from autopart.ep_ops import localize_experts
-from autopart.passes.shard_experts import COMM as EP_COMM
+from autopart.pass_runner import Pass, PassResult, run_passes
 from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
-from autopart.passes.emit_rank_programs import ChunkProgram, emit_rank_programs
+from autopart.passes.emit_rank_programs import emit_rank_programs
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What was decided, as plain printable data."""
-    mesh: Mesh
-    schedule: str
-    microbatches: int
-    virtual_stages: int
-    global_batch: int
-    microbatch_size: int
-    chunk_ranks: tuple[int, ...]           # chunk k -> pipeline rank
-    chunk_layers: tuple[tuple[str, ...], ...]
-    shared_params: dict[str, tuple[int, ...]]
-    sequence_parallel: bool = False
-    tp_shards: dict = field(default_factory=dict)   # param name -> ParamShard (tensor parallel)
-    ep_shards: dict = field(default_factory=dict)   # expert param name -> ParamShard(0, (E,))
+def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
+              sequence_parallel: bool) -> list[Pass]:
+    """The compiler's passes in order, with the Program fields each reads and fills.
+
+    shard_experts runs first (ep > 1 only), so that split_tensor_parallel counts each expert
+    weight as 1/ep of a rank's; the cost analysis runs after both, so costs, activation sizes and
+    boundary shapes are per rank; the cut sees what each rank really sends."""
+    experts = [Pass("shard_experts", shard_experts, requires=(), provides=("ep",),
+                    options=dict(ep=mesh.ep, microbatch_size=microbatch_size, dp=mesh.dp))]
+    return [
+        *(experts if mesh.ep > 1 else []),
+        Pass("split_tensor_parallel", split_tensor_parallel, requires=(), provides=("tp",),
+             options=dict(tp=mesh.tp, sequence_parallel=sequence_parallel),
+             after=("shard_experts",)),
+        Pass("analyze_costs", analyze_costs, requires=("tp",), provides=("costs",)),
+        Pass("cut_pipeline_stages", cut_pipeline_stages, requires=("costs",), provides=("stages",),
+             options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size)),
+        Pass("emit_rank_programs", emit_rank_programs, requires=("stages", "tp"),
+             provides=("chunks",)),
+    ]
 
 
-@dataclass
-class RankProgram:
-    """Everything one global rank runs: its chunks, in chunk order."""
-    rank: int
-    coords: dict[str, int]
-    chunks: tuple[ChunkProgram, ...]
-
-    @property
-    def code(self) -> str:
-        return "\n".join(c.code for c in self.chunks)
-
-    def parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by the plain model's names (each tensor once)."""
-        out: dict[str, torch.Tensor] = {}
-        for c in self.chunks:
-            for name in c.params:
-                out.setdefault(name, c.gm.get_parameter(name))
-        return out
+def chunk_ranks(schedule: sched.Schedule) -> tuple[int, ...]:
+    """Chunk k -> the pipeline rank whose action list runs its forwards: the placement is the
+    schedule's (the C++ core's), read off the actions themselves."""
+    owner = {a.chunk: r for r, actions in enumerate(schedule.ranks) for a in actions
+             if a.kind == sched.Kind.F}
+    return tuple(owner[k] for k in range(len(owner)))
 
 
 @dataclass
@@ -110,60 +100,51 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                             "sequence_parallel")
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
     program = _capture(model, example_inputs, loss_fn, target, mbs)
-    # shard_experts first: split_tensor_parallel then counts each expert weight as 1/ep a rank's
-    # (the rewritten graphs are the same in either order)
-    experts = [("shard_experts", shard_experts, dict(ep=mesh.ep, microbatch_size=mbs, dp=mesh.dp))] \
-        if mesh.ep > 1 else []
-    passes = [
-        *experts,
-        ("split_tensor_parallel", split_tensor_parallel,
-         dict(tp=mesh.tp, sequence_parallel=sequence_parallel)),
-        ("analyze_costs", analyze_costs, {}),
-        ("cut_pipeline_stages", cut_pipeline_stages,
-         dict(pp=mesh.pp, virtual_stages=virtual_stages, microbatch_size=mbs)),
-        ("emit_rank_programs", emit_rank_programs, {}),
-    ]
+    passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=chunk_ranks(the_schedule),
+                       sequence_parallel=sequence_parallel)
     program, results = run_passes(program, passes, dump_dir)
-    stages = program.decisions["stages"]
-    tp_plan = program.decisions.get("tp")
-    ep_plan = program.decisions.get("ep")
+    stages = program.stages
+    if stages.num_chunks != the_schedule.num_chunks:
+        raise AutopartError(f"internal: the stage plan has {stages.num_chunks} chunks but the "
+                            f"{the_schedule.name} schedule runs {the_schedule.num_chunks}")
     plan = Plan(mesh, the_schedule.name, microbatches, virtual_stages,
-                int(example_inputs[0].shape[0]), mbs,
-                tuple(stages.rank_of_chunk(c) for c in range(stages.num_chunks)),
+                int(example_inputs[0].shape[0]), mbs, stages.chunk_ranks,
                 stages.chunk_layers, stages.shared_params, sequence_parallel,
-                dict(tp_plan.params) if tp_plan is not None else {},
-                dict(ep_plan.params) if ep_plan is not None and mesh.ep > 1 else {})
-    programs = RankPrograms(mesh, tuple(program.decisions["chunks"]), tp_plan, ep_plan)
+                dict(program.tp.params) if mesh.tp > 1 else {},
+                dict(program.ep.params) if mesh.ep > 1 else {},
+                frozenset(program.tp.sp_grad_reduce), program.stats)
     sim = _simulate(the_schedule, stages.chunk_cost)
-    return Compiled(program, plan, programs, the_schedule, sim, results,
-                    time.perf_counter() - start, program.decisions["costs"])
+    return Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
+                    results, time.perf_counter() - start, program.costs)
 
 
 class RankPrograms(Mapping):
     """rank -> RankProgram, made on first access: with tensor parallelism each (pp, tp) pair
     holds its own weight shards, and a 3072-rank mesh need not build 3072 programs to inspect
-    one of them. With expert parallelism each expert-parallel rank (dp index mod ep) also holds
-    its own experts."""
+    one of them. With expert parallelism each expert-parallel rank also holds its own experts.
 
-    def __init__(self, mesh: Mesh, chunks: tuple, tp_plan, ep_plan=None):
-        self.mesh, self.chunks, self.tp_plan, self.ep_plan = mesh, chunks, tp_plan, ep_plan
+    `programs[rank]` views the full weights (inspection); `programs.instantiate(rank)` is a
+    fresh copy that owns its shards, for a rank that runs it."""
+
+    def __init__(self, plan: Plan, chunks: tuple):
+        self.plan, self.mesh, self.chunks = plan, plan.mesh, chunks
         self._cache: dict[tuple[int, int, int], tuple] = {}
 
     def __getitem__(self, rank: int) -> RankProgram:
         c = self.mesh.coords(rank)
-        ep_rank = c["dp"] % self.mesh.ep
-        key = (c["pp"], c["tp"], ep_rank)
+        key = (c["pp"], c["tp"], self.mesh.ep_rank(rank))
         if key not in self._cache:
-            mine = [ch for ch in self.chunks if ch.rank == c["pp"]]
-            if self.tp_plan is not None and self.mesh.tp > 1:
-                mine = [dataclasses.replace(ch, gm=localize_module(
-                    ch.gm, self.tp_plan.params, self.mesh.tp, c["tp"], copy=False)) for ch in mine]
-            if self.ep_plan is not None and self.mesh.ep > 1:
-                mine = [dataclasses.replace(ch, gm=localize_experts(
-                    ch.gm, self.ep_plan.params, self.mesh.ep, ep_rank, copy=False))
-                    if hasattr(ch.gm, EP_COMM) else ch for ch in mine]
-            self._cache[key] = tuple(mine)
+            self._cache[key] = self._chunks(rank, copy=False)
         return RankProgram(rank, c, self._cache[key])
+
+    def instantiate(self, rank: int) -> RankProgram:
+        """Rank `rank`'s program with its own copies of its weight shards (not cached)."""
+        return RankProgram(rank, self.mesh.coords(rank), self._chunks(rank, copy=True))
+
+    def _chunks(self, rank: int, copy: bool) -> tuple:
+        c = self.mesh.coords(rank)
+        return tuple(localize_chunk(ch, self.plan, c["tp"], self.mesh.ep_rank(rank), copy=copy)
+                     for ch in self.chunks if ch.rank == c["pp"])
 
     def __iter__(self):
         return iter(range(self.mesh.world_size))
@@ -218,4 +199,4 @@ def _simulate(schedule, chunk_cost):
     return sched.simulate(schedule, forward_cost=per_chunk_f, backward_cost=per_chunk_b)
 
 
-__all__ = ["compile", "Compiled", "Plan", "RankProgram", "evaluate", "json"]
+__all__ = ["Compiled", "Plan", "RankProgram", "RankPrograms", "chunk_ranks", "compile", "pass_list"]

@@ -4,6 +4,9 @@ from __future__ import annotations
 import sympy
 
 from autopart.analysis import evaluate
+from autopart.errors import module_path
+from autopart.ir import sym_shape
+from autopart.ops import is_autopart_op
 
 
 def _fmt(n: float, unit: str = "") -> str:
@@ -18,9 +21,8 @@ def chunk_rows(compiled) -> list[dict]:
     plan, program = compiled.plan, compiled.program
     b, s = plan.microbatch_size, program.seq_len
     rows = []
-    chunks = program.decisions["chunks"]
-    stages = program.decisions["stages"]
-    for c in chunks:
+    stages = program.stages
+    for c in program.chunks:
         names = [n for n, k in stages.chunk_of.items() if k == c.chunk]
         flops = sum(evaluate(compiled.costs[n].fwd_bwd_flops, b, s) for n in names)
         act = sum(evaluate(compiled.costs[n].out_bytes, b, s) for n in names)
@@ -45,7 +47,7 @@ def ep_rows(compiled) -> list[dict]:
     """One row per MoE layer sharded over ep: experts per rank, capacity, all-to-all bytes one
     rank sends per microbatch (forward; backward sends the same again)."""
     plan, program = compiled.plan, compiled.program
-    ep_plan = program.decisions.get("ep")
+    ep_plan = program.ep
     if plan.mesh.ep == 1 or ep_plan is None:
         return []
     b, s = plan.microbatch_size, program.seq_len
@@ -107,20 +109,18 @@ def tp_rows(compiled) -> list[dict]:
     """One row per tensor-parallel collective: the linear it serves, its split, bytes per rank."""
     plan, program = compiled.plan, compiled.program
     tp = plan.mesh.tp
-    tp_plan = program.decisions.get("tp")
+    tp_plan = program.tp
     if tp == 1 or tp_plan is None:
         return []
-    from autopart.capture import sym_shape
-    from autopart.errors import module_path
     b, s = plan.microbatch_size, program.seq_len
     rows = []
     for node in program.gm.graph.nodes:
         op = getattr(node.target, "__name__", "")
-        if getattr(node.target, "__module__", "") != "autopart.tp_ops" or op not in _COLLECTIVES:
+        if not is_autopart_op(node.target, axis="tp") or op not in _COLLECTIVES:
             continue
         fwd, bwd, factor = _COLLECTIVES[op]
-        tensor = node.args[0] if op != "reduce_scatter_tp" else node.args[0]
-        shape = sym_shape(tensor.meta["val"], program.decisions.get("symbols", {}))
+        tensor = node.args[0]
+        shape = sym_shape(tensor.meta["val"], program.symbols)
         size = 1.0
         for d in shape:
             size *= evaluate(d, b, s)

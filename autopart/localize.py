@@ -1,57 +1,87 @@
-"""Per-tensor-parallel-rank parameters: cut a full weight into a rank's shard and back.
+"""The one localizer: a rank's copy of a chunk program, cut from the full program by its shards.
 
-A ParamShard splits `dim` into sections (fused q|k|v weights have three) and gives each tp rank
-the same 1/tp slice of every section, so each rank gets its own heads of q, of k and of v.
+A parameter may be sharded over tensor parallelism (`Plan.tp_shards`), over expert parallelism
+(`Plan.ep_shards`: dim 0, E/ep whole experts) or both; each `ParamShard` splits `dim` into
+sections (fused q|k|v weights have three) and gives each rank the same 1/size slice of every
+section, so each tp rank gets its own heads of q, of k and of v. The program's comm modules
+(`TPComm`, `EPComm`) get this rank's index; the runtime binds their process groups.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopart.tp_ops import TPComm
+from autopart.ir import ChunkProgram, ParamShard, Plan
+from autopart.ops.comm import GroupComm
+from autopart.ops.ep import EPComm
+from autopart.ops.tp import TPComm
 
 
-def shard_tensor(full: torch.Tensor, dim: int, sections: tuple, tp: int, rank: int) -> torch.Tensor:
+def shard_tensor(full: torch.Tensor, dim: int, sections: tuple, size: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s slice of `full` (a view when there is one section)."""
     pieces = full.split(list(sections), dim) if len(sections) > 1 else (full,)
-    local = [piece.chunk(tp, dim)[rank] for piece in pieces]
+    local = [piece.chunk(size, dim)[rank] for piece in pieces]
     return local[0] if len(local) == 1 else torch.cat(local, dim)
 
 
 def unshard_tensor(shards: list[torch.Tensor], dim: int, sections: tuple) -> torch.Tensor:
-    """Inverse of shard_tensor over all tp ranks' shards, in rank order."""
-    tp = len(shards)
-    local_sections = [s // tp for s in sections]
+    """Inverse of shard_tensor over all ranks' shards, in rank order."""
+    size = len(shards)
+    local_sections = [s // size for s in sections]
     split = [s.split(local_sections, dim) for s in shards]
-    return torch.cat([torch.cat([split[r][i] for r in range(tp)], dim)
+    return torch.cat([torch.cat([split[r][i] for r in range(size)], dim)
                       for i in range(len(sections))], dim)
 
 
-def localize_module(gm: fx.GraphModule, shards: dict, tp: int, rank: int,
-                    copy: bool) -> fx.GraphModule:
-    """A GraphModule running the same graph with tp rank `rank`'s shards of the sharded weights.
+def localize_chunk(chunk: ChunkProgram, plan: Plan, tp_rank: int, ep_rank: int, *,
+                   copy: bool) -> ChunkProgram:
+    """`chunk` as the rank with these tp and ep indices runs it (see localize_module)."""
+    mesh = plan.mesh
+    gm = localize_module(chunk.gm, tp_shards=plan.tp_shards if mesh.tp > 1 else {},
+                         tp=(mesh.tp, tp_rank), ep_shards=plan.ep_shards if mesh.ep > 1 else {},
+                         ep=(mesh.ep, ep_rank), copy=copy)
+    return chunk if gm is chunk.gm else dataclasses.replace(chunk, gm=gm)
 
-    With copy=True each shard is a fresh Parameter (a real rank keeps only its share); with
-    copy=False it is a view of the full tensor (inspection, e.g. on the meta device)."""
+
+def localize_module(gm: fx.GraphModule, *, tp_shards: dict[str, ParamShard] = {},
+                    tp: tuple[int, int] = (1, 0), ep_shards: dict[str, ParamShard] = {},
+                    ep: tuple[int, int] = (1, 0), copy: bool) -> fx.GraphModule:
+    """The same graph with one rank's slices of its sharded parameters and comm modules of its
+    own: `tp` and `ep` are (axis size, this rank's index on the axis).
+
+    With copy=True each slice is a fresh Parameter (a real rank keeps only its share); with
+    copy=False it is a view of the full tensor (inspection, e.g. on the meta device). A module
+    with nothing to cut is returned as it is."""
+    cuts: dict[str, list] = {}
+    for shards, (size, rank) in ((ep_shards, ep), (tp_shards, tp)):
+        for name, sh in shards.items():
+            cuts.setdefault(name, []).append((sh, size, rank))
+    comms = {TPComm: tp, EPComm: ep}
     attrs: dict = {}
+    changed = False
     for node in gm.graph.nodes:
-        if node.op != "get_attr":
+        if node.op != "get_attr" or node.target in attrs:
             continue
         value = attribute(gm, node.target)
-        if isinstance(value, TPComm):
-            attrs[node.target] = TPComm(tp, rank)
-        elif node.target in shards:
-            sh = shards[node.target]
-            local = shard_tensor(value.detach(), sh.dim, sh.sections, tp, rank)
-            local = local.clone() if copy else local
-            attrs[node.target] = nn.Parameter(local, requires_grad=value.requires_grad)
+        if isinstance(value, GroupComm):
+            attrs[node.target] = type(value)(*comms[type(value)])
+            changed = True
+        elif node.target in cuts:
+            local = value.detach()
+            for sh, size, rank in cuts[node.target]:
+                local = shard_tensor(local, sh.dim, sh.sections, size, rank)
+            attrs[node.target] = nn.Parameter(local.clone() if copy else local,
+                                              requires_grad=value.requires_grad)
+            changed = True
         else:
             attrs[node.target] = value
-    out = fx.GraphModule(attrs, gm.graph, class_name=type(gm).__name__)
-    return out
+    if not changed:
+        return gm
+    return fx.GraphModule(attrs, gm.graph, class_name=type(gm).__name__)
 
 
 def attribute(gm: torch.nn.Module, target: str):

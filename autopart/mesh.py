@@ -59,6 +59,31 @@ class Mesh:
         """Every process group along `axis`, each once, in rank order."""
         return sorted({self.group(axis, r) for r in range(self.world_size)})
 
+    # Expert parallelism shards experts over data-parallel ranks (GShard): each group of ep
+    # consecutive dp indices (same dp // ep) exchanges tokens, and its member with dp % ep = e
+    # holds experts e*E/ep .. (e+1)*E/ep - 1.
+    def ep_rank(self, rank: int) -> int:
+        """The expert-parallel index of a global rank: which slice of the experts it holds."""
+        return self.coords(rank)["dp"] % self.ep
+
+    def ep_groups(self) -> list[tuple[int, ...]]:
+        """Expert-parallel groups: for each (pp, tp), the ep consecutive dp indices with the same
+        dp // ep (empty when ep = 1)."""
+        if self.ep == 1:
+            return []
+        return [tuple(self.rank(pp=p, dp=g * self.ep + e, tp=t) for e in range(self.ep))
+                for p in range(self.pp) for t in range(self.tp) for g in range(self.dp // self.ep)]
+
+    def ep_replica_groups(self) -> list[tuple[int, ...]]:
+        """Ranks holding the same experts: same (pp, tp, dp % ep), one per ep group."""
+        return [tuple(self.rank(pp=p, dp=g * self.ep + e, tp=t) for g in range(self.dp // self.ep))
+                for p in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
+
+    def replica_groups(self) -> list[tuple[int, ...]]:
+        """Ranks holding one whole model replica (the same dp index): pp x tp ranks each."""
+        return [tuple(r for r in range(self.world_size) if self.coords(r)["dp"] == d)
+                for d in range(self.dp)]
+
     @classmethod
     def parse(cls, text: str) -> "Mesh":
         """`"dp=2,pp=4"` -> Mesh(dp=2, pp=4)."""

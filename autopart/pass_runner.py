@@ -1,17 +1,36 @@
-"""The pass runner: a literal list of passes, each timed, optionally dumped, failures located.
+"""The pass runner: a literal list of passes, checked for order, each timed, optionally dumped,
+failures located.
 
-Printing, dumping and timing live here, around the passes, not inside them.
+Each `Pass` declares the `Program` fields it reads (`requires`) and the ones it fills
+(`provides`), as torch.fx's PassBase.requires/ensures do. Before anything runs, the runner checks
+that every requirement is met by capture or by an earlier pass in the list: a list in the wrong
+order is an error naming the pass and what it lacks, not a crash inside a pass. Printing,
+dumping and timing live here, around the passes, not inside them.
 """
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from autopart.capture import Program
 from autopart.errors import AutopartError
+from autopart.ir import Program
+
+# What capture fills: these fields are set before the first pass.
+CAPTURED = ("gm", "params", "buffers", "inputs", "symbols", "stats")
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One compiler pass: `fn(program, **options) -> (program, report)`."""
+    name: str
+    fn: Callable[..., tuple[Program, Any]]
+    requires: tuple[str, ...]           # Program fields that must be set before it runs
+    provides: tuple[str, ...]           # Program fields it sets
+    options: dict = field(default_factory=dict)
+    after: tuple[str, ...] = ()         # passes that, when in the list, must run before it
 
 
 @dataclass(frozen=True)
@@ -21,39 +40,59 @@ class PassResult:
     report: Any
 
 
-PassFn = Callable[..., tuple[Program, Any]]
+def check_order(passes: list[Pass]) -> None:
+    """Raise unless each pass's requirements are provided by capture or an earlier pass, and
+    each pass runs after the passes it must follow."""
+    have = set(CAPTURED)
+    position = {p.name: i for i, p in enumerate(passes)}
+    for i, p in enumerate(passes):
+        late = [q for q in p.after if position.get(q, -1) > i]
+        if late:
+            raise AutopartError(f"pass list out of order: {p.name} (pass {i + 1}) must run after "
+                                f"{late}.\n  remedy: move {late} before {p.name}")
+        missing = [f for f in p.requires if f not in have]
+        if missing:
+            providers = {f: [q.name for q in passes if f in q.provides] for f in missing}
+            where = "; ".join(f"{f!r} is provided by {', '.join(v) if v else 'no pass in the list'}"
+                              for f, v in providers.items())
+            raise AutopartError(
+                f"pass list out of order: {p.name} (pass {i + 1}) requires {missing}, which no "
+                f"earlier pass provides ({where}).\n  remedy: run those passes before {p.name}")
+        have.update(p.provides)
 
 
-def run_passes(program: Program, passes: list[tuple[str, PassFn, dict]],
+def run_passes(program: Program, passes: list[Pass],
                dump_dir: str | os.PathLike | None = None) -> tuple[Program, list[PassResult]]:
-    """Run `passes` in order: each `(name, fn, options)` maps `fn(program, **options)` to
-    `(new_program, report)`. With `dump_dir` (or AUTOPART_DUMP), every program is written
-    before the first pass and after each one."""
+    """Check the order, then run `passes`. With `dump_dir` (or AUTOPART_DUMP), every program is
+    written before the first pass and after each one."""
+    check_order(passes)
     dump_dir = dump_dir or os.environ.get("AUTOPART_DUMP")
     results: list[PassResult] = []
     if dump_dir:
         _dump(program, Path(dump_dir) / "00_captured")
-    for i, (name, fn, options) in enumerate(passes, 1):
+    for i, p in enumerate(passes, 1):
         start = time.perf_counter()
         try:
-            program, report = fn(program, **options)
+            program, report = p.fn(program, **p.options)
         except AutopartError as e:
             after = f" (after {results[-1].name})" if results else " (the first pass)"
-            raise AutopartError(f"pass {name}{after} failed: {e}") from e
-        results.append(PassResult(name, time.perf_counter() - start, report))
+            raise AutopartError(f"pass {p.name}{after} failed: {e}") from e
+        unset = [f for f in p.provides if getattr(program, f) is None]
+        if unset:
+            raise AutopartError(f"pass {p.name} did not set {unset}, which it declares it provides")
+        results.append(PassResult(p.name, time.perf_counter() - start, report))
         if dump_dir:
-            _dump(program, Path(dump_dir) / f"{i:02d}_{name}")
+            _dump(program, Path(dump_dir) / f"{i:02d}_{p.name}")
     return program, results
 
 
 def _dump(program: Program, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    chunks = program.decisions.get("chunks")
-    if chunks:
-        for c in chunks:
+    if program.chunks:
+        for c in program.chunks:
             (folder / f"rank{c.rank}_chunk{c.chunk}.py").write_text(c.code)
         return
-    stages = program.decisions.get("stages")
+    stages = program.stages
     lines = []
     for node in program.gm.graph.nodes:
         if stages is not None and node.name in stages.chunk_of:

@@ -1,6 +1,7 @@
 """cut_pipeline_stages: cut the graph into pp * v chunks, balanced by cost, at small-liveness points.
 
-Chunk k runs on pipeline rank k mod pp (the interleaved schedule's placement). Cuts go only where
+Chunk k runs on the pipeline rank the schedule places it on (`chunk_ranks`, from the C++ core: k mod
+pp for the interleaved schedules). Cuts go only where
 the live activations crossing the cut are as small as the smallest crossing inside the model body
 (the residual stream between layers). Values computed from the user's inputs alone (positions,
 masks, sizes) are recomputed in every chunk that needs them instead of being sent. Parameters used
@@ -8,41 +9,23 @@ by several chunks (tied embeddings) are listed so the runtime sums their gradien
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 
-from autopart.analysis import NodeCost, detect_layers, evaluate
-from autopart.capture import Program
+from autopart.analysis import detect_layers, evaluate
 from autopart.errors import AutopartError, node_error
+from autopart.ir import EP_LOCAL, META_EP, NodeCost, Program, StagePlan, sym_shape
 from autopart.schedule import balanced_partition
 
 _TOLERANCE = 1.01   # a cut may carry at most 1% more bytes than the smallest body crossing
 
 
-@dataclass(frozen=True)
-class StagePlan:
-    """Which chunk computes each node, and what crosses each cut (printable data)."""
-    num_chunks: int
-    pp: int
-    chunk_of: dict[str, int]              # compute node -> chunk
-    replicated: tuple[str, ...]           # input-derived nodes, recomputed where needed
-    crossings: tuple[tuple[str, ...], ...]  # crossings[k]: values sent from chunk k to k+1
-    shared_params: dict[str, tuple[int, ...]]  # param name -> chunks using it (more than one)
-    chunk_layers: tuple[tuple[str, ...], ...]  # layer paths (whole or part) in each chunk
-    chunk_cost: tuple[float, ...]          # forward+backward FLOPs per microbatch-sample
-
-    def rank_of_chunk(self, chunk: int) -> int:
-        return chunk % self.pp
-
-
-def cut_pipeline_stages(program: Program, *, pp: int, virtual_stages: int = 1,
-                        costs: dict[str, NodeCost] | None = None, microbatch_size: int = 1):
-    """Return (program with decisions['stages'] = StagePlan, report dict). `costs` defaults to
-    program.decisions['costs'] (the analyze_costs pass)."""
-    costs = costs if costs is not None else program.decisions["costs"]
-    k = pp * virtual_stages
+def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
+                        microbatch_size: int = 1):
+    """Return (program with .stages = StagePlan, report dict): len(chunk_ranks) chunks, chunk k
+    on pipeline rank chunk_ranks[k]; balanced by program.costs (the analyze_costs pass)."""
+    costs: dict[str, NodeCost] = program.costs
+    k = len(chunk_ranks)
     graph = program.gm.graph
     replicated = _input_derived(graph)
     compute = [n for n in graph.nodes if n.op == "call_function" and n.name not in replicated]
@@ -59,7 +42,7 @@ def cut_pipeline_stages(program: Program, *, pp: int, virtual_stages: int = 1,
     bounds = [0, *cuts, len(compute)]
     chunk_of = {n.name: c for c in range(k) for n in compute[bounds[c]:bounds[c + 1]]}
     plan = StagePlan(
-        num_chunks=k, pp=pp, chunk_of=chunk_of, replicated=tuple(sorted(replicated)),
+        num_chunks=k, chunk_ranks=tuple(chunk_ranks), chunk_of=chunk_of, replicated=tuple(sorted(replicated)),
         crossings=tuple(tuple(v.name for v in _crossing_at(compute, last_use, g)) for g in cuts),
         shared_params=_shared_params(graph, chunk_of, replicated),
         chunk_layers=_chunk_layers(compute, bounds, layers),
@@ -67,7 +50,7 @@ def cut_pipeline_stages(program: Program, *, pp: int, virtual_stages: int = 1,
     report = {"chunks": k, "cut_after": [compute[g - 1].name for g in cuts],
               "max_over_mean_cost": max(plan.chunk_cost) / (sum(plan.chunk_cost) / k),
               "shared_params": dict(plan.shared_params)}
-    return program.replace(decisions={**program.decisions, "stages": plan}), report
+    return program.replace(stages=plan), report
 
 
 def _stats_only(graph: fx.Graph) -> set:
@@ -161,8 +144,7 @@ def _bytes(node: fx.Node, program: Program, b: int, s) -> float:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return float("inf")     # a non-tensor (tuple, SymInt) cannot be sent: never cut here
-    from autopart.capture import sym_shape
-    shape = sym_shape(val, program.decisions.get("symbols", {}))
+    shape = sym_shape(val, program.symbols)
     numel = 1
     for d in shape:
         numel *= evaluate(d, b, s)
@@ -191,12 +173,12 @@ def _choose_cuts(compute, cost, cross_bytes, k, layers) -> list[int]:
 
 
 def _expert_gaps(compute) -> set[int]:
-    """Gaps inside an expert region (shard_experts' meta["ep"]): a cut there would split the
+    """Gaps inside an expert region (shard_experts' EP_LOCAL nodes): a cut there would split the
     all-to-all dispatch, the local experts and the combine over two chunks."""
     pos = {n: i for i, n in enumerate(compute)}
     banned: set[int] = set()
     for i, n in enumerate(compute):
-        if n.meta.get("ep") != "local experts":
+        if n.meta.get(META_EP) != EP_LOCAL:
             continue
         for m in [*n.users, *n.all_input_nodes]:
             j = pos.get(m)

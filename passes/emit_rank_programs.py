@@ -6,75 +6,30 @@ are attributes under the plain model's names, and a chunk holds only the paramet
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import sympy
 import torch
 import torch.fx as fx
 
-from autopart import p2p
-from autopart.capture import Program, sym_shape
+from autopart.ir import META_TP, Boundary, ChunkProgram, Program, sym_shape
 from autopart.localize import attribute
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """A tensor crossing into or out of a chunk: its name, symbolic shape, dtype, peer."""
-    name: str
-    shape: tuple                 # sympy expressions in b and s
-    dtype: torch.dtype
-    peer_rank: int
-    peer_chunk: int
-
-    @property
-    def differentiable(self) -> bool:
-        return self.dtype.is_floating_point or self.dtype.is_complex
-
-    def concrete_shape(self, b: int, s: int | None) -> tuple[int, ...]:
-        from autopart.capture import BATCH, SEQ
-        return tuple(int(sympy.sympify(d).subs({BATCH: b, SEQ: s or 1})) for d in self.shape)
-
-
-@dataclass
-class ChunkProgram:
-    """The program one pipeline rank runs for one model chunk."""
-    chunk: int
-    rank: int
-    gm: fx.GraphModule
-    recvs: tuple[Boundary, ...]          # placeholders, in order, first
-    inputs: tuple[str, ...]              # then these user inputs, by name
-    sends: tuple[Boundary, ...]          # outputs, in order (empty on the last chunk)
-    is_last: bool
-    layers: tuple[str, ...] = ()
-    params: tuple[str, ...] = field(default=())
-
-    @property
-    def code(self) -> str:
-        head = f"# chunk {self.chunk} on pipeline rank {self.rank}"
-        if self.layers:
-            head += ": " + (self.layers[0] if len(self.layers) == 1
-                            else f"{self.layers[0]} .. {self.layers[-1]}")
-        return head + "\n" + self.gm.code.strip() + "\n"
+from autopart.ops import p2p
+from autopart.placement import Shard
 
 
 def emit_rank_programs(program: Program):
-    """Return (program with decisions['chunks'] = [ChunkProgram per chunk], report)."""
-    plan = program.decisions["stages"]
-    graph = program.gm.graph
-    chunks = [_emit_chunk(program, plan, c) for c in range(plan.num_chunks)]
+    """Return (program with .chunks = one ChunkProgram per chunk, report)."""
+    plan = program.stages
+    chunks = tuple(_emit_chunk(program, plan, c) for c in range(plan.num_chunks))
     report = {"chunks": [{"chunk": c.chunk, "rank": c.rank, "nodes": len(c.gm.graph.nodes),
                           "params": len(c.params), "recv": len(c.recvs), "send": len(c.sends)}
                          for c in chunks]}
-    del graph
-    return program.replace(decisions={**program.decisions, "chunks": chunks}), report
+    return program.replace(chunks=chunks), report
 
 
 def _boundary(node: fx.Node, program: Program, peer_rank: int, peer_chunk: int) -> Boundary:
     """The tensor as this rank holds it: a dim sharded over tp (sequence parallelism) is 1/tp."""
-    from autopart.placement import Shard
     val = node.meta["val"]
-    shape = list(sym_shape(val, program.decisions.get("symbols", {})))
-    placement, tp_plan = node.meta.get("tp"), program.decisions.get("tp")
+    shape = list(sym_shape(val, program.symbols))
+    placement, tp_plan = node.meta.get(META_TP), program.tp
     if isinstance(placement, Shard) and tp_plan is not None:
         shape[placement.dim] = shape[placement.dim] / tp_plan.tp
     return Boundary(node.name, tuple(shape), val.dtype, peer_rank, peer_chunk)
@@ -91,7 +46,8 @@ def _emit_chunk(program: Program, plan, c: int) -> ChunkProgram:
     needed_repl = _replicated_needed(mine + ([out_node] if last else []), set(plan.replicated))
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    prev_rank, next_rank = plan.rank_of_chunk(c - 1), plan.rank_of_chunk(c + 1)
+    prev_rank = plan.rank_of_chunk(c - 1) if c > 0 else None
+    next_rank = plan.rank_of_chunk(c + 1) if c + 1 < plan.num_chunks else None
     received = []
     for name in recv_names:
         received.append(g.placeholder(name))

@@ -31,16 +31,16 @@ divide by dp, like the dense gradients (sum over dp, divide by dp).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 import torch
 import torch.fx as fx
 
-from autopart import ep_ops
-from autopart.capture import BATCH, SEQ, Program, sym_shape
+from autopart.ir import (BATCH, EP_LOCAL, META_EP, SEQ, ExpertPlan, MoELayer, ParamShard, Program,
+                         sym_shape)
+from autopart.ops import ep as ep_ops
 from autopart.errors import AutopartError, module_path, node_error, user_source_line
-from autopart.passes.split_tensor_parallel import ParamShard
 from autopart.placement import ELEMENTWISE, ndim, shape_of
 from autopart.localize import attribute
 
@@ -59,45 +59,6 @@ ROW_LOCAL_LAST = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
                   aten._log_softmax.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 GROUPED_MM = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")
-
-
-@dataclass(frozen=True)
-class MoELayer:
-    """One mixture-of-experts layer as the pass found it (plain, printable data)."""
-    name: str                    # module path of its expert matmuls ('' if unknown)
-    num_experts: int
-    experts_per_rank: int
-    matmuls: tuple               # expert matmul node names
-    entries: tuple               # dispatched tensors (node names), all-to-all'd to the experts
-    exits: tuple                 # expert outputs, all-to-all'd back
-    params: tuple                # expert-sharded parameters (dim 0)
-    router: str | None           # the router's weight parameter
-    routing: tuple               # routing ops found (e.g. ('one_hot', 'argmax'))
-    capacity: int | None         # tokens per expert per routing group (None: dropless/not found)
-    group_size: int | None       # tokens per routing group (None: per-token routing/not found);
-                                 # a microbatch shard must hold whole groups
-    tokens_per_expert: str       # rows per expert per rank per microbatch, in b (and s); for
-                                 # sorted rows: all rows of the rank (data-dependent per expert)
-    a2a_bytes: str               # forward bytes one rank sends per microbatch (same in backward);
-                                 # sorted rows: the expectation under balanced routing
-    a2a_bytes_at_capture: int    # a2a_bytes at the captured batch size
-    source: str
-    layout: str = "experts-major"     # or "sorted-rows"
-
-
-@dataclass
-class EPPlan:
-    """The expert-parallel decisions: program.decisions["ep"]."""
-    ep: int
-    layers: list = field(default_factory=list)       # MoELayer
-    params: dict = field(default_factory=dict)       # param name -> ParamShard(0, (E,))
-    skipped: list = field(default_factory=list)      # (node, reason): expert-shaped, not MoE
-
-    def as_dict(self) -> dict:
-        return {"ep": self.ep, "params": {k: {"dim": v.dim, "experts": v.sections[0],
-                                               "per_rank": v.sections[0] // self.ep}
-                                           for k, v in self.params.items()},
-                "layers": [vars(layer) for layer in self.layers], "skipped": self.skipped}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,16 +314,16 @@ def _cone(start: list, limit: int = 4000) -> list:
 # Deciding layers
 
 
-def find_moe_layers(program: Program, ep: int = 1) -> EPPlan:
+def find_moe_layers(program: Program, ep: int = 1) -> ExpertPlan:
     """The MoE layers of `program` and, for ep ranks, what each rank keeps (no rewrite)."""
     return _find(program, ep)[0]
 
 
 def _find(program: Program, ep: int):
     f = _Finder(program)
-    plan = EPPlan(ep)
+    plan = ExpertPlan(ep)
     regions = []
-    symbols = program.decisions.get("symbols", {})
+    symbols = program.symbols
     for n in f.gm.graph.nodes:      # stacked weights gathered per token: no expert dim left
         if n.target is aten.index.Tensor and ndim(n.args[0]) == 3 and \
                 _param_source(n.args[0], f.params) is not None:
@@ -523,7 +484,7 @@ def shard_experts(program: Program, *, ep: int, microbatch_size: int | None = No
         raise AutopartError(f"ep={ep!r} must be a positive integer")
     plan, regions = _find(program, ep)
     if ep == 1:
-        return program.replace(decisions={**program.decisions, "ep": plan}), _report(plan)
+        return program.replace(ep=plan), _report(plan)
     if not plan.layers:
         why = "".join(f"\n  {n}: {r}" for n, r in plan.skipped)
         raise AutopartError(
@@ -546,10 +507,10 @@ def shard_experts(program: Program, *, ep: int, microbatch_size: int | None = No
     if COMM in {n.target for n in program.gm.graph.nodes if n.op == "get_attr"}:
         raise AutopartError("shard_experts already ran on this program")
     gm = _rewrite(program.gm, regions, ep)
-    return program.replace(gm=gm, decisions={**program.decisions, "ep": plan}), _report(plan)
+    return program.replace(gm=gm, ep=plan), _report(plan)
 
 
-def _check_groups(program: Program, plan: EPPlan, regions, microbatch_size: int) -> None:
+def _check_groups(program: Program, plan: ExpertPlan, regions, microbatch_size: int) -> None:
     """Each microbatch routes on its own: it must hold whole routing groups, or a rank would route
     a group the plain model never forms."""
     seq = program.seq_len or 1
@@ -566,7 +527,7 @@ def _check_groups(program: Program, plan: EPPlan, regions, microbatch_size: int)
                          f"size dividing {tokens}")
 
 
-def _report(plan: EPPlan) -> dict:
+def _report(plan: ExpertPlan) -> dict:
     return {"ep": plan.ep, "layers": [vars(layer) for layer in plan.layers],
             "expert_params": sorted(plan.params), "skipped": plan.skipped}
 
@@ -614,7 +575,7 @@ def _rewrite(old: fx.GraphModule, regions: list, ep: int) -> fx.GraphModule:
             new = g.node_copy(node, arg)
             if r.offsets is None:
                 new.meta["val"] = _local_val(node.meta.get("val"), ep)
-            new.meta["ep"] = "local experts"
+            new.meta[META_EP] = EP_LOCAL
             env[node] = new
             if node in r.exits:
                 if r.offsets is None:
@@ -655,4 +616,4 @@ def _local_val(val, ep: int):
 
 
 
-__all__ = ["shard_experts", "find_moe_layers", "EPPlan", "MoELayer", "COMM"]
+__all__ = ["shard_experts", "find_moe_layers"]

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopart import tp_ops
-from autopart.capture import SEQ, Program
-from autopart.errors import AutopartError, module_path, node_error
+from autopart.ir import META_TP, SEQ, ParamShard, Program, TensorParallelPlan, sym_shape
+from autopart.ops import tp as tp_ops
+from autopart.errors import AutopartError, node_error
 from autopart.placement import (NoRule, Need, P, R, Shard, SplitOnShard, carry, ndim, shape_of)
 from autopart.localize import attribute
 
@@ -46,30 +46,6 @@ class LinearUse:
     @property
     def in_dim(self) -> int:
         return 1 - self.out_dim
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    dim: int
-    sections: tuple             # global section sizes along dim; each is split over tp
-
-
-@dataclass
-class TPPlan:
-    """The tensor-parallel decisions, as plain data."""
-    tp: int
-    sequence_parallel: bool
-    column: dict = field(default_factory=dict)      # linear node -> sections of its output
-    row: set = field(default_factory=set)           # linear nodes reduced after
-    vocab_loss: set = field(default_factory=set)    # cross-entropy nodes made vocab-parallel
-    vocab_embedding: set = field(default_factory=set)
-    scatters: dict = field(default_factory=dict)    # (consumer, input) -> dim sliced locally
-    params: dict = field(default_factory=dict)      # param name -> ParamShard
-    placements: dict = field(default_factory=dict)  # node name -> placement (original graph)
-    sp_grad_reduce: set = field(default_factory=set)  # replicated params with partial grads (SP)
-    seq_shards: dict = field(default_factory=dict)  # node -> sequence dim it runs sharded on (SP)
-    gathers: dict = field(default_factory=dict)     # (consumer, input) -> dim all-gathered first
-    skipped: list = field(default_factory=list)     # (linear, reason) left replicated
 
 
 def find_linears(gm: fx.GraphModule, params) -> dict[str, LinearUse]:
@@ -123,7 +99,7 @@ class _Reject(Exception):
         self.node, self.reason = node, reason
 
 
-def decide(program: Program, tp: int, sequence_parallel: bool) -> TPPlan:
+def decide(program: Program, tp: int, sequence_parallel: bool) -> TensorParallelPlan:
     gm = program.gm
     by_index = list(gm.graph.nodes)
     nodes = {n.name: n for n in by_index}
@@ -135,7 +111,7 @@ def decide(program: Program, tp: int, sequence_parallel: bool) -> TPPlan:
             weight_users.setdefault(n.target, []).extend(n.users)
     ctx = _Context(nodes, order, by_index, linears, param_dependent(gm, program.params),
                    weight_users, tp)
-    plan = TPPlan(tp, sequence_parallel)
+    plan = TensorParallelPlan(tp, sequence_parallel)
     committed: dict = {}
     for name in sorted(linears, key=order.get):
         if name in plan.column or name in plan.row:
@@ -159,18 +135,17 @@ def decide(program: Program, tp: int, sequence_parallel: bool) -> TPPlan:
 
 def _seq_dim(node: fx.Node, program: Program) -> int | None:
     """The sequence dim of an activation: the dim whose size is the symbolic s (dim 1 if static)."""
-    from autopart.capture import sym_shape
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return None
-    shape = sym_shape(val, program.decisions.get("symbols", {}))
+    shape = sym_shape(val, program.symbols)
     dims = [i for i, d in enumerate(shape) if d == SEQ]
     if dims:
         return dims[0]
     return 1 if not program.dynamic and val.dim() == 3 else None
 
 
-def _plan_sequence(gm, plan: TPPlan, program: Program, linears) -> None:
+def _plan_sequence(gm, plan: TensorParallelPlan, program: Program, linears) -> None:
     """Sequence parallelism: reductions become reduce-scatters along the sequence and the ops
     after them run on sequence shards until a column-parallel linear (or an op without a
     rule, which gets its input all-gathered first)."""
@@ -210,7 +185,7 @@ def _plan_sequence(gm, plan: TPPlan, program: Program, linears) -> None:
                 plan.sp_grad_reduce.add(a.target)     # a replicated weight sees only local tokens
 
 
-def _carry_seq(node, pl, plan: TPPlan) -> Shard:
+def _carry_seq(node, pl, plan: TensorParallelPlan) -> Shard:
     for _ in range(4):
         out = carry(node, pl, plan.tp)
         if isinstance(out, Need):
@@ -443,7 +418,7 @@ def _decide_embeddings(gm, plan, program, tp) -> None:
 def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool = False):
     """Return (program rewritten for one tensor-parallel rank, report)."""
     if tp == 1:
-        return program, {"tp": 1}
+        return program.replace(tp=TensorParallelPlan(1, sequence_parallel)), {"tp": 1}
     plan = decide(program, tp, sequence_parallel)
     _check_heads(program, plan, tp)
     _check_share(program, plan, tp)
@@ -453,7 +428,7 @@ def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool 
     report = {"tp": tp, "column": sorted(plan.column), "row": sorted(plan.row),
               "vocab_parallel": sorted(plan.vocab_embedding | plan.vocab_loss),
               "replicated_linears": plan.skipped, "sequence_parallel": sequence_parallel}
-    return program.replace(gm=gm, decisions={**program.decisions, "tp": plan}), report
+    return program.replace(gm=gm, tp=plan), report
 
 
 def _check_heads(program, plan, tp) -> None:
@@ -484,7 +459,7 @@ def _check_heads(program, plan, tp) -> None:
 def _check_share(program, plan, tp) -> None:
     """Replicating whole layers is not tensor parallelism: fail, naming what blocked the split."""
     total = sum(p.numel for p in program.params.values())
-    ep_plan = program.decisions.get("ep")       # experts sharded over ep (shard_experts ran)
+    ep_plan = program.ep       # experts sharded over ep (shard_experts ran)
     experts, ep = (ep_plan.params, ep_plan.ep) if ep_plan is not None else ({}, 1)
     local = sum(p.numel // tp if name in plan.params else p.numel // ep if name in experts
                 else p.numel for name, p in program.params.items())
@@ -514,7 +489,7 @@ def _check_sequence(program, tp) -> None:
                             f"over tp={tp} ranks.\n  remedy: a sequence length divisible by {tp}")
 
 
-def _rewrite(program: Program, plan: TPPlan) -> fx.GraphModule:
+def _rewrite(program: Program, plan: TensorParallelPlan) -> fx.GraphModule:
     old = program.gm
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -578,7 +553,7 @@ def _reduce(g, partial, comm, seq_dim, like):
 def _call(g, fn, args, like: fx.Node, placement, name: str | None = None) -> fx.Node:
     out = g.create_node("call_function", fn, tuple(args), {}, name=name)
     out.meta = {k: like.meta[k] for k in ("val", "stack_trace", "nn_module_stack") if k in like.meta}
-    out.meta["tp"] = placement
+    out.meta[META_TP] = placement
     return out
 
 
@@ -599,7 +574,7 @@ def _column(g, node, mapped, comm, cache, plan) -> fx.Node:
         new = g.create_node("call_function", node.target, tuple(args), dict(node.kwargs),
                             name=node.name)
         new.meta = dict(node.meta)
-    new.meta["tp"] = Shard(ndim(node) - 1, node.name)
+    new.meta[META_TP] = Shard(ndim(node) - 1, node.name)
     return new
 
 
@@ -613,17 +588,17 @@ def _row(g, node, mapped, comm, seq_dim) -> fx.Node:
         partial = _call(g, node.target, (mapped(x), mapped(w)), node, P, node.name)
     reduced = _reduce(g, partial, comm, seq_dim, node)
     if isinstance(bias, fx.Node):    # added once, after the reduction
-        reduced = _call(g, aten.add.Tensor, (reduced, mapped(bias)), node, reduced.meta["tp"])
+        reduced = _call(g, aten.add.Tensor, (reduced, mapped(bias)), node, reduced.meta[META_TP])
     return reduced
 
 
-def _localize_args(new: fx.Node, old: fx.Node, plan: TPPlan) -> None:
+def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None:
     """Rewrite a view's / split's / expand's global sizes along the sharded dim to local ones."""
     s = plan.placements.get(old)
     if old.name in plan.seq_shards:
         s = Shard(plan.seq_shards[old.name])
     tp = plan.tp
-    new.meta["tp"] = s if s is not None else R
+    new.meta[META_TP] = s if s is not None else R
     if not isinstance(s, (Shard, tuple)):
         return
     t = old.target
@@ -658,5 +633,4 @@ def _attr_targets(gm) -> list[str]:
 
 
 
-__all__ = ["split_tensor_parallel", "decide", "TPPlan", "ParamShard", "find_linears", "SEQ",
-           "module_path", "operator"]
+__all__ = ["split_tensor_parallel", "decide", "find_linears"]

@@ -9,8 +9,10 @@ import torch
 
 from autopart.analysis import analyze, detect_layers, evaluate
 from autopart.capture import capture
+from autopart.compiler import chunk_ranks
 from autopart.errors import AutopartError
 from autopart.passes import cut_pipeline_stages as cps
+from autopart.schedule import make_schedule
 from examples.gpt import GPT, config, lm_loss
 
 torch.manual_seed(0)
@@ -29,9 +31,10 @@ def gpt7():
 
 
 def _cut(program, costs, pp, v=1, mbs=1):
-    out, report = cps.cut_pipeline_stages(program, pp=pp, virtual_stages=v, costs=costs,
-                                          microbatch_size=mbs)
-    return out.decisions["stages"], report
+    schedule = make_schedule("interleaved-1f1b" if v > 1 else "1f1b", pp, pp, v)
+    out, report = cps.cut_pipeline_stages(program.replace(costs=costs),
+                                          chunk_ranks=chunk_ranks(schedule), microbatch_size=mbs)
+    return out.stages, report
 
 
 def _check_complete(program, plan):
@@ -243,5 +246,5 @@ def test_side_tensor_dead_in_the_last_layer_still_leaves_cut_points():
     x = torch.randint(0, 64, (4, 8))
     compiled = autopart.compile(model, autopart.Mesh(pp=4), (x, x), microbatches=4)
     assert len(compiled.plan.chunk_layers) == 4 and all(compiled.plan.chunk_layers)
-    for chunk in compiled.program.decisions["chunks"][:-1]:
+    for chunk in compiled.program.chunks[:-1]:
         assert len(chunk.sends) == 2        # the residual stream and route, nothing more

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import autopart
-from autopart import p2p
+from autopart.ops import p2p
 from examples.gpt import GPT, config, lm_loss
 
 
@@ -117,7 +117,7 @@ def _hf_loss(out, target):
 
 
 def _chunks(compiled):
-    return compiled.program.decisions["chunks"]
+    return compiled.program.chunks
 
 
 def test_emitted_code_of_a_small_model():

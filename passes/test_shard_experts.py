@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopart import ep_ops
+from autopart.localize import localize_module
+from autopart.ops import ep as ep_ops
 from autopart.capture import capture
 from autopart.errors import AutopartError
 from autopart.passes.shard_experts import find_moe_layers, shard_experts
-from autopart.passes.split_tensor_parallel import ParamShard
+from autopart.ir import ParamShard
 from examples.switch import SwitchGPT, config, example_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +63,7 @@ def test_layers_found_on_the_switch_example(tiny):
         assert layer["a2a_bytes"] == str(2 * 4 * 20 * 64 * 4 // 2) + "*b"
         assert layer["a2a_bytes_at_capture"] == 2 * 4 * 20 * 2 * 64 * 4 // 2
         assert "switch.py" in layer["source"]
-    plan = rewritten.decisions["ep"]
+    plan = rewritten.ep
     assert plan.params == {f"transformer.h.{i}.mlp.{w}": ParamShard(0, (4,))
                            for i in (1, 3) for w in ("c_fc", "c_proj")}
     assert plan.as_dict()["params"]["transformer.h.1.mlp.c_fc"] == {"dim": 0, "experts": 4,
@@ -96,10 +97,10 @@ def test_the_rewrite_puts_the_experts_between_two_all_to_alls(tiny):
 def test_localized_rank_keeps_only_its_experts(tiny):
     program, _ = tiny
     rewritten, _ = shard_experts(program, ep=2)
-    plan = rewritten.decisions["ep"]
+    plan = rewritten.ep
     full = rewritten.gm.get_parameter("transformer.h.1.mlp.c_fc")
     for rank in range(2):
-        gm = ep_ops.localize_experts(rewritten.gm, plan.params, 2, rank, copy=True)
+        gm = localize_module(rewritten.gm, ep_shards=plan.params, ep=(2, rank), copy=True)
         local = gm.get_parameter("transformer.h.1.mlp.c_fc")
         assert local.shape == (2, 64, 256)
         assert torch.equal(local, full[2 * rank:2 * rank + 2])
@@ -160,7 +161,7 @@ def test_gated_experts_with_topk_bias_and_a_replicated_scale():
     counts = _counts(rewritten.gm)
     # gate and up read the same dispatched tokens: one all-to-all in, one out
     assert counts["dispatch_to_experts"] == counts["combine_from_experts"] == 1
-    assert rewritten.decisions["ep"].params["b_up"] == ParamShard(0, (4,))
+    assert rewritten.ep.params["b_up"] == ParamShard(0, (4,))
 
 
 def test_num_experts_not_divisible_by_ep(tiny):
@@ -373,5 +374,5 @@ def test_switch_c_on_the_meta_device():
     layer = report["layers"][0]
     assert layer["experts_per_rank"] == 32 and layer["capacity"] == 1
     assert layer["group_size"] == 2048 and layer["tokens_per_expert"] == "b"
-    expert = sum(program.params[p].numel for p in rewritten.decisions["ep"].params)
+    expert = sum(program.params[p].numel for p in rewritten.ep.params)
     assert expert == 30 * 2048 * 2 * 2080 * 6144

@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopart import tp_ops
+from autopart.ops import tp as tp_ops
 from autopart.capture import capture
 from autopart.errors import AutopartError
 from autopart.localize import shard_tensor, unshard_tensor
-from autopart.passes.split_tensor_parallel import ParamShard, split_tensor_parallel
+from autopart.ir import ParamShard
+from autopart.passes.split_tensor_parallel import split_tensor_parallel
 from examples.gpt import GPT, config, lm_loss
 from tests._workers import renamed_gpt_module
 
@@ -41,7 +42,7 @@ def test_megatron_pattern_on_the_example_gpt():
     assert counts["copy_to_tp"] == 2 * cfg.n_layer + 1          # f before each region (and the head)
     assert counts["vocab_parallel_cross_entropy"] == 1 and counts["cross_entropy_loss"] == 0
     assert counts["scatter_to_tp"] == counts["gather_from_tp"] == 0
-    shards = program.decisions["tp"].params
+    shards = program.tp.params
     h = cfg.n_embd
     assert shards["transformer.h.0.attn.c_attn.weight"] == ParamShard(0, (h, h, h))   # q | k | v
     assert shards["transformer.h.0.attn.c_proj.weight"] == ParamShard(1, (h,))
@@ -69,7 +70,7 @@ def test_renamed_model_gets_the_same_plan():
     plain, _ = split_tensor_parallel(_program(GPT(config("tiny,n_layer=2"))), tp=2)
     other, _ = split_tensor_parallel(_program(renamed), tp=2)
     assert _counts(other.gm) == _counts(plain.gm)
-    shards = other.decisions["tp"].params
+    shards = other.tp.params
     assert shards["trunk.h.0.mx.w0.weight"] == ParamShard(0, (64, 64, 64))
     assert shards["trunk.h.1.wd.w1.weight"] == ParamShard(1, (256,))
 
@@ -93,7 +94,7 @@ def _hf_program(model, seq=16):
 
 def test_hugging_face_gpt2_conv1d_and_fused_qkv():
     program, report = split_tensor_parallel(_hf_program(_hf_gpt2()), tp=2)
-    shards = program.decisions["tp"].params
+    shards = program.tp.params
     # Conv1D stores weights [in, out]: columns are dim 1, rows dim 0
     assert shards["transformer.h.0.attn.c_attn.weight"] == ParamShard(1, (64, 64, 64))
     assert shards["transformer.h.0.attn.c_attn.bias"] == ParamShard(0, (64, 64, 64))
@@ -114,7 +115,7 @@ def _llama(kv_heads):
 
 def test_grouped_query_attention_splits_kv_heads_when_they_divide():
     program, _ = split_tensor_parallel(_hf_program(_llama(kv_heads=2)), tp=2)
-    shards = program.decisions["tp"].params
+    shards = program.tp.params
     for proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         assert shards[f"model.layers.0.self_attn.{proj}.weight" if "proj" in proj and proj[0] in "qkv"
                       else f"model.layers.0.mlp.{proj}.weight"].dim == 0
@@ -124,7 +125,7 @@ def test_grouped_query_attention_splits_kv_heads_when_they_divide():
 
 def test_multi_query_attention_replicates_kv_and_slices_locally():
     program, report = split_tensor_parallel(_hf_program(_llama(kv_heads=1)), tp=2)
-    shards = program.decisions["tp"].params
+    shards = program.tp.params
     assert "model.layers.0.self_attn.k_proj.weight" not in shards
     assert shards["model.layers.0.self_attn.q_proj.weight"].dim == 0
     assert _counts(program.gm)["scatter_to_tp"] == 2 * 2      # repeated k and v, per layer
@@ -135,7 +136,7 @@ def test_sequence_parallel_collectives():
     cfg = config("tiny,n_layer=2")
     program, _ = split_tensor_parallel(_program(GPT(cfg)), tp=2, sequence_parallel=True)
     counts = _counts(program.gm)
-    plan = program.decisions["tp"]
+    plan = program.tp
     assert counts["reduce_from_tp"] == 0
     assert counts["reduce_scatter_tp"] == 2 * cfg.n_layer + 1     # + the embedding
     assert counts["gather_linear_sp"] == 2 * cfg.n_layer + 1      # + the head
@@ -183,7 +184,7 @@ def test_op_without_rule_fails_with_the_op_named_instead_of_replicating_everythi
 def test_parameter_share_per_rank(tp):
     model = GPT(config("tiny,n_layer=2"))
     program, _ = split_tensor_parallel(_program(model), tp=tp)
-    shards = program.decisions["tp"].params
+    shards = program.tp.params
     total = sum(p.numel() for p in model.parameters())
     local = sum(p.numel() // tp if n in shards else p.numel() for n, p in model.named_parameters())
     assert local / total <= 1.5 / tp

@@ -11,7 +11,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from autopart.errors import AutopartError
+from autopart.ir import Plan
 from autopart.mesh import Mesh
+from autopart.ops.comm import GroupComm
+from autopart.ops.ep import EPComm
+from autopart.ops.tp import TPComm
 
 
 @dataclass
@@ -28,8 +32,7 @@ class RankGroups:
     ep_replica: object = None  # ranks holding the same experts: same pp, tp, dp % ep
 
 
-def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
-                 chunk_ranks: tuple[int, ...], timeout: timedelta) -> RankGroups:
+def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
     """Create every group of `mesh` collectively; return this rank's."""
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs an initialized process group: call "
@@ -40,15 +43,12 @@ def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
     dp = _mine(mesh.groups("dp"), rank, timeout)
     pp = _mine(mesh.groups("pp"), rank, timeout)
     tp = _mine(mesh.groups("tp"), rank, timeout)
-    replicas = sorted({tuple(r for r in range(mesh.world_size)
-                             if mesh.coords(r)["dp"] == d) for d in range(mesh.dp)})
-    model = _mine(replicas, rank, timeout)
-    ep, ep_replica = _mine(ep_groups(mesh), rank, timeout), None
-    if mesh.ep > 1:
-        ep_replica = _mine(ep_replica_groups(mesh), rank, timeout)
+    model = _mine(mesh.replica_groups(), rank, timeout)
+    ep = _mine(mesh.ep_groups(), rank, timeout)
+    ep_replica = _mine(mesh.ep_replica_groups(), rank, timeout) if mesh.ep > 1 else None
     shared = {}
-    for name in sorted(shared_params):
-        pp_ranks = sorted({chunk_ranks[c] for c in shared_params[name]})
+    for name in sorted(plan.shared_params):
+        pp_ranks = sorted({plan.chunk_ranks[c] for c in plan.shared_params[name]})
         if len(pp_ranks) < 2:
             continue        # all its chunks are on one rank: .grad accumulates there already
         groups = sorted({tuple(mesh.rank(pp=p, dp=mesh.coords(r)["dp"], tp=mesh.coords(r)["tp"])
@@ -59,19 +59,14 @@ def build_groups(mesh: Mesh, shared_params: dict[str, tuple[int, ...]],
     return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica)
 
 
-def ep_groups(mesh: Mesh) -> list[tuple[int, ...]]:
-    """Expert-parallel groups: for each (pp, tp), the ep consecutive dp indices with the same
-    dp // ep (GShard shards experts over data-parallel ranks); ep_rank = dp % ep."""
-    if mesh.ep == 1:
-        return []
-    return [tuple(mesh.rank(pp=p, dp=g * mesh.ep + e, tp=t) for e in range(mesh.ep))
-            for p in range(mesh.pp) for t in range(mesh.tp) for g in range(mesh.dp // mesh.ep)]
-
-
-def ep_replica_groups(mesh: Mesh) -> list[tuple[int, ...]]:
-    """Ranks holding the same experts: same (pp, tp, dp % ep), one per ep group (dp/ep ranks)."""
-    return [tuple(mesh.rank(pp=p, dp=g * mesh.ep + e, tp=t) for g in range(mesh.dp // mesh.ep))
-            for p in range(mesh.pp) for t in range(mesh.tp) for e in range(mesh.ep)]
+def bind_comms(chunks, groups: RankGroups) -> None:
+    """Bind each program's comm modules to this rank's process group of their axis."""
+    mine = {TPComm: (groups.tp, groups.mesh.coords(groups.rank)["tp"]),
+            EPComm: (groups.ep, groups.mesh.ep_rank(groups.rank))}
+    for chunk in chunks:
+        for module in chunk.gm.modules():
+            if isinstance(module, GroupComm):
+                module.bind(*mine[type(module)])
 
 
 def check_world_size(mesh: Mesh) -> None:

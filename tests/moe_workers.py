@@ -172,7 +172,7 @@ def ep_groups(rank: int, world: int, ep: int):
 
 def run_case(rank: int, world: int, case: EPCase, program_cache: dict) -> dict:
     from autopart.capture import capture
-    from autopart.ep_ops import localize_experts
+    from autopart.localize import localize_module
     from autopart.passes.shard_experts import shard_experts
     from examples.switch import SwitchGPT, config
 
@@ -200,8 +200,8 @@ def run_case(rank: int, world: int, case: EPCase, program_cache: dict) -> dict:
         program_cache[("groups", ep)] = ep_groups(rank, world, ep)
     ep_group, ep_rank, replica = program_cache[("groups", ep)]
     rewritten, report = shard_experts(program, ep=ep)
-    plan = rewritten.decisions["ep"]
-    gm = localize_experts(rewritten.gm, plan.params, ep, ep_rank, copy=True)
+    plan = rewritten.ep
+    gm = localize_module(rewritten.gm, ep_shards=plan.params, ep=(ep, ep_rank), copy=True)
     if ep > 1:
         gm.ep_comm.bind(ep_group, ep_rank)
 

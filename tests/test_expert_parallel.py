@@ -115,7 +115,7 @@ def test_compile_shards_experts_and_explains():
             if name in c.plan.ep_shards:
                 assert p.shape[0] == 2, (rank, name)
     # the expert region of each layer stays in one chunk
-    for chunk in c.program.decisions["chunks"]:
+    for chunk in c.program.chunks:
         names = {n.target.__name__ for n in chunk.gm.graph.nodes if n.op == "call_function"
                  and getattr(n.target, "__module__", "") == "autopart.ep_ops"}
         assert names in (set(), {"dispatch_to_experts", "combine_from_experts"})

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from autopart.ops.registry import register
+
 
 def recv(tensor: torch.Tensor, src: int, chunk: int) -> torch.Tensor:
     """`tensor` arrives from pipeline rank `src`, where chunk `chunk` produced it."""
@@ -20,4 +22,4 @@ def send(tensor: torch.Tensor, dst: int, chunk: int) -> torch.Tensor:
     return tensor
 
 
-recv.__module__ = send.__module__ = "autopart.p2p"
+register(recv, send, kind="p2p", axis="pp", namespace="autopart.p2p")

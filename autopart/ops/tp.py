@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopart.comm import GroupComm
+from autopart.ops.comm import GroupComm
+from autopart.ops.registry import register
 
 
 class TPComm(GroupComm):
@@ -206,6 +207,6 @@ def vocab_parallel_cross_entropy(logits, target, comm, ignore_index: int = -100)
     return _VocabParallelCE.apply(logits, target, ignore_index, comm)
 
 
-for _fn in (copy_to_tp, reduce_from_tp, gather_from_tp, scatter_to_tp, reduce_scatter_tp,
-            gather_linear_sp, vocab_parallel_embedding, vocab_parallel_cross_entropy):
-    _fn.__module__ = "autopart.tp_ops"
+register(copy_to_tp, reduce_from_tp, gather_from_tp, scatter_to_tp, reduce_scatter_tp,
+            gather_linear_sp, vocab_parallel_embedding, vocab_parallel_cross_entropy,
+         kind="collective", axis="tp", namespace="autopart.tp_ops")

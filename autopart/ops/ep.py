@@ -24,18 +24,14 @@ send a data-dependent number of rows to each rank:
                                     experts' rows from every rank, sorted by local expert
     combine_rows(y, offsets, layout)    the inverse, [R, ...] -> [S, ...]; rows past offsets[-1]
                                     (assigned to no expert) come back as zeros
-
-`localize_experts` gives a program its rank's slice of the expert weights (dim 0, E/ep each).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-import torch.nn as nn
 
-from autopart.comm import GroupComm
-from autopart.localize import attribute
+from autopart.ops.comm import GroupComm
+from autopart.ops.registry import register
 
 
 class EPComm(GroupComm):
@@ -221,35 +217,6 @@ def combine_rows(y: torch.Tensor, offsets: torch.Tensor, layout: torch.Tensor, l
     return _CombineRows.apply(y, offsets, layout, like.shape[0], comm)
 
 
-for _fn in (dispatch_to_experts, combine_from_experts, sorted_layout, local_offsets,
-            dispatch_rows, combine_rows):
-    _fn.__module__ = "autopart.ep_ops"
-
-
-def expert_slice(full: torch.Tensor, ep: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s experts of a stacked expert tensor: rows rank*E/ep .. (rank+1)*E/ep - 1."""
-    return full.chunk(ep, dim=0)[rank]
-
-
-def localize_experts(gm: fx.GraphModule, expert_params, ep: int, rank: int,
-                     copy: bool = True) -> fx.GraphModule:
-    """The same graph with expert-parallel rank `rank`'s experts of every parameter named in
-    `expert_params` (program.decisions["ep"].params) and an EPComm(ep, rank).
-
-    With copy=True each slice is a fresh Parameter (a real rank keeps only its experts); with
-    copy=False it is a view of the full tensor (inspection, e.g. on the meta device)."""
-    attrs: dict = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or node.target in attrs:
-            continue
-        value = attribute(gm, node.target)
-        if isinstance(value, EPComm):
-            attrs[node.target] = EPComm(ep, rank)
-        elif node.target in expert_params:
-            local = expert_slice(value.detach(), ep, rank)
-            local = local.clone() if copy else local
-            attrs[node.target] = nn.Parameter(local, requires_grad=value.requires_grad)
-        else:
-            attrs[node.target] = value
-    return fx.GraphModule(attrs, gm.graph, class_name=type(gm).__name__)
-
+register(dispatch_to_experts, combine_from_experts, sorted_layout, dispatch_rows, combine_rows,
+         kind="collective", axis="ep", namespace="autopart.ep_ops")
+register(local_offsets, kind="local", axis="ep", namespace="autopart.ep_ops")

@@ -1,0 +1,267 @@
+"""The IR: the types the compiler and the runtime share, as plain printable data.
+
+`Program` is the compiler's state: the captured graph plus one typed field per decision, each
+filled by the pass that makes it (see the pass list in autopart/compiler.py). Passes read and
+write these fields, the runtime reads the `Plan` and the `ChunkProgram`s; this module imports no
+pass, no runtime module and nothing that calls torch.distributed.
+
+Node metadata that passes leave on the graph uses the keys below (one place, not strings spread
+over modules).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import sympy
+import torch
+import torch.fx as fx
+
+if TYPE_CHECKING:
+    from autopart.mesh import Mesh
+
+# The symbols every symbolic size is written in: microbatch rows and sequence length.
+BATCH, SEQ = sympy.Symbol("b", positive=True, integer=True), sympy.Symbol("s", positive=True, integer=True)
+
+# node.meta keys written by passes.
+META_TP = "tp"            # split_tensor_parallel: the node's placement over tp (Shard/Replicate/Partial)
+META_EP = "ep"            # shard_experts: EP_LOCAL on nodes that compute on this rank's experts only
+EP_LOCAL = "local experts"
+
+
+def sym_shape(val, symbols: dict) -> tuple:
+    """A FakeTensor's shape as sympy expressions in b and s."""
+    out = []
+    for d in val.shape:
+        if isinstance(d, torch.SymInt):
+            out.append(sympy.sympify(d.node.expr).xreplace(symbols))
+        else:
+            out.append(sympy.Integer(int(d)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, shape (sympy, in b and s), dtype and aliases of a parameter or buffer."""
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    aliases: tuple[str, ...] = ()      # other names of the same tensor (tied weights)
+    requires_grad: bool = True
+    persistent: bool = True
+
+    @property
+    def numel(self) -> int:
+        return int(sympy.prod(self.shape)) if self.shape else 1
+
+
+# -- decisions of the passes ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamShard:
+    """How a parameter is cut over one mesh axis: `dim` split into `sections` (fused q|k|v
+    weights have three), each rank taking the same 1/size slice of every section. An expert
+    shard is ParamShard(0, (E,)): E/ep whole experts a rank."""
+    dim: int
+    sections: tuple             # global section sizes along dim; each is split over the axis
+
+
+@dataclass
+class TensorParallelPlan:
+    """split_tensor_parallel's decisions."""
+    tp: int
+    sequence_parallel: bool
+    column: dict = field(default_factory=dict)      # linear node -> sections of its output
+    row: set = field(default_factory=set)           # linear nodes reduced after
+    vocab_loss: set = field(default_factory=set)    # cross-entropy nodes made vocab-parallel
+    vocab_embedding: set = field(default_factory=set)
+    scatters: dict = field(default_factory=dict)    # (consumer, input) -> dim sliced locally
+    params: dict = field(default_factory=dict)      # param name -> ParamShard
+    placements: dict = field(default_factory=dict)  # node name -> placement (original graph)
+    sp_grad_reduce: set = field(default_factory=set)  # replicated params with partial grads (SP)
+    seq_shards: dict = field(default_factory=dict)  # node -> sequence dim it runs sharded on (SP)
+    gathers: dict = field(default_factory=dict)     # (consumer, input) -> dim all-gathered first
+    skipped: list = field(default_factory=list)     # (linear, reason) left replicated
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One mixture-of-experts layer as shard_experts found it."""
+    name: str                    # module path of its expert matmuls ('' if unknown)
+    num_experts: int
+    experts_per_rank: int
+    matmuls: tuple               # expert matmul node names
+    entries: tuple               # dispatched tensors (node names), all-to-all'd to the experts
+    exits: tuple                 # expert outputs, all-to-all'd back
+    params: tuple                # expert-sharded parameters (dim 0)
+    router: str | None           # the router's weight parameter
+    routing: tuple               # routing ops found (e.g. ('one_hot', 'argmax'))
+    capacity: int | None         # tokens per expert per routing group (None: dropless/not found)
+    group_size: int | None       # tokens per routing group (None: per-token routing/not found);
+                                 # a microbatch shard must hold whole groups
+    tokens_per_expert: str       # rows per expert per rank per microbatch, in b (and s); for
+                                 # sorted rows: all rows of the rank (data-dependent per expert)
+    a2a_bytes: str               # forward bytes one rank sends per microbatch (same in backward);
+                                 # sorted rows: the expectation under balanced routing
+    a2a_bytes_at_capture: int    # a2a_bytes at the captured batch size
+    source: str
+    layout: str = "experts-major"     # or "sorted-rows"
+
+
+@dataclass
+class ExpertPlan:
+    """shard_experts' decisions."""
+    ep: int
+    layers: list = field(default_factory=list)       # MoELayer
+    params: dict = field(default_factory=dict)       # param name -> ParamShard(0, (E,))
+    skipped: list = field(default_factory=list)      # (node, reason): expert-shaped, not MoE
+
+    def as_dict(self) -> dict:
+        return {"ep": self.ep, "params": {k: {"dim": v.dim, "experts": v.sections[0],
+                                               "per_rank": v.sections[0] // self.ep}
+                                           for k, v in self.params.items()},
+                "layers": [vars(layer) for layer in self.layers], "skipped": self.skipped}
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """analyze_costs: one node's forward work, symbolic in b and s, per rank."""
+    flops: sympy.Expr        # forward FLOPs
+    out_bytes: sympy.Expr    # bytes of the node's outputs that are new memory (0 for views)
+    bytes_moved: sympy.Expr  # inputs read + outputs written
+
+    @property
+    def fwd_bwd_flops(self) -> sympy.Expr:
+        return 3 * self.flops   # backward costs twice the forward (two matmuls per matmul)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """cut_pipeline_stages' decisions: which chunk computes each node, what crosses each cut."""
+    num_chunks: int
+    chunk_ranks: tuple[int, ...]          # chunk k -> pipeline rank (from the schedule)
+    chunk_of: dict[str, int]              # compute node -> chunk
+    replicated: tuple[str, ...]           # input-derived nodes, recomputed where needed
+    crossings: tuple[tuple[str, ...], ...]  # crossings[k]: values sent from chunk k to k+1
+    shared_params: dict[str, tuple[int, ...]]  # param name -> chunks using it (more than one)
+    chunk_layers: tuple[tuple[str, ...], ...]  # layer paths (whole or part) in each chunk
+    chunk_cost: tuple[float, ...]          # forward+backward FLOPs per microbatch-sample
+
+    def rank_of_chunk(self, chunk: int) -> int:
+        return self.chunk_ranks[chunk]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A tensor crossing into or out of a chunk: its name, symbolic shape, dtype, peer."""
+    name: str
+    shape: tuple                 # sympy expressions in b and s
+    dtype: torch.dtype
+    peer_rank: int
+    peer_chunk: int
+
+    @property
+    def differentiable(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    def concrete_shape(self, b: int, s: int | None) -> tuple[int, ...]:
+        return tuple(int(sympy.sympify(d).subs({BATCH: b, SEQ: s or 1})) for d in self.shape)
+
+
+@dataclass
+class ChunkProgram:
+    """The program one pipeline rank runs for one model chunk (emit_rank_programs)."""
+    chunk: int
+    rank: int
+    gm: fx.GraphModule
+    recvs: tuple[Boundary, ...]          # placeholders, in order, first
+    inputs: tuple[str, ...]              # then these user inputs, by name
+    sends: tuple[Boundary, ...]          # outputs, in order (empty on the last chunk)
+    is_last: bool
+    layers: tuple[str, ...] = ()
+    params: tuple[str, ...] = field(default=())
+
+    @property
+    def code(self) -> str:
+        head = f"# chunk {self.chunk} on pipeline rank {self.rank}"
+        if self.layers:
+            head += ": " + (self.layers[0] if len(self.layers) == 1
+                            else f"{self.layers[0]} .. {self.layers[-1]}")
+        return head + "\n" + self.gm.code.strip() + "\n"
+
+
+@dataclass
+class Program:
+    """The whole model as one graph plus what the passes have decided about it so far.
+
+    The fields after `dynamic` are None until the pass that provides them has run."""
+    gm: fx.GraphModule
+    params: dict[str, TensorInfo]            # canonical name -> info (trainable parameters)
+    buffers: dict[str, TensorInfo]           # buffers, frozen parameters and lifted constants
+    inputs: list[str]                        # user input placeholder names, target last if any
+    batch_size: int                          # the global batch the model was captured with
+    seq_len: int | None
+    dynamic: bool                            # sizes are symbolic in b (and s)
+    symbols: dict = field(default_factory=dict)   # capture: export's size symbols -> b, s
+    stats: tuple[str, ...] = ()              # capture: names of the statistics outputs
+    ep: ExpertPlan | None = None             # shard_experts
+    tp: TensorParallelPlan | None = None     # split_tensor_parallel
+    costs: dict[str, NodeCost] | None = None  # analyze_costs: node name -> cost
+    stages: StagePlan | None = None          # cut_pipeline_stages
+    chunks: tuple[ChunkProgram, ...] | None = None  # emit_rank_programs
+
+    def replace(self, **changes) -> "Program":
+        return dataclasses.replace(self, **changes)
+
+
+# -- what compile hands the runtime ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """What was decided, as plain printable data."""
+    mesh: "Mesh"
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+    global_batch: int
+    microbatch_size: int
+    chunk_ranks: tuple[int, ...]           # chunk k -> pipeline rank
+    chunk_layers: tuple[tuple[str, ...], ...]
+    shared_params: dict[str, tuple[int, ...]]
+    sequence_parallel: bool = False
+    tp_shards: dict = field(default_factory=dict)   # param name -> ParamShard (tensor parallel)
+    ep_shards: dict = field(default_factory=dict)   # expert param name -> ParamShard(0, (E,))
+    sp_grad_reduce: frozenset = frozenset()  # replicated params whose grads sum over tp (SP)
+    stats: tuple[str, ...] = ()             # names of the statistics outputs, summed per step
+
+    @property
+    def loss_scale(self) -> float:
+        """Each microbatch loss is scaled by this so that summing over microbatches and
+        data-parallel replicas gives the global-batch mean."""
+        return 1.0 / (self.microbatches * self.mesh.dp)
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank of the last chunk: it computes the loss."""
+        return self.chunk_ranks[-1]
+
+
+@dataclass
+class RankProgram:
+    """Everything one global rank runs: its chunks, in chunk order."""
+    rank: int
+    coords: dict[str, int]
+    chunks: tuple[ChunkProgram, ...]
+
+    @property
+    def code(self) -> str:
+        return "\n".join(c.code for c in self.chunks)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by the plain model's names (each tensor once)."""
+        out: dict[str, torch.Tensor] = {}
+        for c in self.chunks:
+            for name in c.params:
+                out.setdefault(name, c.gm.get_parameter(name))
+        return out

@@ -1,0 +1,55 @@
+"""The step driver: one training step of one rank, from the global batch to local gradients.
+
+It takes this data-parallel replica's rows of the global batch, cuts them into microbatches, and
+runs this rank's action list from the schedule (runtime/executor.py). Reducing gradients across
+ranks is the GradientReducer's job, not this one's.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopart.errors import AutopartError
+from autopart.ir import Plan, RankProgram
+from autopart.runtime.executor import StepContext, run_actions
+
+
+class StepDriver:
+    """Runs `actions` (this pipeline rank's list) over `rank_program`'s chunks."""
+
+    def __init__(self, plan: Plan, rank_program: RankProgram, actions, input_names: list[str],
+                 peer_group, device: torch.device):
+        self.plan, self.actions, self.input_names = plan, actions, input_names
+        self.coords, self.group, self.device = rank_program.coords, peer_group, device
+        self.chunks = {c.chunk: c for c in rank_program.chunks}
+
+    def run(self, inputs: tuple, target: torch.Tensor | None) -> StepContext:
+        """Forward and backward of every microbatch of this replica; returns the step's context
+        (microbatch losses, statistics)."""
+        plan, mesh = self.plan, self.plan.mesh
+        batch = self.replica_rows(inputs, target)
+        mbs = plan.microbatch_size
+        ctx = StepContext(
+            chunks=self.chunks,
+            peer=lambda p: mesh.rank(pp=p, dp=self.coords["dp"], tp=self.coords["tp"]),
+            microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
+            batch=mbs, seq=int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None,
+            device=self.device, loss_scale=plan.loss_scale, group=self.group)
+        run_actions(self.actions, ctx)
+        return ctx
+
+    def replica_rows(self, inputs: tuple, target) -> dict[str, torch.Tensor]:
+        """This data-parallel replica's rows of each input (and the target), by input name."""
+        names, plan = self.input_names, self.plan
+        values = list(inputs) + ([target] if target is not None else [])
+        if len(values) != len(names):
+            raise AutopartError(f"train_step got {len(values)} tensors (inputs and target) but the "
+                                f"model was compiled with {len(names)}: {names}")
+        rows = plan.microbatch_size * plan.microbatches
+        dp = self.coords["dp"]
+        out = {}
+        for name, v in zip(names, values):
+            if v.shape[0] != plan.global_batch:
+                raise AutopartError(f"train_step input {name!r} has batch {v.shape[0]}, but the "
+                                    f"model was compiled for the global batch {plan.global_batch}")
+            out[name] = v[dp * rows:(dp + 1) * rows].to(self.device)
+        return out
