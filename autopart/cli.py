@@ -15,6 +15,7 @@ import sys
 from typing import Callable, Sequence
 
 from autopart.compile_cli import add_compile_command
+from autopart.export_cli import add_export_command
 from autopart.schedule import SCHEDULES, Schedule, SimResult, make_schedule, simulate
 
 
@@ -78,7 +79,7 @@ def _schedule_report(schedule: Schedule, result: SimResult, forward_cost: float,
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_schedule_command, add_compile_command)
+    _add_schedule_command, add_compile_command, add_export_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

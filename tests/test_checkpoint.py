@@ -1,0 +1,361 @@
+"""Checkpoints (autopart.runtime.checkpoint): save on one mesh, load on another, against the plain
+model; exact resume in new processes; atomic saves; clear errors; export to safetensors and to a
+Hugging Face model directory.
+
+Every resharding phase compares each rank's parameters and optimizer state, right after loading
+and after training on, with the unmodified model trained the same steps (tests/checkpoint_workers.py).
+
+Fast tier: python -m pytest -m "not full" tests/test_checkpoint.py
+Everything: python -m pytest tests/test_checkpoint.py
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoint_workers import Phase, optimizer, run_chain, run_phase
+
+SPAWN_TIMEOUT = 420.0
+
+
+def _chain(world: int, phases: list[Phase], pg_timeout: float = 60.0) -> dict[str, list[dict]]:
+    """Run `phases` in one spawn of `world` ranks; {phase name: [per-rank results]}; fail on any
+    problem (naming the phase and rank)."""
+    from autopart.runtime.launch import spawn
+
+    per_rank = spawn(run_chain, world, phases, pg_timeout, timeout=SPAWN_TIMEOUT,
+                     pg_timeout=pg_timeout)
+    out: dict[str, list[dict]] = {p.name: [] for p in phases}
+    for results in per_rank:
+        for r in results:
+            out[r["phase"]].append(r)
+    problems = [f"{name} rank {r['rank']}: {p}" for name, rs in out.items() for r in rs
+                for p in r["problems"]]
+    missing = [name for name, rs in out.items() if len(rs) != world]
+    assert not problems and not missing, "\n".join(problems + [f"{m}: not run" for m in missing])
+    return out
+
+
+# -- fast tier: one 4-rank chain, two 2-rank spawns, the rest in this process -----------------------
+
+def test_reshard_pp_tp_dp_schedule_adamw(tmp_path):
+    """gpt (4 layers, fused q|k|v) with AdamW through five meshes of 4 ranks: a change of pp, tp,
+    dp, virtual stages and schedule at each load; tp=4 splits each of q, k, v four ways."""
+    d = tmp_path
+    _chain(4, [
+        Phase("pp2xtp2", {"pp": 2, "tp": 2}, steps=2, save=f"{d}/a"),
+        Phase("dp2xtp2", {"dp": 2, "tp": 2}, steps=1, load=f"{d}/a", save=f"{d}/b"),
+        Phase("pp4", {"pp": 4}, steps=1, load=f"{d}/b", save=f"{d}/c"),
+        Phase("pp2xdp2-interleaved", {"pp": 2, "dp": 2}, steps=1, load=f"{d}/c", save=f"{d}/d",
+              schedule="interleaved-1f1b", virtual_stages=2),
+        Phase("tp4", {"tp": 4}, steps=1, load=f"{d}/d"),
+    ])
+    # each chunk written once: replicas (dp, tied weights on two stages) deduplicated
+    marker = json.loads((d / "b" / ".autopart_complete").read_text())
+    numel = sum(torch.Size(v["shape"]).numel() for v in marker["model"]["tensors"].values())
+    data = sum(f["bytes"] for n, f in marker["files"].items() if n.endswith(".distcp"))
+    assert data < 3 * numel * 4 * 1.25, (data, numel)      # params + 2 Adam moments, fp32
+
+
+def test_exact_resume_in_new_processes(tmp_path):
+    """k=2 steps, save, resume in new processes, 2 more steps: bitwise equal to 4 steps without
+    the interruption (batches drawn from the global RNG, so its state must be restored too);
+    then the same checkpoint loads under dp=2."""
+    ck = str(tmp_path / "k2")
+    first = _chain(2, [
+        Phase("uninterrupted", {"pp": 2}, steps=4, random_batches=True, return_params=True),
+        Phase("first-2", {"pp": 2}, steps=2, random_batches=True, save=ck),
+    ])
+    resumed = _chain(2, [
+        Phase("resumed", {"pp": 2}, steps=2, load=ck, random_batches=True, return_params=True),
+        Phase("dp2", {"dp": 2}, steps=1, load=ck, random_batches=True),
+    ])
+    for a, b in zip(first["uninterrupted"], resumed["resumed"]):
+        assert b["extra"] == {"step": 2, "phase": "first-2"}
+        assert a["params"].keys() == b["params"].keys()
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), f"rank {a['rank']} {name}"
+            for key, v in a["state"][name].items():
+                assert torch.equal(v, b["state"][name][key]), f"rank {a['rank']} {name} {key}"
+
+
+def _single(model_name: str = "gpt4", optim: str = "adamw", steps: int = 1, **build_kw):
+    """(pm, opt, plain model) in this process: Mesh() on a 1-rank process group, trained."""
+    import autopart
+    from tests._workers import Case, build
+    from tests.checkpoint_workers import batch, _vocab
+
+    model, loss_fn, inputs, target = build(Case("single", model=model_name, batch=4, **build_kw))
+    pm = autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=loss_fn, target=target,
+                              timeout=timedelta(seconds=60))
+    opt = optimizer(optim, pm.parameters())
+    phase = Phase("single", {}, model=model_name)
+    for step in range(1, steps + 1):
+        b = batch(phase, step, _vocab(model_name), inputs, target)
+        pm.train_step(*b[0], target=b[1])
+        opt.step(), opt.zero_grad()
+    return pm, opt, model
+
+
+def test_round_trip_in_place_with_buffers_frozen_and_unused(tmp_path, single_process_group):
+    """Extras (frozen layer, buffers, an unused parameter): load restores every tensor bitwise
+    into the same Parameter objects, and Adam state a fresh optimizer has not made yet."""
+    from autopart.runtime import checkpoint
+
+    pm, opt, _ = _single("extras", "adam", steps=2)
+    checkpoint.save(pm, tmp_path / "ck", optimizer=opt, extra={"step": 2, "data": [1, 2]})
+    saved = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    saved_state = {n: {k: v.clone() for k, v in opt.state[p].items()}
+                   for n, p in pm.named_parameters()}
+    pm2, _, _ = _single("extras", "adam", steps=0)
+    with torch.no_grad():                     # different weights before loading
+        for p in pm2.parameters():
+            p.add_(1.0)
+    ids = [id(p) for p in pm2.parameters()]
+    opt2 = optimizer("adam", pm2.parameters())
+    extra = checkpoint.load(pm2, tmp_path / "ck", optimizer=opt2)
+    assert extra == {"step": 2, "data": [1, 2]}
+    assert ids == [id(p) for p in pm2.parameters()]
+    for k, v in pm2.full_state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    for n, p in pm2.named_parameters():
+        assert set(opt2.state[p]) == set(saved_state[n]), n
+        for k, v in saved_state[n].items():
+            assert torch.equal(opt2.state[p][k], v), (n, k)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def _saved(tmp_path):
+    """A trained gpt (1 rank) saved with AdamW state: (pm, opt, model, path)."""
+    from autopart.runtime import checkpoint
+    pm, opt, model = _single()
+    path = tmp_path / "ck"
+    checkpoint.save(pm, path, optimizer=opt, extra={"step": 1}, model=model)
+    return pm, opt, model, path
+
+
+def _load_error(pm, path, optimizer=None) -> str:
+    import autopart
+    from autopart.runtime import checkpoint
+    with pytest.raises(autopart.AutopartError) as e:
+        checkpoint.load(pm, path, optimizer=optimizer)
+    return str(e.value)
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path, single_process_group):
+    import autopart
+    from autopart.runtime import checkpoint
+
+    pm, opt, _, path = _saved(tmp_path)
+    data = sorted(path.glob("*.distcp"))[0]
+
+    # a save that never finished: no marker
+    broken = tmp_path / "no-marker"
+    shutil.copytree(path, broken)
+    (broken / ".autopart_complete").unlink()
+    msg = _load_error(pm, broken)
+    assert "incomplete" in msg and ".autopart_complete" in msg and str(broken) in msg
+
+    # a truncated data file
+    broken = tmp_path / "truncated"
+    shutil.copytree(path, broken)
+    f = broken / data.name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    msg = _load_error(pm, broken)
+    assert "truncated" in msg and data.name in msg and str(broken) in msg
+
+    # a corrupt data file (same size, one byte changed)
+    broken = tmp_path / "corrupt"
+    shutil.copytree(path, broken)
+    raw = bytearray((broken / data.name).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (broken / data.name).write_bytes(bytes(raw))
+    msg = _load_error(pm, broken)
+    assert "corrupt" in msg and data.name in msg
+
+    # a missing data file, a garbled marker, a missing directory
+    broken = tmp_path / "missing-file"
+    shutil.copytree(path, broken)
+    (broken / data.name).unlink()
+    assert f"file {data.name} is missing" in _load_error(pm, broken)
+    broken = tmp_path / "bad-marker"
+    shutil.copytree(path, broken)
+    (broken / ".autopart_complete").write_text("{not json")
+    assert "marker" in _load_error(pm, broken) and "corrupt" in _load_error(pm, broken)
+    assert "no checkpoint at" in _load_error(pm, tmp_path / "nowhere")
+
+    # the optimizer does not match
+    assert "holds AdamW state" in _load_error(pm, path, torch.optim.SGD(pm.parameters(), lr=1))
+
+    # save refuses to replace a directory that is not a checkpoint
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(autopart.AutopartError, match="not an autopart checkpoint"):
+        checkpoint.save(pm, other)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_checkpoint_of_a_different_model(tmp_path, single_process_group):
+    """Different names and shapes: the error lists them."""
+    import autopart
+    from autopart.runtime import checkpoint
+    from examples.gpt import GPT, GPTConfig, lm_loss
+
+    _, _, _, path = _saved(tmp_path)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    for cfg, expect in [(GPTConfig(n_layer=5, n_head=4, n_embd=32, vocab_size=128, block_size=16),
+                         "missing from the checkpoint: transformer.h.4"),
+                        (GPTConfig(n_layer=4, n_head=4, n_embd=48, vocab_size=128, block_size=16),
+                         "with different shapes")]:
+        pm = autopart.parallelize(GPT(cfg), autopart.Mesh(), (x,), loss_fn=lm_loss, target=x,
+                                  timeout=timedelta(seconds=60))
+        msg = _load_error(pm, path)
+        assert "different model" in msg and expect in msg and str(path) in msg, msg
+
+
+def test_save_replaces_previous_checkpoint_atomically(tmp_path, single_process_group):
+    """A second save to the same path replaces the first only when complete; stale temporary
+    directories of an interrupted save are removed by the next successful one."""
+    from autopart.runtime import checkpoint
+
+    pm, opt, _, path = _saved(tmp_path)
+    stale = tmp_path / ".ck.autopart-tmp-deadbeef"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    checkpoint.save(pm, path, optimizer=opt, extra={"step": 2})
+    assert not stale.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if "ck" in p.name) == ["ck"]
+    assert checkpoint.load(pm, path, optimizer=opt) == {"step": 2}
+
+
+def test_export_to_plain_model_safetensors(tmp_path, single_process_group):
+    """`autopart export CK OUT.safetensors` and OUT/: the unmodified model loads it strictly
+    (the tied lm_head.weight included) and holds the trained weights."""
+    from safetensors.torch import load_file
+
+    from autopart.cli import main
+    from examples.gpt import GPT
+    from tests._workers import gpt_config
+
+    pm, _, _, path = _saved(tmp_path)
+    full = pm.full_state_dict()
+    for out in (tmp_path / "model.safetensors", tmp_path / "out"):
+        assert main(["export", str(path), str(out)]) == 0
+        f = out if out.suffix == ".safetensors" else out / "model.safetensors"
+        plain = GPT(gpt_config(4))
+        plain.load_state_dict(load_file(str(f)), strict=True)
+        for k, v in plain.state_dict().items():
+            assert torch.equal(v, full[k]), k
+        assert plain.lm_head.weight.data_ptr() == plain.transformer.wte.weight.data_ptr()
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+
+
+def test_export_hugging_face_gpt2(tmp_path, single_process_group):
+    """An unmodified transformers GPT2LMHeadModel (random weights from a small config): trained,
+    saved with model=, exported; AutoModelForCausalLM.from_pretrained loads the directory and
+    computes the trained model's logits."""
+    import transformers
+    from autopart.runtime import checkpoint
+
+    pm, opt, model = _single("hf", "adamw", steps=1, seq=32)
+    checkpoint.save(pm, tmp_path / "ck", optimizer=opt, model=model)
+    files = checkpoint.export(tmp_path / "ck", tmp_path / "hf")
+    assert sorted(f.name for f in files) == ["config.json", "model.safetensors"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert type(loaded).__name__ == "GPT2LMHeadModel"
+    full = pm.full_state_dict()
+    sd = loaded.state_dict()
+    for k, v in full.items():
+        assert torch.equal(sd[k], v), k
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    loaded.eval()
+    ref = transformers.GPT2LMHeadModel(model.config)
+    ref.load_state_dict(full)
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, ref(x).logits)
+
+
+# -- full tier ----------------------------------------------------------------------------------------
+
+@pytest.mark.full
+def test_reshard_experts_sgd_momentum(tmp_path):
+    """examples/switch.py (experts over ep) with momentum SGD: ep=2 -> ep=4 -> pp x dp x ep ->
+    ep x tp -> no ep at all, each against the plain model."""
+    d = tmp_path
+    sw = dict(model="switch", optim="sgd")
+    _chain(4, [
+        Phase("dp4-ep2", {"dp": 4, "ep": 2}, steps=2, save=f"{d}/a", microbatches=1, **sw),
+        Phase("dp4-ep4", {"dp": 4, "ep": 4}, steps=1, load=f"{d}/a", save=f"{d}/b",
+              microbatches=1, **sw),
+        Phase("pp2xdp2-ep2", {"pp": 2, "dp": 2, "ep": 2}, steps=1, load=f"{d}/b", save=f"{d}/c",
+              **sw),
+        Phase("dp2-ep2xtp2", {"dp": 2, "ep": 2, "tp": 2}, steps=1, load=f"{d}/c", save=f"{d}/d",
+              **sw),
+        Phase("pp4", {"pp": 4}, steps=1, load=f"{d}/d", **sw),
+    ])
+
+
+@pytest.mark.full
+def test_reshard_across_world_sizes_and_pp_tp_dp(tmp_path):
+    """Momentum SGD: pp=2 on 2 ranks -> pp=2 x tp=2 x dp=2 on 8 ranks -> tp=2 x dp=2 on 4."""
+    d = tmp_path
+    sgd = dict(optim="sgd")
+    _chain(2, [Phase("pp2", {"pp": 2}, steps=2, save=f"{d}/a", **sgd)])
+    _chain(8, [Phase("pp2xtp2xdp2", {"pp": 2, "tp": 2, "dp": 2}, steps=1, load=f"{d}/a",
+                     save=f"{d}/b", **sgd),
+               Phase("pp2xtp2xdp2-again", {"pp": 2, "tp": 2, "dp": 2}, steps=1, load=f"{d}/b",
+                     save=f"{d}/c", **sgd)], pg_timeout=120.0)
+    _chain(4, [Phase("tp2xdp2", {"tp": 2, "dp": 2}, steps=1, load=f"{d}/c", **sgd)])
+
+
+@pytest.mark.full
+def test_hugging_face_gpt2_tp_pp_then_export(tmp_path):
+    """HF GPT-2 (transposed Conv1D c_attn: q|k|v sections on dim 1) saved under tp=2 x pp=2,
+    loaded under dp=2 x pp=2, exported, and loaded by from_pretrained: equal to the plain model
+    trained the same steps."""
+    import transformers
+    from autopart.runtime import checkpoint
+
+    d = tmp_path
+    hf = dict(model="hf", batch=4)
+    out = _chain(4, [
+        Phase("tp2xpp2", {"tp": 2, "pp": 2}, steps=2, save=f"{d}/a", save_model=True, **hf),
+        Phase("pp2xdp2", {"pp": 2, "dp": 2}, steps=1, load=f"{d}/a", save=f"{d}/b",
+              save_model=True, return_params=True, **hf),
+    ])
+    checkpoint.export(d / "b", d / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(d / "hf"))
+    full = out["pp2xdp2"][0]["full_state_dict"]
+    sd = loaded.state_dict()
+    for k, v in full.items():
+        assert torch.equal(sd[k], v), k
+
+
+@pytest.mark.full
+def test_killed_rank_mid_save_leaves_previous_checkpoint(tmp_path):
+    """Rank 1 dies while writing the second save to the same path: the launch fails, the first
+    checkpoint is still complete at the path and loads (equal to the plain model after 1 step)."""
+    from autopart.runtime.launch import spawn
+    from tests.checkpoint_workers import killed_mid_save
+
+    path = tmp_path / "ck"
+    with pytest.raises(RuntimeError, match="rank"):
+        spawn(killed_mid_save, 2, str(path), 1, timeout=180, pg_timeout=15)
+    marker = json.loads((path / ".autopart_complete").read_text())
+    assert marker["world_size"] == 2
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ck"]
+    assert leftovers and all(".autopart-tmp-" in n for n in leftovers), leftovers
+    out = _chain(2, [Phase("after-kill", {"pp": 2}, steps=1, load=str(path),
+                           save=str(path))])
+    assert out["after-kill"][0]["extra"]["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+__all__ = ["run_phase"]
