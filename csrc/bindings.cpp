@@ -17,8 +17,10 @@ namespace {
 
 using Packed = std::vector<std::vector<std::tuple<int, int, int>>>;
 
-Schedule unpack(int pp, int microbatches, int virtual_stages, const Packed& ranks) {
-  Schedule s{"", pp, microbatches, virtual_stages, {}};
+// The name decides where chunks live (schedule.h's placement_of), so a hand-made list named
+// "zb-v" is checked against the V placement.
+Schedule unpack(const std::string& name, int pp, int microbatches, int virtual_stages, const Packed& ranks) {
+  Schedule s{name, pp, microbatches, virtual_stages, {}, placement_of(name)};
   for (const auto& rank : ranks) {
     auto& actions = s.ranks.emplace_back();
     actions.reserve(rank.size());
@@ -67,6 +69,13 @@ PYBIND11_MODULE(_C, m) {
     return names;
   });
 
+  m.def("schedule_names", &schedule_names, "The schedule names make_schedule accepts, in display order.");
+  m.def("chunk_rank", &chunk_rank, py::arg("name"), py::arg("pp"), py::arg("virtual_stages"), py::arg("chunk"),
+        "The pipeline rank holding `chunk` under the named schedule's placement.");
+  m.def(
+      "placement_text", [](const std::string& name, int pp) { return placement_text(placement_of(name), pp); },
+      py::arg("name"), py::arg("pp"), "Where chunks live, in words: 'chunk k on rank k % 4'.");
+
   m.def(
       "make_schedule",
       [](const std::string& name, int pp, int microbatches, int virtual_stages) {
@@ -77,13 +86,22 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "check",
-      [](int pp, int microbatches, int virtual_stages, const Packed& ranks) -> py::object {
-        auto problem = find_problem(unpack(pp, microbatches, virtual_stages, ranks));
+      [](int pp, int microbatches, int virtual_stages, const Packed& ranks, const std::string& name) -> py::object {
+        auto problem = find_problem(unpack(name, pp, microbatches, virtual_stages, ranks));
         if (!problem) return py::none();
         return py::make_tuple(problem->message, problem->marks);
       },
-      py::arg("pp"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("ranks"),
+      py::arg("pp"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("ranks"), py::arg("name") = "",
       "None if the packed schedule is valid, else (message, [(rank, step), ...]).");
+
+  m.def(
+      "in_flight",
+      [](int pp, int microbatches, int virtual_stages, const Packed& ranks, const std::string& name) {
+        const InFlight memory = in_flight(unpack(name, pp, microbatches, virtual_stages, ranks));
+        return py::make_tuple(memory.peak_in_flight, memory.peak_awaiting_weight_grad);
+      },
+      py::arg("pp"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("ranks"), py::arg("name") = "",
+      "(peak_in_flight, peak_awaiting_weight_grad) per rank of a packed schedule.");
 
   py::class_<SimResult>(m, "SimResult")
       .def_readonly("makespan", &SimResult::makespan)
@@ -91,19 +109,26 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("bubble", &SimResult::bubble)
       .def_readonly("busy", &SimResult::busy)
       .def_readonly("idle", &SimResult::idle)
-      .def_readonly("peak_in_flight", &SimResult::peak_in_flight);
+      .def_readonly("peak_in_flight", &SimResult::peak_in_flight)
+      .def_readonly("peak_awaiting_weight_grad", &SimResult::peak_awaiting_weight_grad)
+      .def_readonly("times", &SimResult::times);
 
   m.def(
       "simulate",
       [](int pp, int microbatches, int virtual_stages, const Packed& ranks, std::vector<double> forward,
-         std::vector<double> backward, double latency, double bandwidth, double message_bytes) {
-        const Schedule s = unpack(pp, microbatches, virtual_stages, ranks);
+         std::vector<double> backward, double latency, double bandwidth, double message_bytes,
+         std::vector<double> input_grad, std::vector<double> weight_grad, const std::string& name) {
+        const Schedule s = unpack(name, pp, microbatches, virtual_stages, ranks);
         py::gil_scoped_release release;
-        return simulate(s, Costs{std::move(forward), std::move(backward), latency, bandwidth, message_bytes});
+        Costs costs{std::move(forward), std::move(backward), std::move(input_grad), std::move(weight_grad)};
+        costs.latency = latency, costs.bandwidth = bandwidth, costs.message_bytes = message_bytes;
+        return simulate(s, std::move(costs));
       },
       py::arg("pp"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("ranks"), py::arg("forward"),
       py::arg("backward"), py::arg("latency"), py::arg("bandwidth"), py::arg("message_bytes"),
-      "Simulate a packed schedule with per-chunk costs.");
+      py::arg("input_grad") = std::vector<double>{}, py::arg("weight_grad") = std::vector<double>{},
+      py::arg("name") = "",
+      "Simulate a packed schedule with per-chunk costs (empty input_grad / weight_grad: backward / 2 each).");
 
   m.def("balanced_partition", &balanced_partition, py::arg("costs"), py::arg("k"),
         "Cut indices splitting costs into k contiguous parts, minimizing the largest part.");

@@ -44,9 +44,13 @@ namespace {
 class Runner {
  public:
   Runner(const Schedule& s, const ActionIndex& index, const Batching& batches,
-         const std::function<double(const Action&)>& compute_cost, double transfer)
-      : s_(s), index_(index), batches_(batches), cost_(compute_cost), transfer_(transfer) {
+         const std::function<double(const Action&)>& compute_cost, double transfer, bool record_times)
+      : s_(s), index_(index), batches_(batches), cost_(compute_cost), transfer_(transfer), record_(record_times) {
     run_.next_step.assign(s.pp, 0);
+    if (record_) {
+      run_.times.resize(s.pp);
+      for (int r = 0; r < s.pp; ++r) run_.times[r].resize(s.ranks[r].size());
+    }
     run_.clock.assign(s.pp, 0.0);
     run_.busy.assign(s.pp, 0.0);
     posted_at_.resize(s.pp);
@@ -80,6 +84,7 @@ class Runner {
     while (step < static_cast<int>(actions.size())) {
       if (is_compute(actions[step].kind)) {
         const double cost = cost_(actions[step]);
+        if (record_) run_.times[r][step] = {clock, clock + cost};
         clock += cost;
         run_.busy[r] += cost;
         ++step;
@@ -93,7 +98,9 @@ class Runner {
         const Pos peer = index_[matching(actions[i])];
         const double peer_posted = posted_at_[peer.rank][batches_.batch_of[peer.rank][peer.step]];
         if (peer_posted < 0) return;
-        done = std::max(done, std::max(clock, peer_posted) + transfer_);
+        const double moves = std::max(clock, peer_posted);
+        if (record_) run_.times[r][i] = {moves, moves + transfer_};
+        done = std::max(done, moves + transfer_);
       }
       clock = done;
       step = end;
@@ -112,6 +119,7 @@ class Runner {
   const Batching& batches_;
   const std::function<double(const Action&)>& cost_;
   const double transfer_;
+  const bool record_;
   RunResult run_;
   std::vector<std::vector<double>> posted_at_;  // [rank][batch] -> time posted, -1 if not yet
   std::vector<int> work_, woken_;
@@ -120,8 +128,9 @@ class Runner {
 }  // namespace
 
 RunResult run_rendezvous(const Schedule& s, const ActionIndex& index, const Batching& batches,
-                         const std::function<double(const Action&)>& compute_cost, double transfer) {
-  return Runner(s, index, batches, compute_cost, transfer).run();
+                         const std::function<double(const Action&)>& compute_cost, double transfer,
+                         bool record_times) {
+  return Runner(s, index, batches, compute_cost, transfer, record_times).run();
 }
 
 }  // namespace autopart

@@ -44,6 +44,9 @@ struct RunResult {
   std::vector<int> next_step;  // per rank: where it stopped; the list's size once finished
   std::vector<double> clock;   // per rank: time when it stopped
   std::vector<double> busy;    // per rank: total compute time
+  // Per rank and step, when the action ran (filled only if asked): a compute from its start to
+  // its end; a send or receive while its message moves, from the later of the two posts.
+  std::vector<std::vector<std::pair<double, double>>> times;
 };
 
 // A rank runs its list in order. Computes take compute_cost(action). A batch is posted when the
@@ -51,7 +54,8 @@ struct RunResult {
 // too; each message then takes `transfer` after both sides have posted, messages of one batch
 // in parallel. Requires a complete index (every send has its receive and vice versa).
 RunResult run_rendezvous(const Schedule& s, const ActionIndex& index, const Batching& batches,
-                         const std::function<double(const Action&)>& compute_cost, double transfer);
+                         const std::function<double(const Action&)>& compute_cost, double transfer,
+                         bool record_times = false);
 
 // Whether rank's batch holding `step` has been posted when the run stopped.
 bool posted(const RunResult& run, const Batching& batches, Pos pos);

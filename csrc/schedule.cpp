@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "zero_bubble.h"
+
 namespace autopart {
 
 bool operator==(const Action& a, const Action& b) {
@@ -18,11 +20,14 @@ const char* kind_name(Kind kind) {
     case Kind::RECV_F: return "RECV_F";
     case Kind::SEND_B: return "SEND_B";
     case Kind::RECV_B: return "RECV_B";
+    case Kind::I: return "I";
+    case Kind::W: return "W";
   }
   return "?";
 }
 
-bool is_compute(Kind kind) { return kind == Kind::F || kind == Kind::B; }
+bool is_compute(Kind kind) { return kind == Kind::F || kind == Kind::B || kind == Kind::I || kind == Kind::W; }
+bool is_backward(Kind kind) { return kind == Kind::B || kind == Kind::I; }
 bool is_send(Kind kind) { return kind == Kind::SEND_F || kind == Kind::SEND_B; }
 
 std::string to_string(const Action& a) {
@@ -32,7 +37,7 @@ std::string to_string(const Action& a) {
 std::optional<Action> send_after(const Schedule& s, const Action& c) {
   if (c.kind == Kind::F && c.chunk + 1 < s.num_chunks() && s.rank_of(c.chunk + 1) != s.rank_of(c.chunk))
     return Action{c.chunk, Kind::SEND_F, c.microbatch};
-  if (c.kind == Kind::B && c.chunk > 0 && s.rank_of(c.chunk - 1) != s.rank_of(c.chunk))
+  if (is_backward(c.kind) && c.chunk > 0 && s.rank_of(c.chunk - 1) != s.rank_of(c.chunk))
     return Action{c.chunk, Kind::SEND_B, c.microbatch};
   return std::nullopt;
 }
@@ -40,7 +45,7 @@ std::optional<Action> send_after(const Schedule& s, const Action& c) {
 std::optional<Action> recv_before(const Schedule& s, const Action& c) {
   if (c.kind == Kind::F && c.chunk > 0 && s.rank_of(c.chunk - 1) != s.rank_of(c.chunk))
     return Action{c.chunk, Kind::RECV_F, c.microbatch};
-  if (c.kind == Kind::B && c.chunk + 1 < s.num_chunks() && s.rank_of(c.chunk + 1) != s.rank_of(c.chunk))
+  if (is_backward(c.kind) && c.chunk + 1 < s.num_chunks() && s.rank_of(c.chunk + 1) != s.rank_of(c.chunk))
     return Action{c.chunk, Kind::RECV_B, c.microbatch};
   return std::nullopt;
 }
@@ -208,36 +213,114 @@ std::string nearest_multiples(int value, int of) {
   return std::to_string(below) + " or " + std::to_string(below + of);
 }
 
-void check_arguments(const std::string& name, int pp, int microbatches, int virtual_stages) {
-  if (name != "gpipe" && name != "1f1b" && name != "interleaved-1f1b")
-    throw ScheduleError("unknown schedule '" + name + "'; choose one of: gpipe, 1f1b, interleaved-1f1b");
-  if (pp < 1) throw ScheduleError("pp must be >= 1, got " + std::to_string(pp));
-  if (microbatches < 1) throw ScheduleError("microbatches must be >= 1, got " + std::to_string(microbatches));
-  if (virtual_stages < 1)
-    throw ScheduleError("virtual_stages must be >= 1, got " + std::to_string(virtual_stages));
-  if (name != "interleaved-1f1b") {
-    if (virtual_stages != 1)
-      throw ScheduleError(name + " runs one model chunk per rank (virtual_stages=1), got virtual_stages=" +
-                          std::to_string(virtual_stages) + "; use 'interleaved-1f1b' for several chunks per rank");
-    return;
-  }
+std::string join_names() {
+  std::string text;
+  for (const std::string& name : schedule_names()) text += (text.empty() ? "" : ", ") + name;
+  return text;
+}
+
+void check_positive(int value, const std::string& what) {
+  if (value < 1) throw ScheduleError(what + " must be >= 1, got " + std::to_string(value));
+}
+
+// Several chunks per rank in a loop: interleaved-1f1b, and zb-h1 with virtual_stages >= 2.
+void check_interleaved(const std::string& name, int pp, int microbatches, int virtual_stages) {
+  const std::string one_chunk = name == "zb-h1" ? "zb-h1 with virtual_stages=1" : "'1f1b'";
   if (pp < 2)
-    throw ScheduleError("interleaved-1f1b needs pp >= 2 (its chunks alternate between ranks), got pp=" +
-                        std::to_string(pp) + "; on one rank use '1f1b' (plain gradient accumulation)");
+    throw ScheduleError(name + " needs pp >= 2 (its chunks alternate between ranks), got pp=" + std::to_string(pp) +
+                        "; on one rank use " + (name == "zb-h1" ? one_chunk : "'1f1b' (plain gradient accumulation)"));
   if (virtual_stages < 2)
-    throw ScheduleError("interleaved-1f1b needs virtual_stages >= 2, got " + std::to_string(virtual_stages) +
-                        "; use '1f1b' for one chunk per rank");
+    throw ScheduleError(name + " needs virtual_stages >= 2, got " + std::to_string(virtual_stages) + "; use " +
+                        one_chunk + " for one chunk per rank");
   if (microbatches % pp != 0)
-    throw ScheduleError("interleaved-1f1b needs microbatches divisible by pp=" + std::to_string(pp) +
+    throw ScheduleError(name + " needs microbatches divisible by pp=" + std::to_string(pp) +
                         " (it runs them in groups of pp), got " + std::to_string(microbatches) +
                         "; nearest valid: " + nearest_multiples(microbatches, pp));
 }
 
+void check_v_shape(const std::string& name, int pp, int microbatches, int virtual_stages) {
+  if (virtual_stages != 2)
+    throw ScheduleError(name + " places two chunks per rank in a V (virtual_stages=2), got virtual_stages=" +
+                        std::to_string(virtual_stages) + "; use 'zb-h1' for one chunk or several in a loop");
+  if (name == "dualpipe-v" && microbatches < 2 * pp)
+    throw ScheduleError("dualpipe-v needs microbatches >= 2*pp = " + std::to_string(2 * pp) + " (every chunk busy "
+                        "before the first backward), got " + std::to_string(microbatches) +
+                        "; use more microbatches or 'zb-v'");
+}
+
+// Computes plus a send and a receive for every message crossing ranks.
+double action_count(const std::string& name, int pp, int microbatches, int virtual_stages) {
+  const double chunks = static_cast<double>(pp) * virtual_stages;
+  const double per_chunk = name.rfind("zb", 0) == 0 || name == "dualpipe-v" ? 3.0 : 2.0;
+  const double crossings = pp == 1 ? 0.0 : (placement_of(name) == Placement::V ? 2.0 * (pp - 1) : chunks - 1);
+  return chunks * microbatches * per_chunk + 4.0 * crossings * microbatches;
+}
+
+void check_size(const std::string& name, int pp, int microbatches, int virtual_stages) {
+  const double actions = action_count(name, pp, microbatches, virtual_stages);
+  if (actions <= kMaxActions) return;
+  throw ScheduleError(name + " with pp=" + std::to_string(pp) + ", microbatches=" + std::to_string(microbatches) +
+                      ", virtual_stages=" + std::to_string(virtual_stages) + " has about " +
+                      std::to_string(static_cast<long long>(actions / 1e6)) + " million actions, more than the " +
+                      std::to_string(static_cast<long long>(kMaxActions / 1e6)) +
+                      " million this builds; use fewer microbatches (the bubble fraction of a larger m follows "
+                      "from the closed forms)");
+}
+
+void check_arguments(const std::string& name, int pp, int microbatches, int virtual_stages) {
+  const auto& names = schedule_names();
+  if (std::find(names.begin(), names.end(), name) == names.end())
+    throw ScheduleError("unknown schedule '" + name + "'; choose one of: " + join_names());
+  check_positive(pp, "pp");
+  check_positive(microbatches, "microbatches");
+  check_positive(virtual_stages, "virtual_stages");
+  if (name == "interleaved-1f1b" || (name == "zb-h1" && virtual_stages > 1)) {
+    check_interleaved(name, pp, microbatches, virtual_stages);
+  } else if (placement_of(name) == Placement::V) {
+    check_v_shape(name, pp, microbatches, virtual_stages);
+  } else if (virtual_stages != 1) {
+    throw ScheduleError(name + " runs one model chunk per rank (virtual_stages=1), got virtual_stages=" +
+                        std::to_string(virtual_stages) + "; use 'interleaved-1f1b' for several chunks per rank");
+  }
+  check_size(name, pp, microbatches, virtual_stages);
+}
+
 }  // namespace
+
+const std::vector<std::string>& schedule_names() {
+  static const std::vector<std::string> names{"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v"};
+  return names;
+}
+
+Placement placement_of(const std::string& name) {
+  return name == "zb-v" || name == "dualpipe-v" ? Placement::V : Placement::Loop;
+}
+
+int chunk_rank(const std::string& name, int pp, int virtual_stages, int chunk) {
+  check_positive(pp, "pp");
+  check_positive(virtual_stages, "virtual_stages");
+  Schedule s{name, pp, 1, virtual_stages, {}, placement_of(name)};
+  if (s.placement == Placement::V && virtual_stages != 2)
+    throw ScheduleError(name + " places two chunks per rank in a V (virtual_stages=2), got virtual_stages=" +
+                        std::to_string(virtual_stages));
+  if (chunk < 0 || chunk >= s.num_chunks())
+    throw ScheduleError("chunk " + std::to_string(chunk) + " out of range: there are " +
+                        std::to_string(s.num_chunks()) + " chunks (pp * virtual_stages)");
+  return s.rank_of(chunk);
+}
+
+std::string placement_text(Placement placement, int pp) {
+  if (placement == Placement::Loop) return "chunk k on rank k % " + std::to_string(pp);
+  return "chunk k on rank k for k < " + std::to_string(pp) + ", else " + std::to_string(2 * pp - 1) + " - k";
+}
 
 Schedule make_schedule(const std::string& name, int pp, int microbatches, int virtual_stages) {
   check_arguments(name, pp, microbatches, virtual_stages);
-  Schedule s{name, pp, microbatches, virtual_stages, {}};
+  Schedule s{name, pp, microbatches, virtual_stages, {}, placement_of(name)};
+  if (is_zero_bubble(name)) {
+    s.ranks = lower_timed(s, zero_bubble_orders(s));
+    return s;  // lower_timed orders each batch itself
+  }
   if (name == "interleaved-1f1b") {
     std::vector<RankOrder> order;
     for (int r = 0; r < pp; ++r) order.push_back(interleaved_order(pp, microbatches, virtual_stages, r));

@@ -10,7 +10,9 @@ namespace autopart {
 
 struct Costs {
   std::vector<double> forward;   // per chunk: one forward of one microbatch
-  std::vector<double> backward;  // per chunk: one full backward of one microbatch
+  std::vector<double> backward;  // per chunk: one full backward (B) of one microbatch
+  std::vector<double> input_grad;   // per chunk: its input-gradient half (I); empty: backward / 2
+  std::vector<double> weight_grad;  // per chunk: its weight-gradient half (W); empty: backward / 2
   double latency = 0.0;          // per message, once both sides have posted
   double bandwidth = std::numeric_limits<double>::infinity();  // bytes per unit time
   double message_bytes = 0.0;    // size of every activation / gradient message
@@ -22,13 +24,21 @@ struct SimResult {
   double bubble = 0.0;  // (makespan - ideal) / ideal: the paper's t_pb / t_id
   std::vector<double> busy;          // per rank: compute time
   std::vector<double> idle;          // per rank: makespan - busy (waiting or communicating)
-  std::vector<int> peak_in_flight;   // per rank: most (chunk, microbatch) forwards awaiting their backward
+  std::vector<int> peak_in_flight;   // per rank: most (chunk, microbatch) forwards awaiting their W or B
+  std::vector<int> peak_awaiting_weight_grad;  // per rank: most I done whose W is not
+  std::vector<std::vector<std::pair<double, double>>> times;  // per rank and step: (start, end)
 };
 
 // Throws ScheduleError if the schedule is invalid, std::invalid_argument on bad costs.
-SimResult simulate(const Schedule& s, const Costs& costs);
+SimResult simulate(const Schedule& s, Costs costs);
 
-// The peak of forwards done whose backward is not, per rank; depends only on the order.
+// Memory in flight, per rank; depends only on the order. An activation lives from its F until its
+// B or W (after I, only what W reads is left; peak_awaiting_weight_grad counts those).
+struct InFlight {
+  std::vector<int> peak_in_flight;
+  std::vector<int> peak_awaiting_weight_grad;
+};
+InFlight in_flight(const Schedule& s);
 std::vector<int> peak_in_flight(const Schedule& s);
 
 }  // namespace autopart

@@ -19,10 +19,18 @@ Problem problem(std::string message, std::vector<Pos> marks = {}) {
   return p;
 }
 
+std::string placement_reason(const Schedule& s) {
+  if (s.placement == Placement::Loop) return "chunk k lives on rank k % pp";
+  return "in a V: chunk k lives on rank k for k < pp, else on rank 2pp-1-k";
+}
+
 Problems check_shape(const Schedule& s) {
   if (s.pp < 1 || s.microbatches < 1 || s.virtual_stages < 1)
     return problem("pp, microbatches and virtual_stages must be >= 1, got " + std::to_string(s.pp) + ", " +
                    std::to_string(s.microbatches) + ", " + std::to_string(s.virtual_stages));
+  if (s.placement == Placement::V && s.virtual_stages != 2)
+    return problem(s.name + " places two chunks per rank in a V and needs virtual_stages=2, got " +
+                   std::to_string(s.virtual_stages));
   if (static_cast<int>(s.ranks.size()) != s.pp)
     return problem("the schedule has " + std::to_string(s.ranks.size()) + " rank lists but pp=" + std::to_string(s.pp));
   for (int r = 0; r < s.pp; ++r) {
@@ -37,7 +45,7 @@ Problems check_shape(const Schedule& s) {
                        " but there are " + std::to_string(s.microbatches), {pos});
       if (s.rank_of(a.chunk) != r)
         return problem(at(pos) + ": " + to_string(a) + " belongs on rank " + std::to_string(s.rank_of(a.chunk)) +
-                       " (chunk k lives on rank k % pp)", {pos});
+                       " (" + placement_reason(s) + ")", {pos});
     }
   }
   return std::nullopt;
@@ -79,17 +87,46 @@ std::string why_needed(const Action& a) {
   switch (a.kind) {
     case Kind::F: return mb + " never runs forward through " + chunk;
     case Kind::B: return mb + " never runs backward through " + chunk;
+    case Kind::I: return to_string({a.chunk, Kind::W, a.microbatch}) + " needs the input gradient first";
+    case Kind::W: return mb + "'s weight gradient of " + chunk + " is never computed (its I ran, its W did not)";
     case Kind::SEND_F:
     case Kind::SEND_B: return to_string(matching(a)) + " would wait forever";
     default: return to_string(matching(a)) + " has no matching receive";
   }
 }
 
-// The action best shown next to a missing one: its forward/backward twin, or its peer.
+// The action best shown next to a missing one: its forward/backward twin, the other half of a
+// split backward, or its peer.
 Action counterpart(const Action& a) {
-  if (a.kind == Kind::F) return {a.chunk, Kind::B, a.microbatch};
-  if (a.kind == Kind::B) return {a.chunk, Kind::F, a.microbatch};
-  return matching(a);
+  switch (a.kind) {
+    case Kind::F: return {a.chunk, Kind::B, a.microbatch};
+    case Kind::B: return {a.chunk, Kind::F, a.microbatch};
+    case Kind::I: return {a.chunk, Kind::W, a.microbatch};
+    case Kind::W: return {a.chunk, Kind::I, a.microbatch};
+    default: return matching(a);
+  }
+}
+
+// The computes one (chunk, microbatch) lacks: F, and a backward run once, fused (B) or split
+// (I and W), never both.
+Problems check_computes(const Schedule& s, const ActionIndex& index, int c, int i) {
+  const auto found = [&](Kind kind) { return index[Action{c, kind, i}].found(); };
+  const std::string where = " on rank " + std::to_string(s.rank_of(c));
+  const auto missing = [&](Kind kind) {
+    const Action a{c, kind, i};
+    return problem("missing " + to_string(a) + where + ": " + why_needed(a), {index[counterpart(a)]});
+  };
+  if (!found(Kind::F)) return missing(Kind::F);
+  if (found(Kind::B) && (found(Kind::I) || found(Kind::W))) {
+    const Action fused{c, Kind::B, i}, split{c, found(Kind::I) ? Kind::I : Kind::W, i};
+    return problem(to_string(fused) + " and " + to_string(split) + where + ": a backward runs once, fused (B) or "
+                   "split into I then W, not both", {index[fused], index[split]});
+  }
+  if (found(Kind::B)) return std::nullopt;
+  if (found(Kind::I) && !found(Kind::W)) return missing(Kind::W);
+  if (found(Kind::W) && !found(Kind::I)) return missing(Kind::I);
+  if (!found(Kind::I)) return missing(Kind::B);
+  return std::nullopt;
 }
 
 Problems check_coverage(const Schedule& s, const ActionIndex& index) {
@@ -103,9 +140,10 @@ Problems check_coverage(const Schedule& s, const ActionIndex& index) {
   }
   for (int c = 0; c < s.num_chunks(); ++c) {
     for (int i = 0; i < s.microbatches; ++i) {
+      if (auto p = check_computes(s, index, c, i)) return p;
       for (int k = 0; k < kNumKinds; ++k) {
         const Action a{c, static_cast<Kind>(k), i};
-        if (!needed(s, a) || index[a].found()) continue;
+        if (is_compute(a.kind) || !needed(s, a) || index[a].found()) continue;
         return problem("missing " + to_string(a) + " on rank " + std::to_string(s.rank_of(c)) + ": " + why_needed(a),
                        {index[counterpart(a)]});
       }
@@ -115,21 +153,29 @@ Problems check_coverage(const Schedule& s, const ActionIndex& index) {
 }
 
 // What must come earlier in the same rank's list, with why.
-std::vector<std::pair<Action, std::string>> prerequisites(const Schedule& s, const Action& a) {
+std::vector<std::pair<Action, std::string>> prerequisites(const Schedule& s, const ActionIndex& index,
+                                                         const Action& a) {
   const int c = a.chunk, i = a.microbatch;
+  // A split backward's gradient comes from its I; a fused one's from B.
+  const auto backward = [&](int chunk) {
+    const Action split{chunk, Kind::I, i};
+    return index[split].found() ? split : Action{chunk, Kind::B, i};
+  };
   switch (a.kind) {
     case Kind::F:
       if (auto recv = recv_before(s, a)) return {{*recv, "its input arrives"}};
       if (c > 0) return {{{c - 1, Kind::F, i}, "the previous chunk's forward"}};
       return {};
-    case Kind::B: {
+    case Kind::B:
+    case Kind::I: {
       std::vector<std::pair<Action, std::string>> before{{{c, Kind::F, i}, "its forward"}};
       if (auto recv = recv_before(s, a)) before.push_back({*recv, "its output gradient arrives"});
-      else if (c + 1 < s.num_chunks()) before.push_back({{c + 1, Kind::B, i}, "the next chunk's backward"});
+      else if (c + 1 < s.num_chunks()) before.push_back({backward(c + 1), "the next chunk's backward"});
       return before;
     }
+    case Kind::W: return {{{c, Kind::I, i}, "its input gradient (I)"}};
     case Kind::SEND_F: return {{{c, Kind::F, i}, "the forward producing it"}};
-    case Kind::SEND_B: return {{{c, Kind::B, i}, "the backward producing it"}};
+    case Kind::SEND_B: return {{backward(c), "the backward producing it"}};
     default: return {};
   }
 }
@@ -138,7 +184,7 @@ Problems check_dependencies(const Schedule& s, const ActionIndex& index) {
   for (int r = 0; r < s.pp; ++r) {
     for (size_t step = 0; step < s.ranks[r].size(); ++step) {
       const Action& a = s.ranks[r][step];
-      for (const auto& [before, what] : prerequisites(s, a)) {
+      for (const auto& [before, what] : prerequisites(s, index, a)) {
         const Pos pos = index[before];
         if (pos.step < static_cast<int>(step)) continue;
         return problem(at({r, static_cast<int>(step)}) + ": " + to_string(a) + " runs before " + what + " (" +

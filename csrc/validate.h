@@ -17,10 +17,11 @@ struct Problem {
 
 // The first problem found, checking in this order:
 //   shape         pp lists; every action names a chunk, microbatch and the rank holding the chunk
-//   coverage      every chunk runs F and B once per microbatch; a send and a receive for exactly
-//                 the data that crosses ranks, no duplicates
-//   dependencies  on each rank, F(c,i) after F(c-1,i) or its receive, B(c,i) after F(c,i) and
-//                 after B(c+1,i) or its receive, a send after the compute producing its data
+//   coverage      every chunk runs F once per microbatch and its backward once: B, or I and W
+//                 (never both); a send and a receive for exactly the data that crosses ranks
+//   dependencies  on each rank, F(c,i) after F(c-1,i) or its receive; B(c,i) or I(c,i) after
+//                 F(c,i) and after the backward (B or I) of c+1 or its receive; W(c,i) after
+//                 I(c,i); a send after the compute producing its data
 //   deadlock      a dry run with rendezvous semantics (see rendezvous.h) where every rank finishes
 //   order         messages between two ranks are posted in the same order on both sides, since
 //                 NCCL matches them by order

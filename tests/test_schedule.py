@@ -14,14 +14,19 @@ from autopart import _C
 from autopart.schedule import (
     SCHEDULES,
     Action,
+    InFlight,
     Kind,
     Schedule,
     ScheduleError,
     balanced_partition,
+    in_flight,
     make_schedule,
     simulate,
     validate,
 )
+
+CLASSIC = ("gpipe", "1f1b", "interleaved-1f1b")  # one fused backward (B) per chunk and microbatch
+ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipe-v")
 
 
 def allowed_cases(name: str, max_pp: int = 8):
@@ -29,8 +34,11 @@ def allowed_cases(name: str, max_pp: int = 8):
     for pp in range(1, max_pp + 1):
         for v in range(1, 5):
             for m in range(1, 4 * pp + 1):
-                if name == "interleaved-1f1b":
+                if name == "interleaved-1f1b" or (name == "zb-h1" and v > 1):
                     if pp >= 2 and v >= 2 and m % pp == 0:
+                        yield pp, v, m
+                elif name in ("zb-v", "dualpipe-v"):
+                    if v == 2 and (name == "zb-v" or m >= 2 * pp):
                         yield pp, v, m
                 elif v == 1:
                     yield pp, v, m
@@ -167,7 +175,7 @@ def test_compute_order_matches_oracle(name):
             assert compute_tokens(s, rank) == expected, (name, pp, v, m, rank)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", CLASSIC)
 def test_every_allowed_case_is_valid_and_has_the_closed_form_bubble(name):
     for pp, v, m in allowed_cases(name):
         s = make_schedule(name, pp, m, v)
@@ -188,7 +196,7 @@ def test_interleaved_bubble_with_stage_cost_split_over_chunks(pp, v, m):
     assert r.makespan - r.ideal == pytest.approx((pp - 1) * 3 / v, rel=1e-12)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", CLASSIC)
 def test_peak_in_flight_closed_forms(name):
     for pp, v, m in allowed_cases(name):
         r = simulate(make_schedule(name, pp, m, v))
@@ -205,6 +213,236 @@ def test_peak_in_flight_closed_forms(name):
 def test_big_interleaved_simulation_runs():
     r = simulate(make_schedule("interleaved-1f1b", pp=64, microbatches=512, virtual_stages=2))
     assert r.bubble == 63 / 1024
+
+
+# --- zero-bubble schedules: I and W, V placement ---
+
+# pp=3, m=4, derived by hand from ZB-H1's definition: rank r warms up with pp-r-1 forwards, runs
+# I where 1F1B runs B, and holds back r weight gradients (W of the k-th I right after the
+# (k+r)-th I), the held-back ones at the end.
+ZB_H1_3_4 = [
+    "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",
+    "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3",
+    "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3",
+]
+
+
+@pytest.mark.parametrize("rank", range(3))
+def test_zb_h1_order(rank):
+    assert compute_tokens(make_schedule("zb-h1", pp=3, microbatches=4), rank) == ZB_H1_3_4[rank].split()
+
+
+def test_schedule_names_come_from_the_cpp_core():
+    assert SCHEDULES == tuple(_C.schedule_names()) == CLASSIC + ZERO_BUBBLE
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_chunk_ranks(name):
+    for pp, v, m in allowed_cases(name, max_pp=5):
+        s = make_schedule(name, pp, m, v)
+        expected = tuple(schedule_oracle.chunk_rank(name, pp, c) for c in range(pp * v))
+        assert s.chunk_ranks == expected and [s.rank_of_chunk(c) for c in range(pp * v)] == list(expected)
+        # every action sits on the rank holding its chunk
+        assert all(s.chunk_ranks[a.chunk] == r for r, actions in enumerate(s.ranks) for a in actions)
+
+
+def test_v_placement_text_and_errors():
+    s = make_schedule("zb-v", pp=4, microbatches=8, virtual_stages=2)
+    assert s.chunk_ranks == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert s.placement == "chunk k on rank k for k < 4, else 7 - k"
+    assert make_schedule("1f1b", pp=4, microbatches=8).placement == "chunk k on rank k % 4"
+    with pytest.raises(ScheduleError, match="chunk 8 out of range: there are 8 chunks"):
+        _C.chunk_rank("zb-v", 4, 2, 8)
+    with pytest.raises(ScheduleError, match="zb-v places two chunks per rank in a V"):
+        _C.chunk_rank("zb-v", 4, 3, 0)
+
+
+def unit_split(s: Schedule):
+    """F = I = W = 1 per chunk (so B = 2)."""
+    return simulate(s, 1.0, input_grad_cost=1.0, weight_grad_cost=1.0)
+
+
+def closed_form_bubble_time(name: str, p: int, v: int, m: int) -> int:
+    """Idle time of the busiest rank in one step, F = I = W = 1 per chunk (see make_schedule)."""
+    if name == "zb-h1":
+        return p - 1 + max(0, p - m) if v == 1 else p - 1
+    if name == "zb-v":
+        return max(p - 1, 4 * p - 2 - 2 * m)
+    return 2 * (p - 1)  # dualpipe-v: DeepSeek-V3's (PP-1)(F&B + B - 3W) with F&B = F + B
+
+
+@pytest.mark.parametrize("name", ZERO_BUBBLE)
+def test_zero_bubble_closed_forms(name):
+    for p, v, m in allowed_cases(name):
+        r = unit_split(make_schedule(name, p, m, v))
+        assert r.ideal == 3 * v * m, (name, p, v, m)
+        assert r.makespan - r.ideal == closed_form_bubble_time(name, p, v, m), (name, p, v, m)
+        assert r.bubble == closed_form_bubble_time(name, p, v, m) / (3 * v * m)
+
+
+def test_zb_h1_bubble_is_a_third_of_1f1b():
+    # Qi et al.: 1F1B idles (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W); with F = I = W: 3(p-1) vs p-1.
+    for p, m in [(2, 4), (4, 8), (8, 32)]:
+        one_f_one_b = simulate(make_schedule("1f1b", p, m), 1.0, 2.0)
+        zb = unit_split(make_schedule("zb-h1", p, m))
+        assert one_f_one_b.bubble == (p - 1) / m and zb.bubble == (p - 1) / (3 * m)
+
+
+@pytest.mark.parametrize("name", ZERO_BUBBLE)
+def test_simulation_matches_the_oracle_timing(name):
+    # The oracle times the orders itself (each compute as early as its inputs allow, free
+    # messages): the lowering and the rendezvous simulator must not add any wait.
+    for p, v, m in allowed_cases(name):
+        r = unit_split(make_schedule(name, p, m, v))
+        assert (r.makespan, r.ideal) == schedule_oracle.unit_time_makespan(name, p, m, v), (name, p, v, m)
+
+
+@pytest.mark.parametrize("name", ZERO_BUBBLE)
+def test_in_flight_matches_the_oracle(name):
+    for p, v, m in allowed_cases(name):
+        s = make_schedule(name, p, m, v)
+        expected = [schedule_oracle.peak_in_flight(schedule_oracle.compute_order(name, p, m, v, r)) for r in range(p)]
+        memory = in_flight(s)
+        assert memory == InFlight(tuple(e[0] for e in expected), tuple(e[1] for e in expected)), (name, p, v, m)
+        r = unit_split(s)
+        assert (r.peak_in_flight, r.peak_awaiting_weight_grad) == (memory.peak_in_flight, memory.peak_awaiting_weight_grad)
+
+
+@pytest.mark.parametrize("name", ZERO_BUBBLE)
+def test_peak_in_flight_zero_bubble_closed_forms(name):
+    for p, v, m in allowed_cases(name):
+        peaks = in_flight(make_schedule(name, p, m, v)).peak_in_flight
+        if name == "zb-h1":
+            assert peaks == (min(p, m),) * p if v == 1 else (p * v,) * p, (p, v, m)  # 1F1B's rank 0
+        elif m >= 2 * p:  # zb-v: p stages of activations (2p chunks of half a stage), as 1F1B
+            assert peaks == ((2 * p,) if name == "zb-v" else (2 * p + 1,)) * p, (name, p, m)
+
+
+def test_every_backward_is_split_or_fused_once():
+    for name in ZERO_BUBBLE:
+        for p, v, m in allowed_cases(name, max_pp=4):
+            s = make_schedule(name, p, m, v)
+            kinds = [(a.chunk, a.microbatch, a.kind) for actions in s.ranks for a in actions if a.kind.is_compute]
+            for c in range(p * v):
+                for i in range(m):
+                    mine = sorted(k.value for cc, ii, k in kinds if (cc, ii) == (c, i))
+                    assert mine in (["B", "F"], ["F", "I", "W"]), (name, p, v, m, c, i, mine)
+            if name != "dualpipe-v":
+                assert all(k is not Kind.B for _, _, k in kinds)
+
+
+def test_timeline():
+    s = make_schedule("zb-v", pp=3, microbatches=6, virtual_stages=2)
+    r = simulate(s, 1.0, input_grad_cost=1.0, weight_grad_cost=2.0, latency=0.25)
+    assert [a for a, _, _ in r.timeline[1]] == list(s.ranks[1])
+    ends = {}
+    for rank, rows in enumerate(r.timeline):
+        computes = [(start, end) for a, start, end in rows if a.kind.is_compute]
+        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(computes, computes[1:]))  # one at a time, in order
+        assert sum(e - b for b, e in computes) == r.ideal - r.idle[rank] + (r.makespan - r.ideal)
+        assert max(end for _, _, end in rows) <= r.makespan
+        for a, start, end in rows:
+            if a.kind.is_compute:
+                assert end - start == {"F": 1.0, "I": 1.0, "W": 2.0}[a.kind.value]
+            else:
+                assert end - start == 0.25
+                ends[str(a)] = (start, end)
+    # both ends of a message move together
+    for token, times in ends.items():
+        if "SEND" in token:
+            assert ends[str(Action.parse(token).__class__(*_matching(Action.parse(token))))] == times
+
+
+def _matching(a: Action) -> tuple[int, Kind, int]:
+    return (a.chunk + 1, Kind.RECV_F, a.microbatch) if a.kind is Kind.SEND_F else (a.chunk - 1, Kind.RECV_B, a.microbatch)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "backward", "makespan"),
+    [
+        ({}, 2.0, None),
+        ({"backward_cost": 4.0}, 4.0, None),
+        ({"input_grad_cost": 1.0, "weight_grad_cost": 3.0}, 4.0, None),
+        ({"input_grad_cost": 0.5}, 2.0, None),
+        ({"weight_grad_cost": 1.5, "backward_cost": 3.0}, 3.0, None),
+    ],
+)
+def test_backward_is_input_plus_weight_grad(kwargs, backward, makespan):
+    # pp=1: one rank runs everything back to back, so makespan = total compute.
+    fused = simulate(make_schedule("1f1b", 1, 2), 1.0, **kwargs)
+    split = simulate(make_schedule("zb-h1", 1, 2), 1.0, **kwargs)
+    assert fused.makespan == split.makespan == 2 * (1.0 + backward)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backward_cost": 3.0, "input_grad_cost": 1.0, "weight_grad_cost": 1.0},
+         r"backward_cost 3.0 is not input_grad_cost \+ weight_grad_cost \(1.0 \+ 1.0\)"),
+        ({"input_grad_cost": 3.0}, r"input_grad_cost 3.0 exceeds backward_cost 2.0 \(B = I \+ W\)"),
+        ({"input_grad_cost": [1.0, 1.0, 1.0], "weight_grad_cost": 1.0}, "input_grad_cost needs one value per chunk"),
+        ({"input_grad_cost": -1.0, "weight_grad_cost": 1.0}, "input-gradient cost of chunk 0 must be finite and >= 0"),
+    ],
+)  # fmt: skip
+def test_simulate_rejects_bad_split_costs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        simulate(make_schedule("zb-h1", pp=2, microbatches=2), **kwargs)
+
+
+def test_size_guard_refuses_early():
+    import time
+
+    began = time.perf_counter()
+    with pytest.raises(ScheduleError, match="about 12 million actions"):
+        make_schedule("1f1b", 512, 4096)
+    assert time.perf_counter() - began < 1.0
+
+
+def zb(rank: int, tokens: str, name="zb-h1", pp=2, m=1, v=1) -> Schedule:
+    return with_rank(make_schedule(name, pp, m, v), rank, tokens)
+
+
+@pytest.mark.parametrize(
+    ("rank", "tokens", "match"),
+    [
+        (1, "1RECV_F0 1F0 1W0 1I0 1SEND_B0", r"1W0 runs before its input gradient \(I\) \(1I0 at step 3\)"),
+        (1, "1RECV_F0 1F0 1I0 1SEND_B0", "missing 1W0 on rank 1: microbatch 0's weight gradient of chunk 1 is never computed"),
+        (1, "1RECV_F0 1F0 1B0 1SEND_B0 1W0", "1B0 and 1W0 on rank 1: a backward runs once, fused"),
+        (1, "1RECV_F0 1F0 1I0 1B0 1SEND_B0 1W0", "1B0 and 1I0 on rank 1: a backward runs once"),
+        (1, "1RECV_F0 1F0 1SEND_B0 1I0 1W0", r"1SEND_B0 runs before the backward producing it \(1I0 at step 3\)"),
+        (0, "0F0 0SEND_F0 0I0 0RECV_B0 0W0", r"0I0 runs before its output gradient arrives \(0RECV_B0 at step 3\)"),
+    ],
+)
+def test_validator_checks_split_backwards(rank, tokens, match):
+    with pytest.raises(ScheduleError, match=match):
+        validate(zb(rank, tokens))
+
+
+def test_validator_checks_input_grad_order_on_one_rank():
+    # zb-v pp=1: chunks 0 and 1 both on rank 0; chunk 0's I needs chunk 1's I first.
+    s = Schedule("zb-v", 1, 1, 2, (tuple(Action.parse(t) for t in "0F0 1F0 0I0 1I0 1W0 0W0".split()),))
+    with pytest.raises(ScheduleError, match=r"0I0 runs before the next chunk's backward \(1I0 at step 3\)"):
+        validate(s)
+
+
+def test_validator_checks_v_placement():
+    s = make_schedule("zb-v", pp=2, microbatches=2, virtual_stages=2)
+    tokens = " ".join(str(a) for a in s.ranks[0])
+    with pytest.raises(ScheduleError, match=r"2F0 belongs on rank 1 \(in a V: chunk k lives on rank k for k < pp"):
+        validate(with_rank(s, 0, "2F0 " + tokens))
+    # the same list under a loop placement's name is wrong: chunk 3 would live on rank 1
+    with pytest.raises(ScheduleError, match=r"belongs on rank 1 \(chunk k lives on rank k % pp\)"):
+        validate(Schedule("handmade", 2, 2, 2, s.ranks))
+
+
+def test_deadlock_from_late_input_grad_is_caught():
+    # zb-h1 pp=2 m=2: rank 1 runs both forwards before sending any gradient back, but rank 0
+    # waits for microbatch 0's gradient before sending microbatch 1.
+    s = make_schedule("zb-h1", pp=2, microbatches=2)
+    broken = with_rank(s, 0, "0F0 0SEND_F0 0RECV_B0 0I0 0W0 0F1 0SEND_F1 0RECV_B1 0I1 0W1")
+    broken = with_rank(broken, 1, "1RECV_F0 1F0 1RECV_F1 1F1 1I0 1SEND_B0 1I1 1SEND_B1 1W0 1W1")
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(broken)
 
 
 # --- the simulator's cost model ---
@@ -352,7 +590,16 @@ def test_simulating_an_invalid_schedule_raises():
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (("zb-v", 4, 8, 1), "unknown schedule 'zb-v'; choose one of: gpipe, 1f1b, interleaved-1f1b"),
+        (("zb-x", 4, 8, 1), "unknown schedule 'zb-x'; choose one of: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, "
+                            "dualpipe-v$"),
+        (("zb-v", 4, 8, 1), r"zb-v places two chunks per rank in a V \(virtual_stages=2\), got virtual_stages=1; "
+                            "use 'zb-h1'"),
+        (("dualpipe-v", 4, 8, 3), "dualpipe-v places two chunks per rank in a V"),
+        (("dualpipe-v", 4, 6, 2), r"dualpipe-v needs microbatches >= 2\*pp = 8 .* got 6; use more microbatches or 'zb-v'"),
+        (("zb-h1", 4, 6, 2), "zb-h1 needs microbatches divisible by pp=4 .* got 6; nearest valid: 4 or 8"),
+        (("zb-h1", 1, 4, 2), "zb-h1 needs pp >= 2 .* got pp=1; on one rank use zb-h1 with virtual_stages=1"),
+        (("1f1b", 512, 4096, 1), "1f1b with pp=512, microbatches=4096, virtual_stages=1 has about 12 million actions, "
+                                 "more than the 8 million this builds; use fewer microbatches"),
         (("1f1b", 0, 8, 1), "pp must be >= 1, got 0"),
         (("1f1b", 4, 0, 1), "microbatches must be >= 1, got 0"),
         (("1f1b", 4, 8, 0), "virtual_stages must be >= 1, got 0"),
@@ -382,12 +629,12 @@ def test_schedule_error_is_a_value_error():
 
 
 def test_action_tokens_round_trip():
-    for token in ["2F0", "13B7", "2SEND_F0", "3RECV_F0", "3SEND_B0", "2RECV_B0"]:
+    for token in ["2F0", "13B7", "2SEND_F0", "3RECV_F0", "3SEND_B0", "2RECV_B0", "2I3", "2W3"]:
         assert str(Action.parse(token)) == token
     assert Action.parse("2SEND_F0") == Action(2, Kind.SEND_F, 0) == Action(2, "SEND_F", 0)
     assert Action(2, "SEND_F", 0).kind is Kind.SEND_F
-    with pytest.raises(ScheduleError, match="not an action token: '2W0'"):
-        Action.parse("2W0")
+    with pytest.raises(ScheduleError, match="not an action token: '2X0'"):
+        Action.parse("2X0")
     with pytest.raises(ScheduleError, match="unknown action kind 'X'"):
         Action(0, "X", 0)
 
