@@ -1,33 +1,5 @@
-"""shard_experts: mixture-of-experts layers found from ops and dataflow, experts sharded over ep.
-
-An *expert matmul* multiplies routed tokens by a parameter stacked over E experts ([E, a, b]),
-expert by expert, in one of two layouts:
-
-  experts-major  tokens [E, N, a] (dim 0 the expert): `bmm(x, w)`, a 3-D `matmul`, or an einsum
-                 such as "enm,emf->enf" whose expert letter leads both operands and the output
-                 (GShard/Switch dense dispatch: examples/switch.py);
-  sorted rows    tokens [S, a] sorted by expert with cumulative row offsets per expert [E]:
-                 a grouped matmul (`transformers::grouped_mm_fallback`, `aten::_grouped_mm`:
-                 Hugging Face Mixtral / Qwen2-MoE / OLMoE, dropless).
-
-Starting from the expert matmuls, the pass grows a *region* of ops that treat each (expert,
-token) row on its own (elementwise ops, activations, feature splits, more expert matmuls). A
-region whose inputs are computed from a routing op (top-k, argmax, one-hot, sort) is an MoE
-layer. Its rewrite, on every rank:
-
-    entry [E, N, ...]  --dispatch_to_experts-->  [E/ep, ep*N, ...]     (all-to-all)
-    region ops with this rank's expert weights [E/ep, ...]
-    exit  [E/ep, ep*N, ...]  --combine_from_experts-->  [E, N, ...]   (all-to-all back)
-
-or, for sorted rows, sorted_layout (an all-to-all of row counts), dispatch_rows / combine_rows
-(all-to-alls of data-dependent size) and local_offsets for the grouped matmuls. Routing,
-capacity, dropping, the combine and the auxiliary losses stay on the rank that owns the tokens
-and run exactly as in the plain model. Nothing depends on module or parameter names.
-
-Gradients (the runtime's part): a rank's expert gradient already sums the contributions of the
-tokens of all ep ranks of its group; sum it over the dp/ep ranks that hold the same experts and
-divide by dp, like the dense gradients (sum over dp, divide by dp).
-"""
+"""Finding MoE layers: expert matmuls, the regions around them, their routing, capacity and
+routing groups (no rewrite). Plain data out: an ExpertPlan and the regions to rewrite."""
 from __future__ import annotations
 
 import operator
@@ -37,16 +9,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopart.ir import (BATCH, EP_LOCAL, META_EP, SEQ, ExpertPlan, MoELayer, ParamShard, Program,
-                         sym_shape)
-from autopart.ops import ep as ep_ops
-from autopart.errors import AutopartError, module_path, node_error, user_source_line
+from autopart.errors import module_path, node_error, user_source_line
+from autopart.ir import BATCH, SEQ, ExpertPlan, MoELayer, ParamShard, Program, sym_shape
 from autopart.placement import ELEMENTWISE, ndim, shape_of
-from autopart.localize import attribute
 
 aten = torch.ops.aten
-COMM = "ep_comm"
-
 MATMULS = (aten.bmm.default, aten.matmul.default)
 ROUTING = {aten.topk.default, aten.argmax.default, aten.max.dim, aten.one_hot.default,
            aten.sort.default, aten.argsort.default, aten.sort.stable}
@@ -316,10 +283,11 @@ def _cone(start: list, limit: int = 4000) -> list:
 
 def find_moe_layers(program: Program, ep: int = 1) -> ExpertPlan:
     """The MoE layers of `program` and, for ep ranks, what each rank keeps (no rewrite)."""
-    return _find(program, ep)[0]
+    return find_regions(program, ep)[0]
 
 
-def _find(program: Program, ep: int):
+def find_regions(program: Program, ep: int):
+    """(the ExpertPlan, one region per MoE layer to rewrite)."""
     f = _Finder(program)
     plan = ExpertPlan(ep)
     regions = []
@@ -458,162 +426,3 @@ def _check_param_uses(f: _Finder, params, region) -> None:
 def _nbytes(node, symbols):
     val = node.meta["val"]
     return sympy.prod(sym_shape(val, symbols)) * val.element_size()
-
-
-# ---------------------------------------------------------------------------------------------
-# The pass
-
-
-def shard_experts(program: Program, *, ep: int, microbatch_size: int | None = None,
-                  dp: int | None = None):
-    """Return (program rewritten for one expert-parallel rank, report).
-
-    With `microbatch_size`, every microbatch (microbatch_size * seq tokens) must hold whole
-    routing groups of every layer that has them (capacity and dropping are decided per group).
-    With `dp`, the ep values an error suggests also divide dp.
-
-    >>> import torch
-    >>> from autopart.capture import capture
-    >>> from examples.switch import SwitchGPT, config, example_inputs
-    >>> cfg = config("tiny,n_layer=2")
-    >>> p, report = shard_experts(capture(SwitchGPT(cfg), example_inputs(cfg, 2)), ep=2)
-    >>> [(layer["name"], layer["experts_per_rank"]) for layer in report["layers"]]
-    [('transformer.h.1.mlp', 2)]
-    """
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-        raise AutopartError(f"ep={ep!r} must be a positive integer")
-    plan, regions = _find(program, ep)
-    if ep == 1:
-        return program.replace(ep=plan), _report(plan)
-    if not plan.layers:
-        why = "".join(f"\n  {n}: {r}" for n, r in plan.skipped)
-        raise AutopartError(
-            f"ep={ep} shards mixture-of-experts layers, but the model has none: no matmul of "
-            "routed tokens ([E, tokens, d] batched, or rows sorted by expert in a grouped matmul) "
-            f"with a parameter stacked over E experts [E, d, f] was found{why}\n  remedy: use "
-            "ep=1 (plain data parallelism), or write the experts as stacked weights with a "
-            "leading expert dimension")
-    for layer, region in zip(plan.layers, regions):
-        first = region.first
-        if layer.num_experts % ep:
-            E = layer.num_experts
-            ok = [d for d in range(1, E + 1) if E % d == 0 and (dp is None or dp % d == 0)]
-            within = f" dp={dp}" if dp is not None else " dp"
-            raise node_error(first, f"MoE layer '{layer.name}' has {E} experts, not divisible by "
-                             f"ep={ep}", f"use ep in {ok} (the divisors of {E} that divide"
-                             f"{within}), or {-(-E // ep) * ep} experts")
-    if microbatch_size is not None:
-        _check_groups(program, plan, regions, microbatch_size)
-    if COMM in {n.target for n in program.gm.graph.nodes if n.op == "get_attr"}:
-        raise AutopartError("shard_experts already ran on this program")
-    gm = _rewrite(program.gm, regions, ep)
-    return program.replace(gm=gm, ep=plan), _report(plan)
-
-
-def _check_groups(program: Program, plan: ExpertPlan, regions, microbatch_size: int) -> None:
-    """Each microbatch routes on its own: it must hold whole routing groups, or a rank would route
-    a group the plain model never forms."""
-    seq = program.seq_len or 1
-    tokens = microbatch_size * seq
-    for layer, region in zip(plan.layers, regions):
-        S = layer.group_size
-        if S is None or tokens % S == 0:
-            continue
-        ok = [b for b in range(1, 4 * S + 1) if (b * seq) % S == 0][:4]
-        raise node_error(region.first, f"MoE layer '{layer.name}' routes groups of {S} tokens, "
-                         f"but a microbatch holds {microbatch_size} x {seq} = {tokens} tokens, "
-                         f"not a multiple of {S}", f"use a microbatch size (global batch / "
-                         f"(dp * microbatches)) in {ok} ..., fewer microbatches, or a group "
-                         f"size dividing {tokens}")
-
-
-def _report(plan: ExpertPlan) -> dict:
-    return {"ep": plan.ep, "layers": [vars(layer) for layer in plan.layers],
-            "expert_params": sorted(plan.params), "skipped": plan.skipped}
-
-
-def _rewrite(old: fx.GraphModule, regions: list, ep: int) -> fx.GraphModule:
-    region_of = {n: r for r in regions for n in r.nodes}
-    g = fx.Graph()
-    comm = g.get_attr(COMM)
-    env: dict = {}          # old node -> new node (the value its own consumers see)
-    local: dict = {}        # entry -> dispatched, for region consumers
-    combined: dict = {}     # exit -> combined, for consumers outside
-    layouts: dict = {}      # sorted rows: region -> (layout, local offsets)
-
-    def layout(r: _Region):
-        if id(r) not in layouts:
-            if r.offsets not in env:
-                raise node_error(r.first, "the expert row offsets are computed after the "
-                                 "tokens enter the experts", "compute the offsets first")
-            lay = _call(g, ep_ops.sorted_layout, (env[r.offsets], comm), r.offsets, None)
-            offs = _call(g, ep_ops.local_offsets, (lay, env[r.offsets]), r.offsets,
-                         r.offsets.meta.get("val"))
-            layouts[id(r)] = (lay, offs)
-        return layouts[id(r)]
-
-    def dispatched(a: fx.Node, r: _Region) -> fx.Node:
-        if a not in local:
-            if r.offsets is None:
-                local[a] = _call(g, ep_ops.dispatch_to_experts, (env[a], comm), a,
-                                 _local_val(a.meta.get("val"), ep))
-            else:
-                lay, _ = layout(r)
-                local[a] = _call(g, ep_ops.dispatch_rows, (env[a], env[r.offsets], lay, comm),
-                                 a, a.meta.get("val"))
-        return local[a]
-
-    for node in old.graph.nodes:
-        r = region_of.get(node)
-        if r is not None:
-            def arg(a, r=r):
-                if r.offsets is not None and a is r.offsets:
-                    return layout(r)[1]
-                if a in r.entries:
-                    return dispatched(a, r)
-                return env[a]
-            new = g.node_copy(node, arg)
-            if r.offsets is None:
-                new.meta["val"] = _local_val(node.meta.get("val"), ep)
-            new.meta[META_EP] = EP_LOCAL
-            env[node] = new
-            if node in r.exits:
-                if r.offsets is None:
-                    combined[node] = _call(g, ep_ops.combine_from_experts, (new, comm), node,
-                                           node.meta.get("val"))
-                else:
-                    lay, _ = layout(r)
-                    combined[node] = _call(g, ep_ops.combine_rows, (
-                        new, env[r.offsets], lay, env[r.entries[0]], comm), node,
-                        node.meta.get("val"))
-        else:
-            env[node] = g.node_copy(node, lambda a: combined.get(a, env[a]))
-    g.lint()
-    root = {n.target: attribute(old, n.target) for n in old.graph.nodes if n.op == "get_attr"}
-    root[COMM] = ep_ops.EPComm(ep)
-    gm = fx.GraphModule(root, g)
-    gm.recompile()
-    return gm
-
-
-def _call(g, fn, args, like: fx.Node, val) -> fx.Node:
-    out = g.create_node("call_function", fn, tuple(args), {})
-    out.meta = {k: like.meta[k] for k in ("stack_trace", "nn_module_stack") if k in like.meta}
-    if val is not None:
-        out.meta["val"] = val
-    return out
-
-
-def _local_val(val, ep: int):
-    """The fake tensor a rank sees: [E/ep, ep*N, ...] for the global [E, N, ...]."""
-    if not isinstance(val, torch.Tensor) or val.dim() < 2:
-        return val
-    shape = (val.shape[0] // ep, val.shape[1] * ep, *val.shape[2:])
-    try:
-        return val.new_empty(shape)
-    except Exception:  # noqa: BLE001  (a plain meta tensor, or no fake mode: keep the global one)
-        return val
-
-
-
-__all__ = ["shard_experts", "find_moe_layers"]
