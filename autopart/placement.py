@@ -72,7 +72,11 @@ ELEMENTWISE = {
     aten.abs.default, aten.log.default, aten.pow.Tensor_Tensor, aten.maximum.default,
     aten.minimum.default, aten.clamp.default, aten.square.default, aten.reciprocal.default,
     aten.lift_fresh_copy.default, aten.to.dtype_layout, aten.to.device, aten.cos.default,
-    aten.sin.default,
+    aten.sin.default, aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
+    aten.log1p.default, aten.expm1.default, aten.leaky_relu.default, aten.hardtanh.default,
+    aten.mish.default, aten.softplus.default, aten.clamp_min.default, aten.clamp_max.default,
+    aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar,
+    aten.logical_not.default, aten.bitwise_not.default, aten.sigmoid.default,
 }
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 NORMS_LAST = {aten.layer_norm.default, aten.rms_norm.default}
@@ -134,6 +138,26 @@ def _aligned_dim(other: fx.Node, out_nd: int, dim: int) -> int | None:
     return d
 
 
+# -- the rule table ------------------------------------------------------------------------------
+#
+# One row per op: op -> rule(node, x, s, pl, tp), where x is the op's first tensor input and s its
+# placement (Shard, or R when only another operand is sharded). A rule returns the output
+# placement (or a tuple for multi-output ops), a Need, or (SplitOnShard, placements); it raises
+# NoRule when the op cannot run on the shard. As DTensor's op strategies, each row is small and
+# has its own unit test (tests/test_placement_rules.py).
+
+RULES: dict = {}
+
+
+def rule(*ops):
+    """Register the decorated function as the rule of `ops`."""
+    def register(fn):
+        for op in ops:
+            RULES[op] = fn
+        return fn
+    return register
+
+
 def carry(node: fx.Node, pl: dict, tp: int):
     """The output placement of `node` given its inputs' placements in `pl`.
 
@@ -147,49 +171,132 @@ def carry(node: fx.Node, pl: dict, tp: int):
     if not shards:
         return R
     x = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else shards[0]
-    s = pl.get(x)
-    if t in VIEWS:
-        return Shard(map_view(shape_of(x), shape_of(node), s.dim, tp), s.origin)
-    if t in (aten.transpose.int,):
-        d0, d1 = (_norm(d, ndim(x)) for d in node.args[1:3])
-        return Shard({d0: d1, d1: d0}.get(s.dim, s.dim), s.origin)
-    if t is aten.t.default:
-        return Shard(1 - s.dim, s.origin)
-    if t is aten.permute.default:
-        perm = [_norm(d, ndim(x)) for d in node.args[1]]
-        return Shard(perm.index(s.dim), s.origin)
-    if t is aten.unsqueeze.default:
-        d = _norm(node.args[1], ndim(node))
-        return Shard(s.dim + (1 if d <= s.dim else 0), s.origin)
-    if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-        return _split(node, s, tp)
-    if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):
-        d = _norm(node.args[1] if len(node.args) > 1 else 0, ndim(x))
-        if d == s.dim:
-            raise NoRule(f"{node.target} along the sharded dim {d}")
-        shift = -1 if t is aten.select.int and d < s.dim else 0
-        return Shard(s.dim + shift, s.origin)
-    if t is aten.expand.default:
-        return Shard(s.dim + (ndim(node) - ndim(x)), s.origin)
-    if t in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
-             aten.log_softmax.int):
-        if _norm(node.args[1], ndim(x)) == s.dim:
-            raise NoRule("softmax over the sharded dim")
-        return s
-    if t in NORMS_LAST:
-        normalized = len(node.args[1])
-        if s.dim >= ndim(x) - normalized:
-            raise NoRule("normalization over the sharded dim")
-        return s
-    if t in ELEMENTWISE:
-        return _elementwise(node, pl, tp)
-    if t is aten.cat.default:
-        return _cat(node, pl)
-    if t in (aten.scaled_dot_product_attention.default,):
-        return _sdpa(node, pl)
-    if t in (aten.matmul.default, aten.bmm.default):
-        return _batched_matmul(node, pl)
-    raise NoRule(f"no tensor-parallel rule for {t} on a sharded input")
+    fn = RULES.get(t)
+    if fn is None:
+        raise NoRule(f"no tensor-parallel rule for {t} on a sharded input")
+    return fn(node, x, pl.get(x, R), pl, tp)
+
+
+def _need_shard(s, node):
+    if not isinstance(s, Shard):
+        raise NoRule(f"{node.target} with a replicated input and a sharded operand")
+    return s
+
+
+@rule(*ELEMENTWISE)
+def _elementwise_rule(node, x, s, pl, tp):
+    return _elementwise(node, pl, tp)
+
+
+@rule(aten._assert_tensor_metadata.default)
+def _assert_metadata(node, x, s, pl, tp):
+    # export's dtype/device/layout assertion before a cast: it checks no size, so a shard passes
+    return s
+
+
+@rule(*VIEWS)
+def _view(node, x, s, pl, tp):
+    s = _need_shard(s, node)
+    return Shard(map_view(shape_of(x), shape_of(node), s.dim, tp), s.origin)
+
+
+@rule(aten.flatten.using_ints, aten.unflatten.int, aten.view_as_complex.default,
+      aten.view_as_real.default, aten.squeeze.dim, aten.squeeze.dims)
+def _view_like(node, x, s, pl, tp):
+    """Ops that only regroup dims (complex views pair the last dim with a new dim of 2): the
+    shard moves as for a view of the same shapes."""
+    s = _need_shard(s, node)
+    if node.target is aten.view_as_complex.default and s.dim == ndim(x) - 1:
+        raise NoRule("view_as_complex over the sharded (real, imaginary) dim")
+    if node.target is aten.view_as_real.default:
+        return Shard(s.dim, s.origin)          # a trailing dim of 2 is appended
+    return Shard(map_view(shape_of(x), shape_of(node), s.dim, tp), s.origin)
+
+
+@rule(aten.transpose.int)
+def _transpose(node, x, s, pl, tp):
+    d0, d1 = (_norm(d, ndim(x)) for d in node.args[1:3])
+    return Shard({d0: d1, d1: d0}.get(s.dim, s.dim), s.origin)
+
+
+@rule(aten.t.default)
+def _t(node, x, s, pl, tp):
+    return Shard(1 - s.dim, s.origin)
+
+
+@rule(aten.permute.default)
+def _permute(node, x, s, pl, tp):
+    perm = [_norm(d, ndim(x)) for d in node.args[1]]
+    return Shard(perm.index(s.dim), s.origin)
+
+
+@rule(aten.unsqueeze.default)
+def _unsqueeze(node, x, s, pl, tp):
+    d = _norm(node.args[1], ndim(node))
+    return Shard(s.dim + (1 if d <= s.dim else 0), s.origin)
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+def _split_rule(node, x, s, pl, tp):
+    return _split(node, s, tp)
+
+
+@rule(aten.slice.Tensor, aten.select.int, aten.narrow.default)
+def _slice(node, x, s, pl, tp):
+    d = _norm(node.args[1] if len(node.args) > 1 else 0, ndim(x))
+    if d == s.dim:
+        if node.target is aten.slice.Tensor and shape_of(node)[d] == shape_of(x)[d]:
+            return s               # x[:, :] keeps the whole dim: export's no-op slice
+        raise NoRule(f"{node.target} along the sharded dim {d}")
+    shift = -1 if node.target is aten.select.int and d < s.dim else 0
+    return Shard(s.dim + shift, s.origin)
+
+
+@rule(aten.expand.default)
+def _expand(node, x, s, pl, tp):
+    return Shard(s.dim + (ndim(node) - ndim(x)), s.origin)
+
+
+@rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+def _softmax(node, x, s, pl, tp):
+    if _norm(node.args[1], ndim(x)) == s.dim:
+        raise NoRule("softmax over the sharded dim")
+    return s
+
+
+@rule(*NORMS_LAST)
+def _norm_last(node, x, s, pl, tp):
+    if s.dim >= ndim(x) - len(node.args[1]):
+        raise NoRule("normalization over the sharded dim")
+    return s
+
+
+@rule(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction)
+def _reduce(node, x, s, pl, tp):
+    """A reduction over other dims keeps the shard (RMSNorm's mean over features of a head)."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        raise NoRule(f"{node.target} over all dims of a sharded tensor")
+    dims = [_norm(d, ndim(x)) for d in ([dims] if isinstance(dims, int) else dims)]
+    if s.dim in dims:
+        raise NoRule(f"{node.target} over the sharded dim {s.dim}")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return Shard(s.dim - (0 if keep else sum(d < s.dim for d in dims)), s.origin)
+
+
+@rule(aten.cat.default)
+def _cat_rule(node, x, s, pl, tp):
+    return _cat(node, pl)
+
+
+@rule(aten.scaled_dot_product_attention.default)
+def _sdpa_rule(node, x, s, pl, tp):
+    return _sdpa(node, pl)
+
+
+@rule(aten.matmul.default, aten.bmm.default)
+def _matmul_rule(node, x, s, pl, tp):
+    return _batched_matmul(node, pl)
 
 
 def _split(node, s: Shard, tp: int):

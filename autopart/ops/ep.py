@@ -46,7 +46,8 @@ def _all_to_all(x: torch.Tensor, comm: EPComm) -> torch.Tensor:
     comm._check()
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=comm.group)
+    if comm.moves_data:
+        dist.all_to_all_single(out, x, group=comm.group)
     return out
 
 
@@ -124,7 +125,8 @@ def sorted_layout(offsets: torch.Tensor, comm: EPComm) -> torch.Tensor:
         return counts
     comm._check()
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=comm.group)
+    if comm.moves_data:
+        dist.all_to_all_single(out, counts.contiguous(), group=comm.group)
     return out
 
 

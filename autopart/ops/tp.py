@@ -36,7 +36,8 @@ _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def _all_reduce(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     comm._check()
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=comm.group)
+    if comm.moves_data:
+        dist.all_reduce(x, group=comm.group)
     return x
 
 
@@ -44,7 +45,8 @@ def _all_gather(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     comm._check()
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((comm.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_into(out, x, group=comm.group)
+    if comm.moves_data:
+        _all_gather_into(out, x, group=comm.group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -52,7 +54,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     comm._check()
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // comm.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_into(out, x, group=comm.group)
+    if comm.moves_data:
+        _reduce_scatter_into(out, x, group=comm.group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -176,7 +179,8 @@ class _VocabParallelCE(torch.autograd.Function):
         vocab = logits.shape[-1]
         start = comm.rank * vocab
         peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=comm.group)
+        if comm.moves_data:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=comm.group)
         shifted = logits - peak.unsqueeze(-1)
         local = target - start
         outside = (local < 0) | (local >= vocab)
@@ -184,7 +188,8 @@ class _VocabParallelCE(torch.autograd.Function):
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
         both = torch.stack([exp.sum(-1), picked])
-        dist.all_reduce(both, group=comm.group)
+        if comm.moves_data:
+            dist.all_reduce(both, group=comm.group)
         sum_exp, picked = both[0], both[1]
         keep = target != ignore_index
         count = keep.sum().clamp(min=1)

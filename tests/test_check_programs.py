@@ -1,0 +1,78 @@
+"""The compile-time program checker (autopart/check_programs.py): every distinct rank program runs
+forward and backward on fake tensors before compile returns; a program that cannot run is an
+AutopartError naming the node, the user's source line, the pass and the shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopart
+from autopart.check_programs import check_rank_programs
+from autopart.ops import tp as tp_ops
+from examples.gpt import GPT, config, lm_loss
+
+aten = torch.ops.aten
+
+
+def _compiled(mesh, **kw):
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (4, 16))
+    return autopart.compile(GPT(config("tiny,n_layer=2")), mesh, (x,), loss_fn=lm_loss,
+                            target=x, **kw)
+
+
+def _break_a_view(compiled, chunk: int = 0):
+    """Make the first head-split view of a chunk ask for one head too many."""
+    gm = compiled.program.chunks[chunk].gm
+    view = next(n for n in gm.graph.nodes if n.target is aten.view.default and len(n.args[1]) == 4)
+    sizes = list(view.args[1])
+    sizes[2] += 1
+    view.args = (view.args[0], sizes)
+    gm.recompile()
+    return view.name
+
+
+@pytest.mark.parametrize("mesh", [autopart.Mesh(pp=2), autopart.Mesh(tp=2),
+                                  autopart.Mesh(pp=2, tp=2, dp=2)], ids=str)
+def test_compiled_programs_pass(mesh):
+    report = check_rank_programs(_compiled(mesh, microbatches=2))
+    assert report["checked"] == mesh.pp and report["skipped"] == []
+
+
+def test_wrong_view_names_node_source_pass_and_shapes():
+    compiled = _compiled(autopart.Mesh(pp=2), microbatches=2)
+    name = _break_a_view(compiled)
+    with pytest.raises(autopart.AutopartError) as err:
+        check_rank_programs(compiled)
+    text = str(err.value)
+    assert f"{name} (aten.view.default)" in text
+    assert "pipeline rank 0, chunk 0" in text
+    assert "examples/gpt.py" in text                    # the user's source line
+    assert "produced by: emit_rank_programs" in text
+    assert "float32[2, 16, 64]" in text                 # the view's input: microbatch 2, seq 16
+    assert "[2, 16, 5, 16]" in text.replace("sym_size_int", "") or "5, 16" in text
+
+
+def test_wrong_view_on_a_shard_blames_split_tensor_parallel():
+    compiled = _compiled(autopart.Mesh(tp=2))
+    _break_a_view(compiled)
+    with pytest.raises(autopart.AutopartError, match="produced by: split_tensor_parallel"):
+        check_rank_programs(compiled)
+
+
+def test_collectives_have_their_real_output_shapes_on_fakes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    comm = tp_ops.TPComm(4, 1, shape_only=True)
+    with FakeTensorMode():
+        x = torch.empty(2, 8, 6)
+        assert tp_ops.gather_from_tp(x, 1, comm).shape == (2, 32, 6)
+        assert tp_ops.reduce_scatter_tp(x, 1, comm).shape == (2, 2, 6)
+        assert tp_ops.scatter_to_tp(x, 2, comm).shape == (2, 8, 1.5 * 0 + 2)
+        assert tp_ops.reduce_from_tp(x, comm).shape == x.shape
+    with pytest.raises(RuntimeError, match="not bound"):    # a real program still refuses
+        tp_ops.reduce_from_tp(torch.ones(2), tp_ops.TPComm(2))
+
+
+def test_compile_runs_the_checker():
+    compiled = _compiled(autopart.Mesh(pp=2), microbatches=2)
+    assert compiled.check["checked"] == 2
