@@ -185,61 +185,78 @@ def _capture_error(e: Exception) -> AutopartError:
 
 
 def _to_program(ep, model: nn.Module, args: tuple, dynamic: bool, names: list[str]) -> Program:
-    gm = ep.graph_module
-    sig = ep.graph_signature
-    aliases = _alias_table(model)
-    to_param = {k: _strip(v) for k, v in sig.inputs_to_parameters.items()}
-    to_buffer = {k: _strip(v) for k, v in sig.inputs_to_buffers.items()}
-    to_const = dict(sig.inputs_to_lifted_tensor_constants)
-    if sig.buffers_to_mutate:
+    """The exported graph with parameters and buffers as get_attr nodes under the plain model's
+    names, user inputs named as forward() names them, and sizes renamed to b and s."""
+    if ep.graph_signature.buffers_to_mutate:
         raise AutopartError(
-            f"the model mutates buffers {sorted(sig.buffers_to_mutate.values())} in forward "
-            "(e.g. BatchNorm running stats); autopart cannot yet split such state across ranks. "
-            "Remedy: use LayerNorm/RMSNorm, or register the state as a non-persistent constant.")
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named_buf = dict(model.named_buffers(remove_duplicate=False))
-    persistent = set(model.state_dict().keys())
-    params, buffers, attrs = {}, {}, {}
+            f"the model mutates buffers {sorted(ep.graph_signature.buffers_to_mutate.values())} "
+            "in forward (e.g. BatchNorm running stats); autopart cannot yet split such state "
+            "across ranks. Remedy: use LayerNorm/RMSNorm, or register the state as a "
+            "non-persistent constant.")
+    state = _State(ep, model)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[str] = []
-    symbols = _symbol_map(gm, args) if dynamic else {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            name = to_param.get(node.name) or to_buffer.get(node.name)
-            if name is not None:
-                canon = aliases.get(name, name)
-                tensor = named.get(canon, named_buf.get(canon))
-                info = TensorInfo(canon, tuple(tensor.shape), tensor.dtype,
-                                  tuple(a for a, c in aliases.items() if c == canon and a != canon),
-                                  bool(getattr(tensor, "requires_grad", False)),
-                                  canon in persistent)
-                (params if node.name in to_param and info.requires_grad else buffers)[canon] = info
-                attrs[canon] = tensor
-                env[node] = _copy_meta(graph.get_attr(canon), node)
-            elif node.name in to_const:
-                const_name = "_const_" + node.name
-                attrs[const_name] = ep.constants[to_const[node.name]]
-                buffers[const_name] = TensorInfo(const_name, tuple(attrs[const_name].shape),
-                                                 attrs[const_name].dtype, (), False, False)
-                env[node] = _copy_meta(graph.get_attr(const_name), node)
-            else:
-                name = names[len(inputs)]
-                env[node] = graph.placeholder(name)
-                env[node].meta = dict(node.meta)
-                inputs.append(env[node].name)
-        else:
+    for node in ep.graph_module.graph.nodes:
+        if node.op != "placeholder":
             if node.op == "get_attr":   # a submodule of a higher-order op (autocast, no_grad)
-                attrs[node.target] = getattr(gm, node.target)
+                state.attrs[node.target] = getattr(ep.graph_module, node.target)
             env[node] = _copy_meta(graph.node_copy(node, lambda n: env[n]), node)
+        elif (attr := state.lift(node)) is not None:
+            env[node] = _copy_meta(graph.get_attr(attr), node)
+        else:
+            env[node] = graph.placeholder(names[len(inputs)])
+            env[node].meta = dict(node.meta)
+            inputs.append(env[node].name)
+    symbols = _symbol_map(ep.graph_module, args) if dynamic else {}
     for n in list(graph.nodes):
         _rename_meta(n, symbols)
         if n.op == "get_attr" and not n.users:
             graph.erase_node(n)      # the unused second name of a tied weight
     _check_no_state_mutation(graph)
-    new_gm = fx.GraphModule(attrs, graph)
-    return Program(new_gm, params, buffers, inputs, int(args[0].shape[0]),
-                   int(args[0].shape[1]) if args[0].dim() > 1 else None, dynamic, symbols)
+    return Program(fx.GraphModule(state.attrs, graph), state.params, state.buffers, inputs,
+                   int(args[0].shape[0]), int(args[0].shape[1]) if args[0].dim() > 1 else None,
+                   dynamic, symbols)
+
+
+class _State:
+    """The model's parameters, buffers and constants as export lifted them to placeholders."""
+
+    def __init__(self, ep, model: nn.Module):
+        sig = ep.graph_signature
+        self.constants = ep.constants
+        self.aliases = _alias_table(model)
+        self.to_param = {k: _strip(v) for k, v in sig.inputs_to_parameters.items()}
+        self.to_buffer = {k: _strip(v) for k, v in sig.inputs_to_buffers.items()}
+        self.to_const = dict(sig.inputs_to_lifted_tensor_constants)
+        self.named = {**dict(model.named_buffers(remove_duplicate=False)),
+                      **dict(model.named_parameters(remove_duplicate=False))}
+        self.persistent = set(model.state_dict().keys())
+        self.params: dict[str, TensorInfo] = {}
+        self.buffers: dict[str, TensorInfo] = {}
+        self.attrs: dict = {}
+
+    def lift(self, node: fx.Node) -> str | None:
+        """The attribute name a state placeholder becomes (None for a user input)."""
+        name = self.to_param.get(node.name) or self.to_buffer.get(node.name)
+        if name is not None:
+            canon = self.aliases.get(name, name)
+            tensor = self.named[canon]
+            info = TensorInfo(canon, tuple(tensor.shape), tensor.dtype,
+                              tuple(a for a, c in self.aliases.items() if c == canon and a != canon),
+                              bool(getattr(tensor, "requires_grad", False)),
+                              canon in self.persistent)
+            trainable = node.name in self.to_param and info.requires_grad
+            (self.params if trainable else self.buffers)[canon] = info
+            self.attrs[canon] = tensor
+            return canon
+        if node.name in self.to_const:
+            const = "_const_" + node.name
+            self.attrs[const] = self.constants[self.to_const[node.name]]
+            self.buffers[const] = TensorInfo(const, tuple(self.attrs[const].shape),
+                                             self.attrs[const].dtype, (), False, False)
+            return const
+        return None
 
 
 # Ops that update running statistics in place when their `training` flag (arg 5) is set, although

@@ -5,6 +5,7 @@ hundreds of billions of parameters compiles without being allocated.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,12 +24,14 @@ from autopart.mesh import Mesh
 from autopart.pass_runner import Pass, PassResult, run_passes
 from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
 from autopart.passes.emit_rank_programs import emit_rank_programs
+from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 
 
 def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
-              sequence_parallel: bool) -> list[Pass]:
+              sequence_parallel: bool, recompute: str = "none", memory_budget: int | None = None,
+              optimizer: str = "adam", schedule: sched.Schedule | None = None) -> list[Pass]:
     """The compiler's passes in order, with the Program fields each reads and fills.
 
     shard_experts runs first (ep > 1 only), so that split_tensor_parallel counts each expert
@@ -46,15 +49,12 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
              options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size)),
         Pass("emit_rank_programs", emit_rank_programs, requires=("stages", "tp"),
              provides=("chunks",)),
+        # last: it rewrites the emitted chunks, and its memory model needs the cut and costs
+        Pass("recompute_activations", recompute_activations,
+             requires=("chunks", "costs", "stages"), provides=("recompute",),
+             options=dict(mode=recompute, budget=memory_budget, optimizer=optimizer, mesh=mesh,
+                          schedule=schedule, microbatch_size=microbatch_size)),
     ]
-
-
-def chunk_ranks(schedule: sched.Schedule) -> tuple[int, ...]:
-    """Chunk k -> the pipeline rank whose action list runs its forwards: the placement is the
-    schedule's (the C++ core's), read off the actions themselves."""
-    owner = {a.chunk: r for r, actions in enumerate(schedule.ranks) for a in actions
-             if a.kind == sched.Kind.F}
-    return tuple(owner[k] for k in range(len(owner)))
 
 
 @dataclass
@@ -69,6 +69,13 @@ class Compiled:
     seconds: float
     costs: dict = field(repr=False, default_factory=dict)
 
+    @functools.cached_property
+    def memory(self):
+        """rank -> {params, grads, master, optimizer, activations, buffers, total} in bytes, for
+        any global rank, built on first access (autopart.memory)."""
+        from autopart.memory import MemoryTable
+        return MemoryTable(self)
+
     def explain(self) -> str:
         from autopart.explain import explain_table
         return explain_table(self)
@@ -81,7 +88,8 @@ class Compiled:
 def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Callable | None = None,
             target: torch.Tensor | None = None, microbatches: int = 1, schedule: str = "1f1b",
             virtual_stages: int = 1, sequence_parallel: bool = False,
-            dump_dir: str | None = None) -> Compiled:
+            dump_dir: str | None = None, recompute: str = "none",
+            memory_budget: str | int | None = None, optimizer: str = "adam") -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
 
     >>> import torch, autopart
@@ -99,9 +107,13 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                             f"mesh has tp=1 ({mesh}).\n  remedy: use a mesh with tp > 1, or drop "
                             "sequence_parallel")
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
+    from autopart.memory import check_optimizer, parse_bytes
+    check_optimizer(optimizer)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
     program = _capture(model, example_inputs, loss_fn, target, mbs)
-    passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=chunk_ranks(the_schedule),
-                       sequence_parallel=sequence_parallel)
+    passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
+                       sequence_parallel=sequence_parallel, recompute=recompute,
+                       memory_budget=budget, optimizer=optimizer, schedule=the_schedule)
     program, results = run_passes(program, passes, dump_dir)
     stages = program.stages
     if stages.num_chunks != the_schedule.num_chunks:
@@ -199,4 +211,4 @@ def _simulate(schedule, chunk_cost):
     return sched.simulate(schedule, forward_cost=per_chunk_f, backward_cost=per_chunk_b)
 
 
-__all__ = ["Compiled", "Plan", "RankProgram", "RankPrograms", "chunk_ranks", "compile", "pass_list"]
+__all__ = ["Compiled", "Plan", "RankProgram", "RankPrograms", "compile", "pass_list"]

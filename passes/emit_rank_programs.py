@@ -36,58 +36,71 @@ def _boundary(node: fx.Node, program: Program, peer_rank: int, peer_chunk: int) 
 
 
 def _emit_chunk(program: Program, plan, c: int) -> ChunkProgram:
-    src_graph = program.gm.graph
-    nodes = {n.name: n for n in src_graph.nodes}
-    mine = [n for n in src_graph.nodes if plan.chunk_of.get(n.name) == c]
+    """Chunk c's program: received tensors, then user inputs, then its nodes (and the
+    input-derived ones it needs, recomputed), then the tensors the next chunk needs."""
+    src = program.gm.graph
+    nodes = {n.name: n for n in src.nodes}
     recv_names = plan.crossings[c - 1] if c > 0 else ()
     send_names = plan.crossings[c] if c < plan.num_chunks - 1 else ()
-    last = c == plan.num_chunks - 1       # it also computes outputs made from the inputs alone
-    out_node = next(n for n in src_graph.nodes if n.op == "output")
-    needed_repl = _replicated_needed(mine + ([out_node] if last else []), set(plan.replicated))
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
     prev_rank = plan.rank_of_chunk(c - 1) if c > 0 else None
-    next_rank = plan.rank_of_chunk(c + 1) if c + 1 < plan.num_chunks else None
-    received = []
-    for name in recv_names:
-        received.append(g.placeholder(name))
-        received[-1].meta = dict(nodes[name].meta)
-    inputs = _user_inputs(src_graph, mine, needed_repl)
-    for node in src_graph.nodes:
+    next_rank = plan.rank_of_chunk(c + 1) if send_names else None
+    out_node = next(n for n in src.nodes if n.op == "output")
+    mine = [n for n in src.nodes if plan.chunk_of.get(n.name) == c]
+    # the last chunk also computes outputs made from the inputs alone
+    needed_repl = _replicated_needed(mine + ([out_node] if not send_names else []),
+                                     set(plan.replicated))
+    inputs = _user_inputs(src, mine, needed_repl)
+    b = _ChunkBuilder(program)
+    received = [b.placeholder(nodes[name], name) for name in recv_names]
+    for node in src.nodes:
         if node.op == "placeholder" and node.name in inputs:
-            env[node] = g.placeholder(node.name)
-            env[node].meta = dict(node.meta)
+            b.env[node] = b.placeholder(node, node.name)
     for name, ph in zip(recv_names, received):
-        env[nodes[name]] = _mark(g, p2p.recv, ph, prev_rank, c - 1, nodes[name])
-    attrs: dict[str, torch.Tensor] = {}
-
-    def lookup(n: fx.Node) -> fx.Node:
-        if n not in env and n.op == "get_attr":
-            attrs[n.target] = program.gm.get_parameter(n.target) if _has_param(program.gm, n.target) \
-                else attribute(program.gm, n.target)
-            env[n] = g.get_attr(n.target)
-            env[n].meta = dict(n.meta)
-        return env[n]
-
-    for node in src_graph.nodes:
+        b.env[nodes[name]] = _mark(b.g, p2p.recv, ph, prev_rank, c - 1, nodes[name])
+    for node in src.nodes:
         if node.name in needed_repl or plan.chunk_of.get(node.name) == c:
-            env[node] = g.node_copy(node, lookup)
+            b.env[node] = b.g.node_copy(node, b.lookup)
     if send_names:
-        outs = [_mark(g, p2p.send, env[nodes[n]], next_rank, c + 1, nodes[n]) for n in send_names]
-        g.output(tuple(outs))
+        b.g.output(tuple(_mark(b.g, p2p.send, b.env[nodes[n]], next_rank, c + 1, nodes[n])
+                         for n in send_names))
     else:
-        out_node = next(n for n in src_graph.nodes if n.op == "output")
-        g.output(tuple(env[a] for a in out_node.args[0]))
-    g.lint()
-    gm = fx.GraphModule(attrs, g, class_name=f"Chunk{c}")
-    gm.recompile()
-    params = tuple(sorted(t for t in attrs if t in program.params))
+        b.g.output(tuple(b.env[a] for a in out_node.args[0]))
     return ChunkProgram(
-        chunk=c, rank=plan.rank_of_chunk(c), gm=gm,
+        chunk=c, rank=plan.rank_of_chunk(c), gm=b.module(f"Chunk{c}"),
         recvs=tuple(_boundary(nodes[n], program, prev_rank, c - 1) for n in recv_names),
         inputs=tuple(inputs), sends=tuple(_boundary(nodes[n], program, next_rank, c + 1)
                                           for n in send_names),
-        is_last=not send_names, layers=plan.chunk_layers[c], params=params)
+        is_last=not send_names, layers=plan.chunk_layers[c],
+        params=tuple(sorted(t for t in b.attrs if t in program.params)))
+
+
+class _ChunkBuilder:
+    """A new graph copying nodes of the program's, taking the attributes they read along."""
+
+    def __init__(self, program: Program):
+        self.program, self.g = program, fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.attrs: dict[str, torch.Tensor] = {}
+
+    def placeholder(self, like: fx.Node, name: str) -> fx.Node:
+        ph = self.g.placeholder(name)
+        ph.meta = dict(like.meta)
+        return ph
+
+    def lookup(self, n: fx.Node) -> fx.Node:
+        if n not in self.env and n.op == "get_attr":
+            gm = self.program.gm
+            self.attrs[n.target] = gm.get_parameter(n.target) if _has_param(gm, n.target) \
+                else attribute(gm, n.target)
+            self.env[n] = self.g.get_attr(n.target)
+            self.env[n].meta = dict(n.meta)
+        return self.env[n]
+
+    def module(self, class_name: str) -> fx.GraphModule:
+        self.g.lint()
+        gm = fx.GraphModule(self.attrs, self.g, class_name=class_name)
+        gm.recompile()
+        return gm
 
 
 def _mark(g: fx.Graph, fn, node: fx.Node, peer: int, chunk: int, src: fx.Node) -> fx.Node:

@@ -9,7 +9,6 @@ import torch
 
 from autopart.analysis import analyze, detect_layers, evaluate
 from autopart.capture import capture
-from autopart.compiler import chunk_ranks
 from autopart.errors import AutopartError
 from autopart.passes import cut_pipeline_stages as cps
 from autopart.schedule import make_schedule
@@ -33,7 +32,7 @@ def gpt7():
 def _cut(program, costs, pp, v=1, mbs=1):
     schedule = make_schedule("interleaved-1f1b" if v > 1 else "1f1b", pp, pp, v)
     out, report = cps.cut_pipeline_stages(program.replace(costs=costs),
-                                          chunk_ranks=chunk_ranks(schedule), microbatch_size=mbs)
+                                          chunk_ranks=schedule.chunk_ranks, microbatch_size=mbs)
     return out.stages, report
 
 
