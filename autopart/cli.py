@@ -35,51 +35,109 @@ def _add_schedule_command(subparsers: argparse._SubParsersAction) -> None:
         help="default: 1f1b, or interleaved-1f1b when --virtual-stages > 1",
     )
     parser.add_argument("--forward-cost", type=float, default=1.0, help="one chunk's forward (default 1)")
-    parser.add_argument("--backward-cost", type=float, default=2.0, help="one chunk's backward (default 2)")
+    parser.add_argument("--backward-cost", type=float, default=None,
+                        help="one chunk's full backward B = I + W (default 2, or the sum of the next two)")
+    parser.add_argument("--input-grad-cost", type=float, default=None,
+                        help="one chunk's input-gradient half I (default: half the backward)")
+    parser.add_argument("--weight-grad-cost", type=float, default=None,
+                        help="one chunk's weight-gradient half W (default: the rest of the backward)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--png", metavar="FILE", help="also draw the simulated timeline into this PNG file")
     parser.set_defaults(run=_run_schedule)
 
 
 def _run_schedule(args: argparse.Namespace) -> int:
     name = args.schedule or ("interleaved-1f1b" if args.virtual_stages > 1 else "1f1b")
     schedule = make_schedule(name, args.pp, args.microbatches, args.virtual_stages)
-    result = simulate(schedule, args.forward_cost, args.backward_cost)
+    result = simulate(schedule, args.forward_cost, args.backward_cost,
+                      input_grad_cost=args.input_grad_cost, weight_grad_cost=args.weight_grad_cost)
+    costs = _unit_costs(result)
+    if args.png:
+        from autopart.timeline import draw_simulated
+        draw_simulated(schedule, result, args.png)
     if args.json:
         report = schedule.to_dict() | {
             "forward_cost": args.forward_cost,
-            "backward_cost": args.backward_cost,
+            "backward_cost": costs["B"],
             "makespan": result.makespan,
             "ideal": result.ideal,
             "bubble": result.bubble,
             "peak_in_flight": list(result.peak_in_flight),
+            "input_grad_cost": costs["I"],
+            "weight_grad_cost": costs["W"],
+            "chunk_ranks": list(schedule.chunk_ranks),
+            "peak_awaiting_weight_grad": list(result.peak_awaiting_weight_grad),
         }
         print(json.dumps(report))
     else:
-        print(_schedule_report(schedule, result, args.forward_cost, args.backward_cost))
+        print(_schedule_report(schedule, result, args.forward_cost, costs))
     return 0
 
 
-def _schedule_report(schedule: Schedule, result: SimResult, forward_cost: float, backward_cost: float) -> str:
+def _unit_costs(result: SimResult) -> dict[str, float]:
+    """Chunk 0's B, I and W cost as simulated (they follow from whichever flags were given)."""
+    costs = {"B": None, "I": None, "W": None}
+    for rows in result.timeline:
+        for action, start, end in rows:
+            if action.kind.value in costs and action.chunk == 0:
+                costs[action.kind.value] = end - start
+    if costs["B"] is None and costs["I"] is not None:
+        costs["B"] = costs["I"] + costs["W"]
+    if costs["I"] is None:
+        costs["I"] = costs["W"] = costs["B"] / 2
+    return costs
+
+
+def _schedule_report(schedule: Schedule, result: SimResult, forward_cost: float, costs: dict) -> str:
     peaks = ", ".join(f"rank {r}: {n}" for r, n in enumerate(result.peak_in_flight))
+    split = any(a.kind.value == "I" for rank in schedule.ranks for a in rank)
+    backward = (f"input-grad {costs['I']:g}, weight-grad {costs['W']:g}" if split
+                else f"backward {costs['B']:g}")
     lines = [
         f"{schedule.name}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
-        f"virtual_stages={schedule.virtual_stages} (chunk k on rank k % {schedule.pp})",
+        f"virtual_stages={schedule.virtual_stages} ({schedule.placement})",
         "",
         schedule.grid(),
         "",
         f"makespan        {result.makespan:g} (ideal {result.ideal:g}; forward {forward_cost:g}, "
-        f"backward {backward_cost:g} per chunk)",
+        f"{backward} per chunk)",
         f"bubble          {result.bubble:.4g} = (makespan - ideal) / ideal",
         f"peak in flight  {peaks} (microbatch-chunks)",
     ]
     if schedule.virtual_stages > 1:
         stages = ", ".join(f"{a:g}" for a in result.peak_activations)
         lines.append(f"                = {stages} full stages of activations")
+    if split:
+        awaiting = ", ".join(f"rank {r}: {n}" for r, n in enumerate(result.peak_awaiting_weight_grad))
+        lines.append(f"awaiting W      {awaiting} (past I: only what W reads is kept)")
     return "\n".join(lines)
 
 
+def _add_trace_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "trace",
+        help="draw a measured pipeline trace (Chrome/Perfetto JSON) as a timeline picture",
+        description="Read a Chrome/Perfetto trace of pipeline actions (complete events with pid = rank and "
+        "args chunk, microbatch, kind) and draw one row per rank.",
+    )
+    parser.add_argument("file", help="the trace JSON file")
+    parser.add_argument("--png", metavar="OUT", required=True, help="the PNG file to write")
+    parser.set_defaults(run=_run_trace)
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    from autopart.timeline import draw_trace, load_trace, trace_slices
+
+    trace = load_trace(args.file)
+    draw_trace(trace, args.png)
+    slices = trace_slices(trace)
+    ranks = len({s.rank for s in slices})
+    print(f"{args.png}: {len(slices)} actions on {ranks} ranks over {max(s.end for s in slices):.4g} ms")
+    return 0
+
+
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_schedule_command, add_compile_command, add_export_command)
+    _add_schedule_command, add_compile_command, add_export_command, _add_trace_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
