@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from autopart import schedule as sched
-from autopart.analysis import analyze_costs
+from autopart.passes.analyze_costs import analyze_costs
 from autopart.capture import capture
 from autopart.errors import AutopartError
 from autopart.ir import Plan, Program, RankProgram

@@ -152,6 +152,23 @@ class StagePlan:
         return self.chunk_ranks[chunk]
 
 
+@dataclass
+class RecomputePlan:
+    """recompute_activations' decisions: per (chunk, layer) what reruns in backward.
+
+    `choices[(chunk, layer)]` is "none", "selective" (the attention core only) or "full" (the
+    whole layer keeps only its inputs); `regions[chunk]` maps each checkpointed submodule of that
+    chunk's program to (layer, kind, node names it holds). The memory options live here too so the
+    memory model (autopart.memory) sees the same ones the pass decided under."""
+    mode: str                                        # what was asked: none|selective|full|auto
+    choices: dict = field(default_factory=dict)      # (chunk, layer path) -> none|selective|full
+    regions: dict = field(default_factory=dict)      # chunk -> {submodule: (layer, kind, nodes)}
+    skipped: list = field(default_factory=list)      # (chunk, layer, reason) left as is
+    optimizer: str = "adam"                          # sgd | sgd-momentum | adam
+    budget: int | None = None                        # bytes per rank, or None
+    recompute_flops: dict = field(default_factory=dict)  # chunk -> extra forward FLOPs (sympy)
+
+
 @dataclass(frozen=True)
 class Boundary:
     """A tensor crossing into or out of a chunk: its name, symbolic shape, dtype, peer."""
@@ -210,6 +227,7 @@ class Program:
     costs: dict[str, NodeCost] | None = None  # analyze_costs: node name -> cost
     stages: StagePlan | None = None          # cut_pipeline_stages
     chunks: tuple[ChunkProgram, ...] | None = None  # emit_rank_programs
+    recompute: RecomputePlan | None = None   # recompute_activations
 
     def replace(self, **changes) -> "Program":
         return dataclasses.replace(self, **changes)

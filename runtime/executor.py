@@ -186,6 +186,8 @@ def _fast_copy(gm: fx.GraphModule) -> fx.GraphModule:
                     root.register_parameter(flat, value)
                 elif isinstance(value, torch.Tensor):
                     root.register_buffer(flat, value)
+                elif isinstance(value, fx.GraphModule):   # a recomputed region: fast too
+                    setattr(root, flat, _fast_copy(value))
                 else:
                     setattr(root, flat, value)      # a submodule (higher-order op body)
             env[node] = graph.get_attr(flat)

@@ -96,7 +96,8 @@ class ParallelModel:
 def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
                 loss_fn: Callable | None = None, target: torch.Tensor | None = None,
                 microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
-                sequence_parallel: bool = False,
+                sequence_parallel: bool = False, recompute: str = "none",
+                memory_budget: str | int | None = None, optimizer: str = "adam",
                 timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
@@ -118,7 +119,9 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     target = target.to(device) if target is not None else None
     compiled = compile_model(model, mesh, example_inputs, loss_fn=loss_fn, target=target,
                              microbatches=microbatches, schedule=schedule,
-                             virtual_stages=virtual_stages, sequence_parallel=sequence_parallel)
+                             virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
+                             recompute=recompute, memory_budget=memory_budget,
+                             optimizer=optimizer)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
     # never changes in training; full_state_dict returns it as it is now.

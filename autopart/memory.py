@@ -1,0 +1,488 @@
+"""The memory model: per rank, bytes of state and activations as sympy formulas in b and s.
+
+    state        params (parameters and buffers the rank holds, its shards only), grads (one per
+                 trainable element), master weights (0 in fp32 training: the parameters are the
+                 masters) and optimizer state (sgd 0, sgd-momentum 1, adam 2 fp32 tensors per
+                 parameter plus Adam's one-element `step` tensor per parameter tensor);
+    activations  what autograd saves for backward per microbatch per chunk, measured from the
+                 graph itself: each chunk program runs forward on fake tensors (nothing allocated)
+                 under torch.autograd.graph.saved_tensors_hooks, and every storage a backward
+                 would read is counted once, weights excluded. Recomputed regions save only their
+                 inputs (torch's checkpoint saves them through the same hooks), so the count
+                 follows the recompute choice. Each storage's size is a formula in b and s (its
+                 producing node's shape), so one run serves every microbatch and sequence size;
+                 times the microbatches the schedule really keeps in flight on the rank: this
+                 rank's action list is walked in order, adding a chunk's bytes at its forward and
+                 dropping them at its backward, and while a backward runs, the recomputed region
+                 being rerun (its own saved tensors) is added on top;
+    buffers      pipeline p2p buffers: a chunk's sent outputs, held until its backward, and one
+                 set of received gradients.
+
+Only fp32 without ZeRO exists so far: `PRECISIONS` and `zero` are where mixed precision (bf16
+params, fp32 masters) and optimizer/gradient sharding over dp plug in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autopart.analysis import evaluate, layer_of
+from autopart.errors import AutopartError
+from autopart.ir import BATCH, SEQ, Boundary, ChunkProgram, Program, sym_shape
+from autopart.ops.comm import GroupComm
+
+KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total")
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}   # param-sized tensors per parameter
+# precision -> (bytes per param element relative to its dtype, master bytes per element)
+PRECISIONS = {"fp32": (1.0, 0)}
+ZERO = 0
+
+
+def check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZER_STATES:
+        raise AutopartError(f"optimizer={optimizer!r} is not one of "
+                            f"{', '.join(OPTIMIZER_STATES)}")
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value) -> int:
+    """'20GB' -> 20e9, '1.5GiB' -> 1.5 * 2**30, 123 -> 123."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise AutopartError(f"memory budget {value!r} is not a size; use e.g. '20GB', '512MiB' "
+                            "or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def fmt_bytes(n: float) -> str:
+    for div, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# -- activations: what autograd saves, measured on fake tensors ---------------------------------
+
+@dataclass
+class ChunkActivations:
+    """Bytes one microbatch leaves saved for backward in one chunk, as formulas in b and s."""
+    saved: sympy.Expr                                   # the whole chunk
+    per_layer: dict = field(default_factory=dict)       # layer -> bytes its ops saved first
+    transient: sympy.Expr = sympy.Integer(0)            # largest recomputed region, rerun
+    sends: sympy.Expr = sympy.Integer(0)                # outputs held until backward
+    exact: bool = True                                  # False: fake run failed, estimated
+
+
+def chunk_activations(chunk: ChunkProgram, program: Program, b: int, s: int | None,
+                      local_shape=lambda name, shape: shape) -> ChunkActivations:
+    """Run `chunk` forward on fake tensors at microbatch b, sequence s, and count the storages
+    autograd saves. `local_shape(param name, full shape)` gives a rank's shard shape."""
+    sends = sum((_boundary_bytes(x) for x in chunk.sends), sympy.Integer(0))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            run = _SavedCounter(chunk.gm, mode, program.symbols, b, s or 1, local_shape,
+                                set(chunk.layers))
+            args = [_fake_recv(r, b, s) for r in chunk.recvs]
+            args += [_fake_input(ph, program, b, s) for ph in run.placeholders[len(chunk.recvs):]]
+            run.count(*args)
+    except Exception:  # noqa: BLE001  (data-dependent sizes, e.g. dropless MoE: estimate instead)
+        return _estimate(chunk, program, sends)
+    return ChunkActivations(run.total(), run.per_layer(), run.transient, sends)
+
+
+class _SavedCounter(fx.Interpreter):
+    """Runs a graph on fake tensors under saved-tensor hooks; each saved storage is counted once,
+    as a formula: its concrete size at (b, s) times how its producer's shape grows with b, s."""
+
+    def __init__(self, gm, mode, symbols, b, s, local_shape, layers, params=None):
+        super().__init__(gm, garbage_collect_values=False)
+        self.mode, self.symbols, self.b, self.s = mode, symbols, b, s
+        self.local_shape, self.layers = local_shape, layers
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.attrs: dict = {}
+        self.weights: set = set() if params is None else params   # storages of state
+        self.sizes: dict = {}          # storage key -> bytes formula (first producer)
+        self.saved: dict = {}          # storage key -> (bytes formula, layer that saved it)
+        self.transient = sympy.Integer(0)
+        self.current: fx.Node | None = None
+
+    def count(self, *args):
+        for ph, a in zip(self.placeholders, args):
+            self._register(ph, a)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            return self.run(*args)
+
+    def total(self) -> sympy.Expr:
+        return sympy.expand(sum((v for v, _ in self.saved.values()), sympy.Integer(0)))
+
+    def per_layer(self) -> dict:
+        out: dict = {}
+        for v, layer in self.saved.values():
+            out[layer] = out.get(layer, sympy.Integer(0)) + v
+        return {k: sympy.expand(v) for k, v in out.items()}
+
+    def _pack(self, t):
+        key = _key(t)
+        if key is not None and key not in self.weights and key not in self.saved:
+            size = self.sizes.get(key)
+            if size is None:          # made inside an op (a Function's own buffer)
+                size = t.untyped_storage().nbytes() * self._growth(self.current)
+            layer = layer_of(self.current, self.layers) if self.current is not None else None
+            self.saved[key] = (size, layer)
+        return t
+
+    def fetch_attr(self, target: str):
+        if target not in self.attrs:
+            value = super().fetch_attr(target)
+            if isinstance(value, GroupComm):
+                value = type(value)(value.size, value.rank, shape_only=True)
+            elif isinstance(value, torch.Tensor):
+                shape = self.local_shape(target, tuple(value.shape))
+                fake = torch.empty(shape, dtype=value.dtype, device="cpu")
+                if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+                    fake.requires_grad_(True)
+                self.weights.add(_key(fake))
+                value = fake
+            self.attrs[target] = value
+        return self.attrs[target]
+
+    def run_node(self, n: fx.Node):
+        self.current = n
+        if n.op == "call_function" and n.target is torch.utils.checkpoint.checkpoint:
+            self._rerun_peak(n)
+        out = super().run_node(n)
+        self._register(n, out)
+        return out
+
+    def _rerun_peak(self, n: fx.Node) -> None:
+        """What rerunning this region in backward saves at once (its own tensors, not its inputs):
+        the region's graph counted by a nested counter whose hooks shadow ours."""
+        sub = self.fetch_attr(n.args[0].target)
+        args = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[1:]]
+        inner = _SavedCounter(sub, self.mode, self.symbols, self.b, self.s, self.local_shape,
+                              self.layers, params=set(self.weights) | set(self.sizes))
+        inner.count(*args)
+        self.transient = sympy.Max(self.transient, inner.total())
+
+    def _register(self, n: fx.Node, out) -> None:
+        vals = n.meta.get("val")
+        if vals is None:      # a checkpoint call: its outputs are registered at their getitems
+            return
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,) * len(outs)
+        for t, v in zip(outs, vals):
+            key = _key(t) if isinstance(t, torch.Tensor) else None
+            if key is not None and key not in self.sizes:
+                self.sizes[key] = t.untyped_storage().nbytes() * self._growth_of(v)
+
+    def _growth_of(self, val) -> sympy.Expr:
+        """numel(b, s) / numel(b0, s0) of a FakeTensor shape: 1 for a fixed-size tensor."""
+        if not isinstance(val, torch.Tensor):
+            return sympy.Integer(1)
+        numel = sympy.prod(sym_shape(val, self.symbols)) if val.dim() else sympy.Integer(1)
+        at = numel.subs({BATCH: self.b, SEQ: self.s})
+        return numel / at if at else sympy.Integer(1)
+
+    def _growth(self, node) -> sympy.Expr:
+        """For a storage no node produced: grows like the largest tensor the op touches."""
+        if node is None:
+            return sympy.Integer(1)
+        vals = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
+        vals = [v for v in vals if isinstance(v, torch.Tensor)]
+        return max((self._growth_of(v) for v in vals), key=lambda g: sympy.total_degree(g)
+                   if g.free_symbols else 0, default=sympy.Integer(1))
+
+
+def _key(t: torch.Tensor):
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage._cdata if storage.nbytes() else None
+
+
+def _fake_recv(r: Boundary, b: int, s: int | None) -> torch.Tensor:
+    t = torch.empty(r.concrete_shape(b, s), dtype=r.dtype, device="cpu")
+    return t.requires_grad_(True) if r.differentiable else t
+
+
+def _fake_input(ph: fx.Node, program: Program, b: int, s: int | None) -> torch.Tensor:
+    val = ph.meta["val"]
+    shape = (Boundary("", sym_shape(val, program.symbols), val.dtype, 0, 0).concrete_shape(b, s)
+             if program.dynamic else tuple(val.shape))
+    if val.dtype.is_floating_point:
+        return torch.empty(shape, dtype=val.dtype, device="cpu")
+    return torch.zeros(shape, dtype=val.dtype, device="cpu")
+
+
+def _boundary_bytes(x: Boundary) -> sympy.Expr:
+    return sympy.prod(x.shape) * x.dtype.itemsize if x.shape else sympy.Integer(x.dtype.itemsize)
+
+
+def _estimate(chunk, program, sends) -> ChunkActivations:
+    """Without a fake run: every new tensor the chunk's nodes make (an upper bound)."""
+    names = {n.name for n in chunk.gm.graph.nodes}
+    total = sum((c.out_bytes for n, c in program.costs.items() if n in names), sympy.Integer(0))
+    return ChunkActivations(sympy.expand(total), {}, sympy.Integer(0), sends, exact=False)
+
+
+# -- per rank --------------------------------------------------------------------------------
+
+def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str = "fp32",
+                zero: int = ZERO) -> dict[str, int]:
+    """params / grads / master / optimizer bytes of one rank holding `chunks` (localized)."""
+    if precision not in PRECISIONS or zero != 0:
+        raise AutopartError(f"precision={precision!r}, zero={zero}: only fp32 without ZeRO exists")
+    held: dict = {}
+    for c in chunks:
+        for name, t in list(c.gm.named_parameters()) + list(c.gm.named_buffers()):
+            if name.startswith("recompute_"):
+                continue
+            held.setdefault(name, t)
+    params = sum(t.numel() * t.element_size() for t in held.values())
+    trainable = [t for n, t in held.items() if n in program.params and t.requires_grad]
+    grads = sum(t.numel() * t.element_size() for t in trainable)
+    scale, master_per = PRECISIONS[precision]
+    master = sum(t.numel() for t in trainable) * master_per
+    per = OPTIMIZER_STATES[optimizer]
+    opt = per * sum(t.numel() * 4 for t in trainable)
+    if optimizer == "adam":
+        opt += 4 * len(trainable)           # torch.optim.Adam's step: one fp32 scalar per tensor
+    return {"params": int(params * scale), "grads": grads, "master": master, "optimizer": opt}
+
+
+def activation_peak(actions, acts: dict[int, ChunkActivations], b: int, s: int | None):
+    """(peak saved bytes, in-flight counts per chunk at that peak) walking one rank's actions:
+    a forward adds its chunk's saved bytes, a backward (W when split) drops them; while a
+    backward runs, its chunk's largest recomputed region is alive on top."""
+    at = {c: evaluate(a.saved, b, s) for c, a in acts.items()}
+    rerun = {c: evaluate(a.transient, b, s) for c, a in acts.items()}
+    kinds = {str(a.kind) for a in actions}
+    release = "W" if "W" in kinds else "B"
+    alive, live, peak, where = {}, 0.0, 0.0, {}
+    for a in actions:
+        kind = str(a.kind)
+        if kind == "F":
+            alive[a.chunk] = alive.get(a.chunk, 0) + 1
+            live += at[a.chunk]
+            if live > peak:
+                peak, where = live, dict(alive)
+        elif kind in ("B", "I"):
+            if live + rerun[a.chunk] > peak:
+                peak, where = live + rerun[a.chunk], dict(alive)
+        if kind == release:
+            alive[a.chunk] -= 1
+            live -= at[a.chunk]
+    return peak, where
+
+
+def buffer_bytes(acts: dict[int, ChunkActivations], in_flight: dict, b: int, s) -> float:
+    held = sum(evaluate(acts[c].sends, b, s) * n for c, n in in_flight.items())
+    return held + max((evaluate(a.sends, b, s) for a in acts.values()), default=0.0)
+
+
+class MemoryTable(Mapping):
+    """rank -> {params, grads, master, optimizer, activations, buffers, total} (ints, bytes),
+    for any global rank, built on first access; ranks with the same programs share one entry."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.mesh = compiled.plan.mesh
+        rp = compiled.program.recompute
+        self.optimizer = rp.optimizer if rp is not None else "adam"
+        self._acts: dict = {}
+        self._cache: dict = {}
+
+    def __getitem__(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.mesh.world_size:
+            raise KeyError(rank)
+        c = self.mesh.coords(rank)
+        key = (c["pp"], c["tp"], self.mesh.ep_rank(rank))
+        if key not in self._cache:
+            self._cache[key] = self._rank(rank)
+        return dict(self._cache[key])
+
+    def __iter__(self):
+        return iter(range(self.mesh.world_size))
+
+    def __len__(self) -> int:
+        return self.mesh.world_size
+
+    def activations(self, rank: int) -> dict[int, ChunkActivations]:
+        """chunk -> ChunkActivations for the chunks of `rank` (formulas in b and s)."""
+        compiled = self.compiled
+        out = {}
+        for ch in compiled.programs[rank].chunks:
+            if ch.chunk not in self._acts:     # tp/ep ranks of a chunk save the same sizes
+                self._acts[ch.chunk] = chunk_activations(
+                    ch, compiled.program, compiled.plan.microbatch_size, compiled.program.seq_len)
+            out[ch.chunk] = self._acts[ch.chunk]
+        return out
+
+    def _rank(self, rank: int) -> dict[str, int]:
+        compiled = self.compiled
+        plan, program = compiled.plan, compiled.program
+        b, s = plan.microbatch_size, program.seq_len
+        pp = self.mesh.coords(rank)["pp"]
+        chunks = compiled.programs[rank].chunks
+        out = state_bytes(program, chunks, self.mesh, self.optimizer)
+        acts = self.activations(rank)
+        peak, in_flight = activation_peak(compiled.schedule.ranks[pp], acts, b, s)
+        out["activations"] = int(peak)
+        out["buffers"] = int(buffer_bytes(acts, in_flight, b, s))
+        out["total"] = sum(out[k] for k in KEYS[:-1])
+        return out
+
+
+# -- the budget: check it, and choose recomputation under it -----------------------------------
+
+def _local_shaper(program: Program, mesh):
+    """param name, full shape -> the shape tp/ep rank 0 holds (every rank's is the same size)."""
+    tp_shards = program.tp.params if (program.tp is not None and mesh.tp > 1) else {}
+    ep_shards = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
+
+    def local(name, shape):
+        shape = list(shape)
+        for shards, size in ((ep_shards, mesh.ep), (tp_shards, mesh.tp)):
+            if name in shards:
+                shape[shards[name].dim] //= size
+        return tuple(shape)
+    return local
+
+
+def _rank_chunks_local(program, mesh, pp: int):
+    """This pipeline rank's chunks as tp/ep rank 0 holds them (views, nothing copied)."""
+    from autopart.localize import localize_module
+    tp = program.tp.params if (program.tp is not None and mesh.tp > 1) else {}
+    ep = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
+    return [dataclasses.replace(ch, gm=localize_module(ch.gm, tp_shards=tp, tp=(mesh.tp, 0),
+                                                       ep_shards=ep, ep=(mesh.ep, 0), copy=False))
+            for ch in program.chunks if ch.rank == pp]
+
+
+def pp_rank_memory(program: Program, mesh, schedule, b: int, optimizer: str, pp: int,
+                   acts: dict | None = None) -> dict[str, int]:
+    """The memory dict of pipeline rank `pp` (tp/ep rank 0) before a Compiled exists."""
+    s = program.seq_len
+    chunks = _rank_chunks_local(program, mesh, pp)
+    out = state_bytes(program, chunks, mesh, optimizer)
+    if acts is None:
+        local = _local_shaper(program, mesh)
+        acts = {c.chunk: chunk_activations(c, program, b, s, local) for c in chunks}
+    peak, in_flight = activation_peak(schedule.ranks[pp], acts, b, s)
+    out["activations"] = int(peak)
+    out["buffers"] = int(buffer_bytes(acts, in_flight, b, s))
+    out["total"] = sum(out[k] for k in KEYS[:-1])
+    return out
+
+
+def check_budget(program: Program, *, mesh, schedule, microbatch_size: int) -> None:
+    """Raise unless every pipeline rank fits program.recompute.budget."""
+    rp = program.recompute
+    if rp.budget is None:
+        return
+    for pp in range(mesh.pp):
+        mem = pp_rank_memory(program, mesh, schedule, microbatch_size, rp.optimizer, pp)
+        if mem["total"] > rp.budget:
+            raise budget_error(pp, mem, rp.budget, rp.mode, mesh)
+
+
+def budget_error(pp: int, mem: dict, budget: int, mode: str, mesh) -> AutopartError:
+    parts = ", ".join(f"{k} {fmt_bytes(mem[k])}" for k in KEYS[:-1] if mem[k])
+    state = mem["params"] + mem["grads"] + mem["master"] + mem["optimizer"]
+    hint = [f"pp={2 * mesh.pp} (about half the layers and weights on each rank)"]
+    hint.append(f"tp={2 * mesh.tp} (about half the weights and layer activations)")
+    hint.append(f"ZeRO (not in autopart yet) would shard the {fmt_bytes(mem['optimizer'])} of "
+                "optimizer state over dp")
+    if mode != "full":
+        hint.insert(0, "recompute='full' or 'auto'")
+    return AutopartError(
+        f"pipeline rank {pp} (and every dp/tp rank with it) needs {fmt_bytes(mem['total'])} "
+        f"({mem['total']} bytes: {parts}) but the memory budget is {fmt_bytes(budget)} "
+        f"({budget} bytes) with recompute={mode!r}; state alone is {fmt_bytes(state)}.\n"
+        f"  remedy: " + "; or ".join(hint))
+
+
+def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbatch_size: int,
+                     budget: int, optimizer: str, rewrite) -> dict:
+    """(chunk, layer) -> none|selective|full: per pipeline rank, start from none and, while the
+    rank is over budget, take the step (none->selective, ->full) saving the most peak bytes per
+    recomputed FLOP, until it fits; full everywhere that still does not fit is an error."""
+    b, s = microbatch_size, program.seq_len
+    local = _local_shaper(program, mesh)
+    choices = {}
+    for pp in range(mesh.pp):
+        mine = [c for c in program.chunks if c.rank == pp]
+        variants = {}        # (chunk, kind) -> ChunkActivations with every layer of that kind
+        flops = {}           # (chunk, kind) -> recomputed forward FLOPs per layer (mean)
+        for c in mine:
+            for kind in ("none", "selective", "full"):
+                new, regions, _ = rewrite(c, {layer: kind for layer in layers[c.chunk]})
+                variants[c.chunk, kind] = chunk_activations(new, program, b, s, local)
+                n = max(len(layers[c.chunk]), 1)
+                flops[c.chunk, kind] = sum(evaluate(program.costs[x].flops, b, s)
+                                           for _, _, names in regions.values()
+                                           for x in names if x in program.costs) / n
+        current = {(c.chunk, layer): "none" for c in mine for layer in layers[c.chunk]}
+        while True:
+            acts = _mixed(mine, layers, current, variants)
+            mem = pp_rank_memory(program, mesh, schedule, b, optimizer, pp, acts)
+            if mem["total"] <= budget:
+                break
+            step = _best_step(current, variants, flops, b, s)
+            if step is None:
+                raise budget_error(pp, mem, budget, "auto", mesh)
+            current[step[0]] = step[1]
+        choices.update(current)
+    return choices
+
+
+def _mixed(chunks, layers, current, variants) -> dict:
+    """Per chunk: the none variant with each layer's bytes replaced by its chosen variant's."""
+    out = {}
+    for c in chunks:
+        base = variants[c.chunk, "none"]
+        total, transient = base.saved, sympy.Integer(0)
+        for layer in layers[c.chunk]:
+            kind = current[c.chunk, layer]
+            if kind != "none":
+                v = variants[c.chunk, kind]
+                total += v.per_layer.get(layer, 0) - base.per_layer.get(layer, 0)
+                transient = sympy.Max(transient, v.transient)
+        out[c.chunk] = ChunkActivations(sympy.expand(total), {}, transient, base.sends)
+    return out
+
+
+def _best_step(current, variants, flops, b, s):
+    best, best_ratio = None, -1.0
+    for (chunk, layer), kind in current.items():
+        for nxt in ("selective", "full")[("none", "selective", "full").index(kind):]:
+            if nxt == kind:
+                continue
+            before = evaluate(variants[chunk, kind].per_layer.get(layer, 0), b, s)
+            after = evaluate(variants[chunk, nxt].per_layer.get(layer, 0), b, s)
+            cost = flops[chunk, nxt] - flops[chunk, kind]
+            saved = before - after
+            if saved <= 0:
+                continue
+            ratio = saved / max(cost, 1.0)
+            if ratio > best_ratio:
+                best, best_ratio = ((chunk, layer), nxt), ratio
+    return best
+
+
+__all__ = ["KEYS", "OPTIMIZER_STATES", "ChunkActivations", "MemoryTable", "chunk_activations",
+           "activation_peak", "state_bytes", "parse_bytes", "check_budget", "choose_recompute"]
