@@ -181,7 +181,7 @@ def _draw(slices: Sequence[Slice], ranks: int, span: float, title: str, xlabel: 
     if any(s.shade for s in slices):
         handles.append(Patch(color=_color("F", 1), label="lighter: a rank's later chunk"))
     figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
-    figure.tight_layout(rect=(0, 0.55 / (1.4 + 0.45 * ranks), 1, 1))
+    figure.tight_layout(rect=(0, 0.3 / (1.4 + 0.45 * ranks), 1, 1))
     path = Path(path)
     figure.savefig(path)
     return path
