@@ -117,13 +117,6 @@ def _split_over_tp(node: fx.Node) -> bool:
     return isinstance(node.meta.get(META_TP), (Shard, Partial, tuple))
 
 
-def analyze_costs(program: Program):
-    """The analysis as a pass: program.costs = analyze(program) (needs the tp plan: work on
-    sharded tensors is counted per rank)."""
-    costs = analyze(program)
-    return program.replace(costs=costs), {"nodes": len(costs)}
-
-
 def evaluate(expr, b: int, s: int | None) -> float:
     """A cost expression at a concrete batch and sequence length."""
     return _evaluate(expr, b, s or 1)

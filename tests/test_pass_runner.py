@@ -1,0 +1,116 @@
+"""The pass runner checks the pass list before running it: requirements, order, what a pass
+declares it provides. And the layout rules of the code base: passes import the IR and the ops,
+never each other; the runtime never imports a pass."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopart.passes.analyze_costs import analyze_costs
+from autopart.capture import capture
+from autopart.compiler import pass_list
+from autopart.errors import AutopartError
+from autopart.mesh import Mesh
+from autopart.pass_runner import Pass, check_order, run_passes
+from examples.gpt import GPT, config, lm_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _names(passes):
+    return [p.name for p in passes]
+
+
+def test_the_pass_list_is_in_order_for_every_axis():
+    for mesh in (Mesh(pp=2), Mesh(tp=2, pp=2), Mesh(dp=2, ep=2)):
+        passes = pass_list(mesh, microbatch_size=1, chunk_ranks=(0, 1),
+                           sequence_parallel=False)
+        check_order(passes)       # raises if out of order
+        assert ("shard_experts" in _names(passes)) == (mesh.ep > 1)
+
+
+def test_a_pass_before_what_it_requires_is_a_clear_error():
+    passes = pass_list(Mesh(pp=2), microbatch_size=1, chunk_ranks=(0, 1), sequence_parallel=False)
+    by_name = {p.name: p for p in passes}
+    wrong = [by_name["cut_pipeline_stages"], by_name["split_tensor_parallel"],
+             by_name["analyze_costs"], by_name["emit_rank_programs"]]
+    with pytest.raises(AutopartError) as e:
+        check_order(wrong)
+    msg = str(e.value)
+    assert "cut_pipeline_stages (pass 1) requires ['costs']" in msg
+    assert "'costs' is provided by analyze_costs" in msg and "remedy" in msg
+
+
+def test_a_pass_listed_before_one_it_must_follow_is_an_error():
+    passes = pass_list(Mesh(dp=2, ep=2), microbatch_size=1, chunk_ranks=(0,),
+                       sequence_parallel=False)
+    swapped = [passes[1], passes[0], *passes[2:]]
+    assert _names(swapped)[:2] == ["split_tensor_parallel", "shard_experts"]
+    with pytest.raises(AutopartError, match=r"split_tensor_parallel \(pass 1\) must run after "
+                                            r"\['shard_experts'\]"):
+        check_order(swapped)
+
+
+def test_a_requirement_no_pass_provides_is_named():
+    with pytest.raises(AutopartError, match="no pass in the list"):
+        check_order([Pass("analyze_costs", analyze_costs, requires=("tp",), provides=("costs",))])
+
+
+def test_a_pass_that_does_not_provide_what_it_declares_is_an_error():
+    x = torch.randint(0, 256, (2, 64))
+    program = capture(GPT(config("tiny,n_layer=1")), (x,), loss_fn=lm_loss, target=x)
+    liar = Pass("liar", lambda p: (p, {}), requires=(), provides=("stages",))
+    with pytest.raises(AutopartError, match=r"pass liar did not set \['stages'\]"):
+        run_passes(program, [liar])
+
+
+# -- the layout: who may import whom --------------------------------------------------------------
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def _sources(folder: str):
+    return [p for p in (ROOT / folder).rglob("*.py") if not p.name.startswith("test_")]
+
+
+def test_passes_never_import_each_other_or_the_runtime():
+    for path in _sources("passes"):
+        bad = {m for m in _imports(path) if m.startswith(("autopart.passes", "autopart.runtime",
+                                                          "autopart.compiler"))}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: passes import the IR " \
+                        "and the ops (and their own modules, relatively), never another pass"
+
+
+def test_the_runtime_never_imports_a_pass():
+    for path in _sources("runtime"):
+        bad = {m for m in _imports(path) if m.startswith("autopart.passes")}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_the_ir_and_the_ops_import_no_pass_and_no_runtime():
+    for path in [ROOT / "autopart" / "ir.py", *(ROOT / "autopart" / "ops").glob("*.py")]:
+        bad = {m for m in _imports(path)
+               if m.startswith(("autopart.passes", "autopart.runtime", "autopart.compiler",
+                                "autopart.capture", "autopart.analysis"))}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_passes_folder_holds_only_passes_and_their_tests():
+    top = {p.stem for p in (ROOT / "passes").iterdir()
+           if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
+    top -= {"__init__"}
+    passes = {t for t in top if not t.startswith("test_")}
+    tests = {t[len("test_"):] for t in top if t.startswith("test_")}
+    assert passes <= tests, f"every pass has a test file beside it: missing {passes - tests}"
+    assert tests <= passes, f"test files without a pass: {tests - passes}"
