@@ -81,7 +81,8 @@ def _ranges(length: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(step, length - start))
 
 
-def layout(name: str, shape: tuple, plan, coords: dict, mesh) -> list[tuple[tuple, tuple, int]]:
+def layout(name: str, shape: tuple, plan, coords: dict, mesh, ep_rank: int | None = None
+           ) -> list[tuple[tuple, tuple, int]]:
     """Where this rank's tensor `name` lies in the global tensor: [(global offsets, sizes, local
     offset along the split dim)], in the order the pieces are concatenated in the local tensor.
     One piece covering everything for a replicated tensor."""
@@ -90,7 +91,8 @@ def layout(name: str, shape: tuple, plan, coords: dict, mesh) -> list[tuple[tupl
     experts = plan.ep_shards.get(name) if mesh.ep > 1 else None
     tp_spec = plan.tp_shards.get(name) if mesh.tp > 1 else None
     if experts is not None:         # dim 0 over the ep ranks; ep rank = dp index mod ep
-        start, size = _ranges(shape[0], mesh.ep, coords["dp"] % mesh.ep)
+        start, size = _ranges(shape[0], mesh.ep,
+                              coords["dp"] % mesh.ep if ep_rank is None else ep_rank)
         offsets, sizes = [start] + offsets[1:], [size] + sizes[1:]
         pieces, split_dim = [(offsets, sizes)], 0
     if tp_spec is not None:         # the same 1/tp slice of every section of `dim`
@@ -128,7 +130,7 @@ def _split_dim(name: str, plan, mesh) -> int | None:
 def sliced(pm, name: str, local: torch.Tensor, shape: tuple) -> torch.Tensor | Slices:
     """`local` (this rank's tensor `name`, or state shaped like it) as pieces of the global one."""
     plan, mesh = pm.compiled.plan, pm.mesh
-    boxes = layout(name, shape, plan, pm.coords, mesh)
+    boxes = layout(name, shape, plan, pm.coords, mesh, getattr(pm, "ep_rank", None))
     dim = _split_dim(name, plan, mesh)
     if dim is None:
         if tuple(local.shape) != tuple(shape):
@@ -232,9 +234,18 @@ def _unheld_state(pm) -> dict[str, torch.Tensor]:
     infos = _infos(pm)
     canon = {a: n for n, i in infos.items() for a in (n, *i.aliases)}
     out = {}
-    for key, t in getattr(pm, "_extra_state", {}).items():
+    for key, t in _private(pm, "extra_state", {}).items():
         out.setdefault(canon.get(key, key), t)
     return out
+
+
+def _private(pm, what: str, default):
+    """The plain model's key order / unheld state that parallelize recorded (kept by the
+    ParallelModel's state gatherer; directly on the ParallelModel before the restructure)."""
+    gatherer = getattr(pm, "_state", None)
+    if gatherer is not None and hasattr(gatherer, what):
+        return getattr(gatherer, what)
+    return getattr(pm, "_" + what, default)
 
 
 def _model_entries(pm) -> dict[str, Any]:
@@ -255,7 +266,7 @@ def _describe_model(pm) -> dict[str, Any]:
     for n, t in sorted(_unheld_state(pm).items()):
         tensors.setdefault(n, {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                                "aliases": []})
-    order = getattr(pm, "_key_order", None)
+    order = _private(pm, "key_order", None)
     if order is None:
         order = [k for n in tensors for k in (n, *tensors[n]["aliases"])]
     return {"tensors": tensors, "state_dict_keys": list(order), "digest": _digest(tensors)}

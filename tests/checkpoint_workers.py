@@ -87,8 +87,11 @@ def run_phase(phase: Phase, rank: int, pg_timeout: float = 60.0) -> dict:
     problems: list[str] = []
     done = 0
     extra = {}
+    timings = {"parallelize": time.perf_counter() - start}
     if phase.load is not None:
+        t = time.perf_counter()
         extra = checkpoint.load(pm, phase.load, optimizer=opt)
+        timings["load"] = time.perf_counter() - t
         done = int(extra.get("step", 0))
     vocab = _vocab(phase.model)
 
@@ -115,7 +118,7 @@ def run_phase(phase: Phase, rank: int, pg_timeout: float = 60.0) -> dict:
                    f"{phase.name} after step {done + phase.steps}", _param_atol(phase.optim),
                    problems)
     out = {"phase": phase.name, "rank": rank, "problems": problems, "extra": extra,
-           "seconds": time.perf_counter() - start}
+           "seconds": time.perf_counter() - start, "timings": timings}
     if phase.return_params:
         out["params"] = {n: p.detach().clone() for n, p in pm.named_parameters()}
         out["full_state_dict"] = pm.full_state_dict()
