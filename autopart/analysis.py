@@ -13,7 +13,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopart.errors import _clean_path, module_path
+from autopart.errors import _clean_path
 from autopart.ir import BATCH, META_TP, SEQ, NodeCost, Program, sym_shape
 from autopart.ops import op_info
 from autopart.placement import Partial, Shard
@@ -174,4 +174,4 @@ def layer_of(node: fx.Node, layer_paths: set[str]) -> str | None:
     return None
 
 
-__all__ = ["NodeCost", "Layer", "analyze", "node_cost", "evaluate", "detect_layers", "module_path"]
+__all__ = ["Layer", "analyze", "node_cost", "evaluate", "detect_layers", "layer_of"]

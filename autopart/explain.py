@@ -229,4 +229,4 @@ def explain_json(compiled) -> dict:
     }
 
 
-__all__ = ["explain_table", "explain_json", "chunk_rows", "sympy"]
+__all__ = ["explain_table", "explain_json", "chunk_rows"]
