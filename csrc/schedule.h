@@ -80,7 +80,7 @@ int chunk_rank(const std::string& name, int pp, int virtual_stages, int chunk);
 std::string placement_text(Placement placement, int pp);
 
 // Refuse to build more actions than this (Python holds each as an object).
-inline constexpr double kMaxActions = 8e6;
+inline constexpr double kMaxActions = 5e6;  // about 3 GB of Python objects, a minute to build
 
 // One of schedule_names(); throws ScheduleError on arguments that cannot work.
 Schedule make_schedule(const std::string& name, int pp, int microbatches, int virtual_stages);

@@ -599,7 +599,7 @@ def test_simulating_an_invalid_schedule_raises():
         (("zb-h1", 4, 6, 2), "zb-h1 needs microbatches divisible by pp=4 .* got 6; nearest valid: 4 or 8"),
         (("zb-h1", 1, 4, 2), "zb-h1 needs pp >= 2 .* got pp=1; on one rank use zb-h1 with virtual_stages=1"),
         (("1f1b", 512, 4096, 1), "1f1b with pp=512, microbatches=4096, virtual_stages=1 has about 12 million actions, "
-                                 "more than the 8 million this builds; use fewer microbatches"),
+                                 "more than the 5 million this builds; use fewer microbatches"),
         (("1f1b", 0, 8, 1), "pp must be >= 1, got 0"),
         (("1f1b", 4, 0, 1), "microbatches must be >= 1, got 0"),
         (("1f1b", 4, 8, 0), "virtual_stages must be >= 1, got 0"),

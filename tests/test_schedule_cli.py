@@ -132,7 +132,7 @@ def test_png_output(capsys, tmp_path):
          "give both input_grad_cost and weight_grad_cost"),
         (["--pp", "512", "--microbatches", "4096"],
          "autopart schedule: error: 1f1b with pp=512, microbatches=4096, virtual_stages=1 has about 12 million "
-         "actions, more than the 8 million this builds; use fewer microbatches (the bubble fraction of a larger m "
+         "actions, more than the 5 million this builds; use fewer microbatches (the bubble fraction of a larger m "
          "follows from the closed forms)"),
     ],
 )  # fmt: skip
