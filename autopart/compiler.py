@@ -27,6 +27,7 @@ from autopart.passes.emit_rank_programs import emit_rank_programs
 from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
+from autopart.passes.split_backward import split_backward
 
 
 def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
@@ -54,7 +55,17 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
              requires=("chunks", "costs", "stages"), provides=("recompute",),
              options=dict(mode=recompute, budget=memory_budget, optimizer=optimizer, mesh=mesh,
                           schedule=schedule, microbatch_size=microbatch_size)),
+        # zero-bubble schedules only (I/W actions): the chunks' backwards as I and W programs,
+        # traced from the final chunks (recomputation's rewrite included)
+        *([Pass("split_backward", split_backward, requires=("chunks",),
+                provides=("split_backward",), options=dict(microbatch_size=microbatch_size),
+                after=("recompute_activations",))] if _splits_backward(schedule) else []),
     ]
+
+
+def _splits_backward(schedule: sched.Schedule | None) -> bool:
+    return schedule is not None and any(a.kind in (sched.Kind.I, sched.Kind.W)
+                                        for actions in schedule.ranks for a in actions)
 
 
 @dataclass
@@ -126,8 +137,14 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                 dict(program.ep.params) if mesh.ep > 1 else {},
                 frozenset(program.tp.sp_grad_reduce), program.stats)
     sim = _simulate(the_schedule, stages.chunk_cost)
-    return Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
-                    results, time.perf_counter() - start, program.costs)
+    compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
+                        results, time.perf_counter() - start, program.costs)
+    # every distinct rank program runs forward and backward on fake tensors before it is handed
+    # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)
+    from autopart.check_programs import check_rank_programs
+    compiled.check = check_rank_programs(compiled)
+    compiled.seconds = time.perf_counter() - start
+    return compiled
 
 
 class RankPrograms(Mapping):

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from autopart.ir import META_TP, SEQ, ParamShard, Program, TensorParallelPlan, sym_shape
 from autopart.ops import tp as tp_ops
-from autopart.errors import AutopartError, node_error
+from autopart.errors import AutopartError, module_path, node_error, user_source_line
 from autopart.placement import (NoRule, Need, P, R, Shard, SplitOnShard, carry, ndim, shape_of)
 from autopart.localize import attribute
 
@@ -423,7 +423,7 @@ def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool 
     _check_heads(program, plan, tp)
     _check_share(program, plan, tp)
     if sequence_parallel:
-        _check_sequence(program, tp)
+        _check_sequence(program, plan, tp)
     gm = _rewrite(program, plan)
     report = {"tp": tp, "column": sorted(plan.column), "row": sorted(plan.row),
               "vocab_parallel": sorted(plan.vocab_embedding | plan.vocab_loss),
@@ -474,17 +474,47 @@ def _check_share(program, plan, tp) -> None:
                          f"parameters, more than 1.5/tp = {1.5 / tp:.0%}{why}",
                          "rewrite the op named above with standard ATen ops, or use pipeline "
                          "parallelism for this model")
+    _warn_replicated(program, plan, total)
+
+
+def _warn_replicated(program, plan, total: int) -> None:
+    """One warning for all linears left replicated, grouped by the op that stopped each split,
+    with its source line and the share of the model every rank holds whole because of it."""
+    linears = find_linears(program.gm, program.params)
+    nodes = {n.name: n for n in program.gm.graph.nodes}
+    groups: dict = {}
     for name, reason in plan.skipped:
-        if program.params[linears_weight(program, name)].numel * 8 >= total / max(1, len(plan.row)):
-            warnings.warn(f"autopart: linear {name} stays replicated over tp: {reason}")
+        stopper, _, why = reason.partition(": ")
+        op = nodes.get(stopper)
+        key = (str(op.target) if op is not None else stopper, why)
+        groups.setdefault(key, []).append((name, op))
+    if not groups:
+        return
+    share = sum(program.params[linears[n].weight].numel for n, _ in plan.skipped) / max(total, 1)
+    lines = []
+    for (target, why), members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        name, op = members[0]
+        more = f" and {len(members) - 1} more like it" if len(members) > 1 else ""
+        lines.append(f"  - {target}: {why}\n      stops {name} ({module_path(nodes[name]) or 'top'})"
+                     f"{more}\n      at {user_source_line(op)}")
+    warnings.warn(f"autopart: {len(plan.skipped)} linear(s) stay replicated over tp={plan.tp}, "
+                  f"{share:.1%} of the parameters held whole on every rank; what stopped them:\n"
+                  + "\n".join(lines) + "\n  remedy: write the op with one that has a "
+                  "tensor-parallel rule (autopart/placement.py RULES), or accept the replication",
+                  stacklevel=2)
 
 
-def linears_weight(program, name) -> str:
-    return find_linears(program.gm, program.params)[name].weight
-
-
-def _check_sequence(program, tp) -> None:
-    if program.seq_len is not None and program.seq_len % tp:
+def _check_sequence(program, plan, tp) -> None:
+    """The sequence the reductions scatter is the activations' (a ViT's patches + class
+    token), not necessarily the first input's dim 1 (its channels)."""
+    nodes = {n.name: n for n in program.gm.graph.nodes}
+    for name, dim in plan.seq_shards.items():
+        size = shape_of(nodes[name])[dim]
+        if not isinstance(size, torch.SymInt) and int(size) % tp:
+            raise node_error(nodes[name], f"sequence parallelism splits the sequence ({int(size)} "
+                             f"tokens) over tp={tp} ranks", f"a sequence length divisible by {tp}"
+                             ", or sequence_parallel=False")
+    if program.seq_len is not None and program.seq_len % tp and SEQ in program.symbols.values():
         raise AutopartError(f"sequence parallelism splits the sequence ({program.seq_len} tokens) "
                             f"over tp={tp} ranks.\n  remedy: a sequence length divisible by {tp}")
 

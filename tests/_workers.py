@@ -143,6 +143,10 @@ class Case:
         return self.pp * self.dp * self.tp
 
 
+# model name -> build function (case, seed, device) for models defined outside this file
+FAMILIES: dict = {}
+
+
 def build(case: Case, seed: int = 0, device: str = "cpu"):
     """(model, loss_fn, inputs, target) for a case, identical in every process."""
     torch.manual_seed(seed)
@@ -176,6 +180,8 @@ def build(case: Case, seed: int = 0, device: str = "cpu"):
     elif case.model == "extras":
         from examples.gpt import lm_loss
         model, loss_fn, vocab = Extras(), lm_loss, 64
+    elif case.model in FAMILIES:        # registered by tests/family_workers.py
+        return FAMILIES[case.model](case, seed, device)
     else:
         raise ValueError(case.model)
     g = torch.Generator().manual_seed(seed + 1)

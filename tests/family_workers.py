@@ -1,0 +1,150 @@
+"""Model families for tests/test_families.py and bench/families.py: small models in the styles
+people train, each built from its own config with random weights (no downloads), with its loss
+and one global batch. tests/_workers.py's equivalence runs them against the unmodified model.
+
+    llama-meta   examples/llama_meta.py: Meta's Llama style (complex-number rotary embeddings,
+                 hand-written RMSNorm, repeat_kv by expand + reshape, SwiGLU)
+    llama-gqa    the same with 2 k/v heads for 4 query heads
+    neox         examples/neox.py: parallel attention + MLP blocks, fused qkv with interleaved
+                 heads, ALiBi, dtype round trips
+    bert         Hugging Face BertForMaskedLM (encoder-only, masked-LM loss)
+    bart         Hugging Face BartForConditionalGeneration (encoder-decoder)
+    vit          Hugging Face ViTForImageClassification (conv patch embedding, class token)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tests import _workers
+
+VOCAB = 128
+
+
+def _quiet_transformers():
+    import transformers
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def logits_loss(out, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a model output's logits (a tensor or a Hugging Face output's .logits)."""
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def _tokens(case, g, vocab=VOCAB):
+    return torch.randint(0, vocab, (case.batch, case.seq), generator=g)
+
+
+def llama_meta(case, g, spec="tiny"):
+    from examples.llama_meta import Llama, config
+    model = Llama(config(f"{spec},vocab_size={VOCAB},dim=32,n_layers=4"))
+    return model, logits_loss, (_tokens(case, g),), _tokens(case, g)
+
+
+def neox(case, g):
+    from examples.neox import NeoX, config
+    model = NeoX(config(f"tiny,vocab_size={VOCAB}"))
+    return model, logits_loss, (_tokens(case, g),), _tokens(case, g)
+
+
+def bert(case, g):
+    tf = _quiet_transformers()
+    cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return tf.BertForMaskedLM(cfg), logits_loss, (_tokens(case, g),), _tokens(case, g)
+
+
+def bart(case, g):
+    """Encoder and decoder inputs of the same length; the loss is the decoder's."""
+    tf = _quiet_transformers()
+    cfg = tf.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                        pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                        decoder_start_token_id=2, forced_eos_token_id=None)
+    model = _Seq2Seq(tf.BartForConditionalGeneration(cfg))
+    return model, logits_loss, (_tokens(case, g), _tokens(case, g)), _tokens(case, g)
+
+
+class _Seq2Seq(torch.nn.Module):
+    """An encoder-decoder called with (encoder tokens, decoder tokens): BART's own forward takes
+    an attention mask second."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, decoder_input_ids):
+        return self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
+
+
+class _Vit(torch.nn.Module):
+    """ViTForImageClassification called with pixel values only (the first input is the batch)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.vit = model
+
+    def forward(self, pixel_values):
+        return self.vit(pixel_values=pixel_values).logits
+
+
+def vit(case, g):
+    tf = _quiet_transformers()
+    cfg = tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
+                       num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=10)
+    model = _Vit(tf.ViTForImageClassification(cfg))
+    pixels = torch.randn(case.batch, 3, 16, 16, generator=g)
+    labels = torch.randint(0, 10, (case.batch,), generator=g)
+    return model, logits_loss, (pixels,), labels
+
+
+FAMILIES = {"llama-meta": llama_meta, "llama-gqa": lambda c, g: llama_meta(c, g, "tiny-gqa"),
+            "neox": neox, "bert": bert, "bart": bart, "vit": vit}
+
+
+def build_family(case, seed: int = 0, device: str = "cpu"):
+    """(model, loss_fn, inputs, target) of a family case, identical in every process."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    model, loss_fn, inputs, target = FAMILIES[case.model](case, g)
+    return model.to(device), loss_fn, tuple(t.to(device) for t in inputs), target.to(device)
+
+
+_workers.FAMILIES.update({name: build_family for name in FAMILIES})
+
+
+def run_family_cases(rank: int, world: int, cases: list) -> list[dict]:
+    """Rank function: tests._workers.run_cases with the families registered in this process."""
+    return _workers.run_cases(rank, world, cases)
+
+
+def run_family_group(cache: dict, key, cases: list) -> dict:
+    """tests._workers.run_group for family cases: one spawn per world size, once per session."""
+    import sys
+    import time
+    from autopart.runtime.launch import spawn
+
+    if key not in cache:
+        start = time.monotonic()
+        try:
+            per_rank = spawn(run_family_cases, cases[0].world, list(cases),
+                             timeout=_workers.SPAWN_TIMEOUT, pg_timeout=_workers.PG_TIMEOUT)
+        except Exception as e:  # noqa: BLE001  (every test of the group reports it)
+            cache[key] = e
+        else:
+            results: dict = {c.name: [] for c in cases}
+            for rank_results in per_rank:
+                for r in rank_results:
+                    results[r["case"]].append(r)
+            cache[key] = results
+        print(f"[spawn {key}: {cases[0].world} ranks, {len(cases)} cases, "
+              f"{time.monotonic() - start:.1f} s]", file=sys.stderr)
+    if isinstance(cache[key], Exception):
+        raise cache[key]
+    return cache[key]

@@ -1,0 +1,158 @@
+"""The tensor-parallel rule table (autopart/placement.py RULES), one row per rule: a tiny function
+exported with torch.export, the placement of its inputs, and the placement the rule must give its
+op's output (or NoRule / a Need). Every rule function in the table has a row here."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopart.placement import RULES, R, Need, NoRule, Shard, SplitOnShard, carry
+
+aten = torch.ops.aten
+S = Shard
+COVERED: set = set()
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+def _place(fn, inputs, placements: dict, op, tp=2):
+    """The placement `carry` gives the first node calling `op`, inputs placed as given."""
+    ep = torch.export.export(_Fn(fn), tuple(inputs), strict=False)
+    pl = {}
+    for i, n in enumerate(n for n in ep.graph.nodes if n.op == "placeholder"):
+        pl[n] = placements.get(i, R)
+    for n in ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is op:
+            if op in RULES:
+                COVERED.add(RULES[op])
+            return carry(n, pl, tp)
+        pl[n] = carry(n, pl, tp)
+    raise AssertionError(f"{op} not in the exported graph:\n{ep.graph}")
+
+
+def x(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+def _expand_repeat_kv(t):          # repeat_kv: [B, T, Hkv, D] -> [B, T, 2*Hkv, D]
+    b, s, h, d = t.shape
+    return t[:, :, :, None, :].expand(b, s, h, 2, d).reshape(b, s, h * 2, d)
+
+
+ROWS = [
+    # (id, fn, inputs, input placements, op, expected output placement)
+    ("add-broadcast-bias-needs-slice", lambda a, b: a + b, [x(2, 4, 8), x(8)], {0: S(2)},
+     aten.add.Tensor, "need1:0"),
+    ("add-broadcast-other-dim", lambda a, b: a + b, [x(2, 4, 8), x(4, 1)], {0: S(2)},
+     aten.add.Tensor, S(2)),
+    ("mul-two-shards", lambda a, b: a * b, [x(2, 4, 8), x(2, 4, 8)], {0: S(2), 1: S(2)},
+     aten.mul.Tensor, S(2)),
+    ("silu", F.silu, [x(2, 8)], {0: S(1)}, aten.silu.default, S(1)),
+    ("rsqrt", torch.rsqrt, [x(2, 8)], {0: S(1)}, aten.rsqrt.default, S(1)),
+    ("pow", lambda a: a.pow(2), [x(2, 8)], {0: S(1)}, aten.pow.Tensor_Scalar, S(1)),
+    ("float-round-trip", lambda a: a.float().type_as(a), [x(2, 8)], {0: S(1)},
+     aten._assert_tensor_metadata.default, S(1)),
+    ("to-dtype", lambda a: a.to(torch.float64), [x(2, 8)], {0: S(1)}, aten.to.dtype, S(1)),
+    ("view-heads", lambda a: a.view(2, 4, 4, 2), [x(2, 4, 8)], {0: S(2)}, aten.view.default,
+     S(2)),
+    ("view-merge-into-preceding", lambda a: a.view(8, 8), [x(2, 4, 8)], {0: S(1)},
+     aten.view.default, NoRule),
+    ("reshape-after-transpose", lambda a: a.transpose(1, 2).reshape(2, 4, 8),
+     [x(2, 2, 4, 4)], {0: S(1)}, aten.reshape.default, S(2)),
+    ("reshape-merging-shard-into-preceding", lambda a: a.reshape(8, 4), [x(2, 4, 4)], {0: S(1)},
+     aten.reshape.default, NoRule),
+    ("transpose", lambda a: a.transpose(1, 2), [x(2, 4, 2, 8)], {0: S(2)}, aten.transpose.int,
+     S(1)),
+    ("t", lambda a: a.t(), [x(4, 8)], {0: S(1)}, aten.t.default, S(0)),
+    ("permute", lambda a: a.permute(0, 2, 1, 3), [x(2, 4, 2, 8)], {0: S(2)},
+     aten.permute.default, S(1)),
+    ("unsqueeze", lambda a: a.unsqueeze(1), [x(2, 8)], {0: S(1)}, aten.unsqueeze.default, S(2)),
+    ("expand-repeat-kv", _expand_repeat_kv, [x(2, 4, 2, 8)], {0: S(2)}, aten.expand.default,
+     S(2)),
+    ("repeat-kv-reshape", _expand_repeat_kv, [x(2, 4, 2, 8)], {0: S(2)}, aten.reshape.default,
+     S(2)),
+    ("view-as-complex", lambda a: torch.view_as_complex(a.reshape(2, 4, 4, 2)), [x(2, 4, 8)],
+     {0: S(1)}, aten.view_as_complex.default, S(1)),
+    ("view-as-complex-over-pairs", lambda a: torch.view_as_complex(a), [x(2, 4, 2)], {0: S(2)},
+     aten.view_as_complex.default, NoRule),
+    ("view-as-real", lambda a: torch.view_as_real(torch.view_as_complex(a)), [x(2, 4, 2)],
+     {0: S(1)}, aten.view_as_real.default, S(1)),
+    ("flatten", lambda a: a.flatten(2), [x(2, 4, 8, 2)], {0: S(1)}, aten.flatten.using_ints,
+     S(1)),
+    ("squeeze", lambda a: a.squeeze(1), [x(2, 1, 8)], {0: S(2)}, aten.squeeze.dim, S(1)),
+    ("mean-rmsnorm", lambda a: a.pow(2).mean(-1, keepdim=True), [x(2, 4, 8)], {0: S(1)},
+     aten.mean.dim, S(1)),
+    ("mean-over-shard", lambda a: a.mean(-1), [x(2, 4, 8)], {0: S(2)}, aten.mean.dim, NoRule),
+    ("sum-drops-dim", lambda a: a.sum(1), [x(2, 4, 8)], {0: S(2)}, aten.sum.dim_IntList, S(1)),
+    ("softmax-other-dim", lambda a: a.softmax(-1), [x(2, 4, 8)], {0: S(1)}, aten.softmax.int,
+     S(1)),
+    ("softmax-over-shard", lambda a: a.softmax(-1), [x(2, 4, 8)], {0: S(2)}, aten.softmax.int,
+     NoRule),
+    ("layer-norm-over-shard", lambda a: F.layer_norm(a, (8,)), [x(2, 4, 8)], {0: S(2)},
+     aten.layer_norm.default, NoRule),
+    ("layer-norm-per-head", lambda a: F.layer_norm(a, (8,)), [x(2, 4, 8)], {0: S(1)},
+     aten.layer_norm.default, S(1)),
+    ("split-sharded-dim", lambda a: a.split(4, -1)[0], [x(2, 12)], {0: S(1)},
+     aten.split.Tensor, "split"),
+    ("split-other-dim", lambda a: a.split(1, 0)[0], [x(2, 12)], {0: S(1)}, aten.split.Tensor,
+     (S(1), S(1))),
+    ("slice-other-dim", lambda a: a[:, :2], [x(2, 4, 8)], {0: S(2)}, aten.slice.Tensor, S(2)),
+    ("slice-sharded-dim", lambda a: a[..., :2], [x(2, 4, 8)], {0: S(2)}, aten.slice.Tensor,
+     NoRule),
+    ("select-shifts", lambda a: a[0], [x(2, 4, 8)], {0: S(2)}, aten.select.int, S(1)),
+    ("cat-other-dim-needs-shard", lambda a, b: torch.cat([a, b], 1), [x(2, 4, 8), x(2, 4, 8)],
+     {0: S(2)}, aten.cat.default, "need1:2"),
+    ("cat-sharded-dim", lambda a, b: torch.cat([a, b], 2), [x(2, 4, 8), x(2, 4, 8)],
+     {0: S(2), 1: S(2)}, aten.cat.default, NoRule),
+    ("sdpa-heads", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+     [x(2, 4, 8, 8), x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(1), 1: S(1), 2: S(1)}, aten.scaled_dot_product_attention.default,
+     S(1)),
+    ("sdpa-needs-kv", lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+     [x(2, 4, 8, 8), x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(1)}, aten.scaled_dot_product_attention.default, "need1:1"),
+    ("matmul-per-head-alibi", lambda q, k: q @ k.transpose(-1, -2), [x(2, 4, 8, 8), x(2, 4, 8, 8)],
+     {0: S(1), 1: S(1)}, aten.matmul.default, S(1)),
+    ("matmul-contracting-shard", lambda a, b: a @ b, [x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(3), 1: S(2)},
+     aten.matmul.default, NoRule),
+    ("no-rule-cumsum", lambda a: a.cumsum(-1), [x(2, 8)], {0: S(1)}, aten.cumsum.default,
+     NoRule),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_rule(row):
+    _, fn, inputs, placements, op, expected = row
+    if expected is NoRule:
+        with pytest.raises(NoRule):
+            _place(fn, inputs, placements, op)
+        if op in RULES:
+            COVERED.add(RULES[op])
+        return
+    out = _place(fn, inputs, placements, op)
+    if expected == "split":
+        marker, parts = out
+        assert isinstance(marker, SplitOnShard) and marker.sections == (4, 4, 4)
+        assert parts == (S(1),) * 3
+    elif isinstance(expected, str) and expected.startswith("need"):
+        arg, dim = (int(v) for v in expected[4:].split(":"))
+        assert isinstance(out, Need) and out.dim == dim, out
+    else:
+        got = tuple(Shard(p.dim) for p in out) if isinstance(out, tuple) else out
+        assert got == expected if not isinstance(got, Shard) else Shard(got.dim) == expected
+
+
+def test_every_rule_in_the_table_has_a_row():
+    for row in ROWS:          # when run alone, the rows still fill COVERED
+        if RULES.get(row[4]) not in COVERED and row[5] is not NoRule:
+            test_rule(row)
+    missing = {fn.__name__ for fn in RULES.values()} - {fn.__name__ for fn in COVERED}
+    assert not missing, f"rules without a unit test row: {sorted(missing)}"
