@@ -198,6 +198,7 @@ class ChunkProgram:
     is_last: bool
     layers: tuple[str, ...] = ()
     params: tuple[str, ...] = field(default=())
+    backward: SplitBackward | None = None    # split_backward (schedules with I/W actions)
 
     @property
     def code(self) -> str:
@@ -205,7 +206,40 @@ class ChunkProgram:
         if self.layers:
             head += ": " + (self.layers[0] if len(self.layers) == 1
                             else f"{self.layers[0]} .. {self.layers[-1]}")
-        return head + "\n" + self.gm.code.strip() + "\n"
+        text = head + "\n" + self.gm.code.strip() + "\n"
+        return text + self.backward.code if self.backward is not None else text
+
+
+@dataclass
+class SplitBackward:
+    """split_backward: one chunk's backward as two compile-time programs (Qi et al. 2024).
+
+    `forward` is the chunk's forward returning (outputs..., saved...); `input_grad` (I) takes
+    (saved[i] for i in saved_for_input..., grads of outputs[j] for j in grad_outputs...) and
+    returns (a gradient or None per received tensor..., shared...); `weight_grad` (W) takes
+    (saved[i] for i in saved_for_weight..., shared...) and returns the gradients of `params`.
+    What I and W both need is computed once, in I. The three are traced at microbatch shape
+    `shape` = (b, s). `fallback` says why this chunk has no graphs (the runtime then runs I as
+    autograd.grad w.r.t. the inputs, retaining the graph, and W w.r.t. the parameters)."""
+    forward: fx.GraphModule | None = None
+    input_grad: fx.GraphModule | None = None
+    weight_grad: fx.GraphModule | None = None
+    num_outputs: int = 0
+    saved_for_input: tuple[int, ...] = ()
+    saved_for_weight: tuple[int, ...] = ()
+    grad_outputs: tuple[int, ...] = ()
+    params: tuple[str, ...] = ()
+    shape: tuple = ()
+    fallback: str | None = None
+
+    @property
+    def code(self) -> str:
+        if self.fallback:
+            return f"# backward split at run time by autograd: {self.fallback}\n"
+        parts = [("forward, returning (outputs..., saved...)", self.forward),
+                 ("input gradient (I)", self.input_grad), ("weight gradient (W)", self.weight_grad)]
+        return "".join(f"# {what}, traced at (b, s) = {self.shape}\n{gm.code.strip()}\n"
+                       for what, gm in parts)
 
 
 @dataclass
@@ -228,6 +262,7 @@ class Program:
     stages: StagePlan | None = None          # cut_pipeline_stages
     chunks: tuple[ChunkProgram, ...] | None = None  # emit_rank_programs
     recompute: RecomputePlan | None = None   # recompute_activations
+    split_backward: dict | None = None       # split_backward: chunk -> "graphs" or why autograd
 
     def replace(self, **changes) -> "Program":
         return dataclasses.replace(self, **changes)
