@@ -63,6 +63,13 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="run norms and residuals on sequence shards over the tp axis")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full", "auto"),
+                   help="activation recomputation per layer (auto: cheapest that fits "
+                        "--memory-budget)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="bytes per rank, e.g. 20GB or 512MiB (checked; auto chooses under it)")
+    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"),
+                   help="the optimizer whose state the memory model counts (default adam)")
     p.add_argument("--emit", metavar="DIR", default=None,
                    help="write each distinct rank program to DIR/rank{pp_rank}.py")
     p.add_argument("--rank", type=int, default=None, help="print this global rank's program code")
@@ -99,7 +106,9 @@ def _run(args: argparse.Namespace) -> int:
     compiled = autopart_compile(built.model, mesh, built.inputs, loss_fn=built.loss_fn,
                                 target=built.target, microbatches=microbatches,
                                 schedule=schedule, virtual_stages=args.virtual_stages,
-                                sequence_parallel=args.sequence_parallel)
+                                sequence_parallel=args.sequence_parallel,
+                                recompute=args.recompute, memory_budget=args.memory_budget,
+                                optimizer=args.optimizer)
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
     files = _emit(compiled, Path(args.emit)) if args.emit else []

@@ -198,9 +198,44 @@ def explain_table(compiled) -> str:
         lines.append(f"shared parameters, gradients summed between their chunks: {shared}")
     lines.append(f"simulated bubble: {sim.bubble:.3f} of the ideal time; peak microbatches in "
                  f"flight per rank: {list(sim.peak_in_flight)}")
+    lines += _memory_lines(compiled)
     lines.append("passes: " + ", ".join(f"{p.name} {p.seconds:.2f}s" for p in compiled.passes)
                  + f"; compile {compiled.seconds:.2f}s")
     return "\n".join(lines)
+
+
+def memory_rows(compiled) -> list[dict]:
+    """One row per pipeline rank (its dp/tp ranks hold the same sizes): compiled.memory[rank]."""
+    mesh = compiled.plan.mesh
+    return [{"rank": r, "pp_rank": p, **compiled.memory[r]}
+            for p in range(mesh.pp) for r in [mesh.rank(pp=p, dp=0, tp=0)]]
+
+
+def recompute_summary(compiled) -> dict:
+    plan = compiled.program.recompute
+    if plan is None:
+        return {}
+    chosen = {}
+    for (chunk, layer), kind in plan.choices.items():
+        chosen.setdefault(kind, []).append(layer)
+    return {"mode": plan.mode, "optimizer": plan.optimizer, "budget": plan.budget,
+            "layers": {k: sorted(v) for k, v in chosen.items()},
+            "skipped": [list(x) for x in plan.skipped]}
+
+
+def _memory_lines(compiled) -> list[str]:
+    from autopart.memory import fmt_bytes
+    summary = recompute_summary(compiled)
+    counts = ", ".join(f"{k} {len(v)}" for k, v in summary.get("layers", {}).items())
+    lines = [f"recompute={summary.get('mode')} ({counts or 'no layers'}); memory per rank "
+             f"(optimizer={summary.get('optimizer')}"
+             + (f", budget {fmt_bytes(summary['budget'])}" if summary.get("budget") else "")
+             + "; every dp/tp rank of a pipeline rank the same):"]
+    keys = ("params", "grads", "master", "optimizer", "activations", "buffers", "total")
+    lines.append("  pp rank  " + "  ".join(f"{k:>11}" for k in keys))
+    for row in memory_rows(compiled):
+        lines.append(f"  {row['pp_rank']:>7}  " + "  ".join(f"{fmt_bytes(row[k]):>11}" for k in keys))
+    return lines
 
 
 def _params_per_pp_rank(rows, pp) -> list[int]:
@@ -224,6 +259,8 @@ def explain_json(compiled) -> dict:
         "sequence_parallel": plan.sequence_parallel,
         "expert_parallel": ep_rows(compiled),
         "bubble": sim.bubble, "peak_in_flight": list(sim.peak_in_flight),
+        "recompute": recompute_summary(compiled),
+        "memory": memory_rows(compiled),
         "passes": [{"name": p.name, "seconds": p.seconds} for p in compiled.passes],
         "compile_seconds": compiled.seconds,
     }

@@ -81,7 +81,7 @@ class ChunkActivations:
     """Bytes one microbatch leaves saved for backward in one chunk, as formulas in b and s."""
     saved: sympy.Expr                                   # the whole chunk
     per_layer: dict = field(default_factory=dict)       # layer -> bytes its ops saved first
-    transient: sympy.Expr = sympy.Integer(0)            # largest recomputed region, rerun
+    transient: sympy.Expr = sympy.Integer(0)            # peak while its backward reruns regions
     sends: sympy.Expr = sympy.Integer(0)                # outputs held until backward
     exact: bool = True                                  # False: fake run failed, estimated
 
@@ -116,7 +116,8 @@ class _SavedCounter(fx.Interpreter):
         self.weights: set = set() if params is None else params   # storages of state
         self.sizes: dict = {}          # storage key -> bytes formula (first producer)
         self.saved: dict = {}          # storage key -> (bytes formula, layer that saved it)
-        self.transient = sympy.Integer(0)
+        self.transient = sympy.Integer(0)   # max over regions: saved up to it + its rerun
+        self.running = sympy.Integer(0)     # bytes saved so far, in forward order
         self.current: fx.Node | None = None
 
     def count(self, *args):
@@ -142,6 +143,7 @@ class _SavedCounter(fx.Interpreter):
                 size = t.untyped_storage().nbytes() * self._growth(self.current)
             layer = layer_of(self.current, self.layers) if self.current is not None else None
             self.saved[key] = (size, layer)
+            self.running += size
         return t
 
     def fetch_attr(self, target: str):
@@ -161,13 +163,18 @@ class _SavedCounter(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         self.current = n
+        rerun = None
         if n.op == "call_function" and n.target is torch.utils.checkpoint.checkpoint:
-            self._rerun_peak(n)
+            rerun = self._rerun_bytes(n)
         out = super().run_node(n)
         self._register(n, out)
+        if rerun is not None:
+            # Backward reaches this region after freeing what later nodes saved: then it holds
+            # what was saved up to here plus the region's rerun.
+            self.transient = sympy.Max(self.transient, sympy.expand(self.running + rerun))
         return out
 
-    def _rerun_peak(self, n: fx.Node) -> None:
+    def _rerun_bytes(self, n: fx.Node) -> sympy.Expr:
         """What rerunning this region in backward saves at once (its own tensors, not its inputs):
         the region's graph counted by a nested counter whose hooks shadow ours."""
         sub = self.fetch_attr(n.args[0].target)
@@ -175,7 +182,7 @@ class _SavedCounter(fx.Interpreter):
         inner = _SavedCounter(sub, self.mode, self.symbols, self.b, self.s, self.local_shape,
                               self.layers, params=set(self.weights) | set(self.sizes))
         inner.count(*args)
-        self.transient = sympy.Max(self.transient, inner.total())
+        return inner.total()
 
     def _register(self, n: fx.Node, out) -> None:
         vals = n.meta.get("val")
@@ -267,7 +274,7 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
 def activation_peak(actions, acts: dict[int, ChunkActivations], b: int, s: int | None):
     """(peak saved bytes, in-flight counts per chunk at that peak) walking one rank's actions:
     a forward adds its chunk's saved bytes, a backward (W when split) drops them; while a
-    backward runs, its chunk's largest recomputed region is alive on top."""
+    backward reruns recomputed regions, that microbatch holds up to its `transient` instead."""
     at = {c: evaluate(a.saved, b, s) for c, a in acts.items()}
     rerun = {c: evaluate(a.transient, b, s) for c, a in acts.items()}
     kinds = {str(a.kind) for a in actions}
@@ -281,8 +288,9 @@ def activation_peak(actions, acts: dict[int, ChunkActivations], b: int, s: int |
             if live > peak:
                 peak, where = live, dict(alive)
         elif kind in ("B", "I"):
-            if live + rerun[a.chunk] > peak:
-                peak, where = live + rerun[a.chunk], dict(alive)
+            during = live - at[a.chunk] + max(at[a.chunk], rerun[a.chunk])
+            if during > peak:
+                peak, where = during, dict(alive)
         if kind == release:
             alive[a.chunk] -= 1
             live -= at[a.chunk]
@@ -374,11 +382,11 @@ def _rank_chunks_local(program, mesh, pp: int):
 
 
 def pp_rank_memory(program: Program, mesh, schedule, b: int, optimizer: str, pp: int,
-                   acts: dict | None = None) -> dict[str, int]:
+                   acts: dict | None = None, state: dict | None = None) -> dict[str, int]:
     """The memory dict of pipeline rank `pp` (tp/ep rank 0) before a Compiled exists."""
     s = program.seq_len
     chunks = _rank_chunks_local(program, mesh, pp)
-    out = state_bytes(program, chunks, mesh, optimizer)
+    out = dict(state) if state is not None else state_bytes(program, chunks, mesh, optimizer)
     if acts is None:
         local = _local_shaper(program, mesh)
         acts = {c.chunk: chunk_activations(c, program, b, s, local) for c in chunks}
@@ -437,9 +445,10 @@ def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbat
                                            for _, _, names in regions.values()
                                            for x in names if x in program.costs) / n
         current = {(c.chunk, layer): "none" for c in mine for layer in layers[c.chunk]}
+        state = state_bytes(program, _rank_chunks_local(program, mesh, pp), mesh, optimizer)
         while True:
             acts = _mixed(mine, layers, current, variants)
-            mem = pp_rank_memory(program, mesh, schedule, b, optimizer, pp, acts)
+            mem = pp_rank_memory(program, mesh, schedule, b, optimizer, pp, acts, state)
             if mem["total"] <= budget:
                 break
             step = _best_step(current, variants, flops, b, s)
@@ -455,13 +464,15 @@ def _mixed(chunks, layers, current, variants) -> dict:
     out = {}
     for c in chunks:
         base = variants[c.chunk, "none"]
-        total, transient = base.saved, sympy.Integer(0)
+        total, rerun = base.saved, sympy.Integer(0)
         for layer in layers[c.chunk]:
             kind = current[c.chunk, layer]
             if kind != "none":
                 v = variants[c.chunk, kind]
                 total += v.per_layer.get(layer, 0) - base.per_layer.get(layer, 0)
-                transient = sympy.Max(transient, v.transient)
+                # bounded by: everything this chunk keeps plus the rerun of the variant's region
+                rerun = sympy.Max(rerun, v.transient - v.saved)
+        transient = sympy.expand(total) + rerun
         out[c.chunk] = ChunkActivations(sympy.expand(total), {}, transient, base.sends)
     return out
 

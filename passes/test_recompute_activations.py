@@ -56,6 +56,7 @@ def test_selective_recomputes_only_the_attention_core():
     assert ops == [torch.ops.aten.scaled_dot_product_attention.default]
 
 
+@pytest.mark.full
 def test_selective_finds_matmul_softmax_matmul_by_dataflow():
     """HF GPT-2 with eager attention: matmul, scale, causal where, softmax, dropout, matmul."""
     transformers = pytest.importorskip("transformers")
@@ -80,15 +81,17 @@ def test_selective_finds_matmul_softmax_matmul_by_dataflow():
 
 def test_recomputed_chunk_is_bitwise_equal_in_process_with_dropout():
     """One chunk, none vs full vs selective, dropout 0.2: the same loss and grads, bit for bit."""
+    from autopart.passes.recompute_activations import rewrite_chunk
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=128, block_size=16, dropout=0.2)
+    torch.manual_seed(0)
+    x = torch.randint(0, 128, (4, 16))
+    c = autopart.compile(GPT(cfg), autopart.Mesh(), (x,), loss_fn=lm_loss, target=x)
+    chunk = c.programs[0].chunks[0]
     results = {}
     for mode in ("none", "selective", "full"):
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        x = torch.randint(0, 128, (4, 16))
-        c = autopart.compile(model, autopart.Mesh(), (x,), loss_fn=lm_loss, target=x,
-                             recompute=mode)
-        gm = c.programs[0].chunks[0].gm
+        gm = rewrite_chunk(chunk, {layer: mode for layer in chunk.layers})[0].gm
+        for p in gm.parameters():
+            p.grad = None
         torch.manual_seed(7)
         loss = gm(x, x)[0]
         loss.backward()
@@ -135,11 +138,13 @@ def test_bad_options_are_clear_errors():
 M = dict(microbatches=4)
 MODES = ("selective", "full")
 FAST_2 = [(MemCase("gpt-pp2-1f1b-dropout", pp=2, dropout=0.1, **M), MODES),
-          (MemCase("gpt-pp2-interleaved", pp=2, schedule="interleaved-1f1b", virtual_stages=2,
-                   **M), ("full",)),
+          (MemCase("hf-pp2", model="hf", pp=2, batch=4, seq=32, microbatches=2), ("full",))]
+FULL_2 = [(MemCase("gpt-pp2-interleaved", pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                   **M), MODES),
           (MemCase("gpt-tp2", tp=2, microbatches=2), MODES),
-          (MemCase("hf-pp2", model="hf", pp=2, batch=4, seq=32, microbatches=2), MODES)]
-FULL_2 = [(MemCase("gpt-dp2", dp=2, microbatches=2), MODES),
+          (MemCase("hf-pp2-selective", model="hf", pp=2, batch=4, seq=32, microbatches=2),
+           ("selective",)),
+          (MemCase("gpt-dp2", dp=2, microbatches=2), MODES),
           (MemCase("gpt-tp2-sp", tp=2, sequence_parallel=True, microbatches=2), MODES),
           (MemCase("hf-eager-pp2", model="hf-eager", pp=2, batch=4, seq=32, microbatches=2,
                    dropout=0.1), MODES)]
@@ -148,6 +153,11 @@ FULL_4 = [(MemCase("gpt-pp2xdp2-interleaved", pp=2, dp=2, schedule="interleaved-
           (MemCase("gpt-pp2xtp2", pp=2, tp=2, **M), MODES),
           (MemCase("gpt-pp4-1f1b", pp=4, **M), ("full",))]
 GROUPS = {("rc-fast", 2): FAST_2, ("rc-full", 2): FULL_2, ("rc-full", 4): FULL_4}
+
+
+@pytest.fixture(scope="module")
+def spawn_cache() -> dict:
+    return {}
 
 
 def _run(cache, key):

@@ -1,0 +1,122 @@
+"""The memory model against measurement: for (model, mesh, schedule, recompute) combinations, the
+predicted peak of activations plus state per rank (`compiled.memory[rank]`) is within 10% of
+what the rank process measures during a real training step (tests/memory_workers.py says how:
+saved-tensor hooks counting the unique storages autograd keeps, and the real parameter, gradient
+and optimizer-state tensors). The whole table is printed (run with -s to see it).
+
+    python -m pytest -s tests/test_memory_model.py            # all combinations
+    python -m pytest -s -m "not full" tests/test_memory_model.py
+"""
+from __future__ import annotations
+
+import pytest
+
+import autopart
+from autopart.memory import KEYS, parse_bytes
+from tests.memory_workers import MemCase
+
+TOLERANCE = 0.10
+M4 = dict(microbatches=4)
+CASES_4 = [
+    MemCase("gpt-pp4-1f1b-none", pp=4, **M4),
+    MemCase("gpt-pp4-1f1b-full", pp=4, recompute="full", **M4),
+    MemCase("gpt8-pp4-1f1b-m8-selective-sgd", pp=4, n_layer=8, microbatches=8,
+            recompute="selective", optimizer="sgd"),
+    MemCase("gpt8-pp2xtp2-1f1b-full", pp=2, tp=2, n_layer=8, recompute="full", **M4),
+]
+CASES_2 = [
+    MemCase("gpt8-pp2-interleaved-v2-none", pp=2, n_layer=8, schedule="interleaved-1f1b",
+            virtual_stages=2, **M4),
+    MemCase("gpt8-pp2-interleaved-v2-full-momentum", pp=2, n_layer=8, schedule="interleaved-1f1b",
+            virtual_stages=2, recompute="full", optimizer="sgd-momentum", **M4),
+    MemCase("hf-pp2-gpipe-selective", model="hf", pp=2, schedule="gpipe", batch=4, seq=32,
+            recompute="selective", **M4),
+    MemCase("gpt-dp2-full", dp=2, recompute="full", microbatches=2),
+]
+GROUPS = {("mem", 4): CASES_4, ("mem", 2): CASES_2}
+FAST = {"gpt-pp4-1f1b-none", "gpt-pp4-1f1b-full", "gpt8-pp2-interleaved-v2-none",
+        "gpt8-pp2-interleaved-v2-full-momentum"}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    return {}
+
+
+def _results(cache: dict, key) -> list[dict]:
+    from autopart.runtime.launch import spawn
+    from tests.memory_workers import measure_memory
+    if key not in cache:
+        try:
+            cache[key] = [r for per in spawn(measure_memory, key[1], GROUPS[key], timeout=900)
+                          for r in per]
+        except Exception as e:  # noqa: BLE001
+            cache[key] = e
+    if isinstance(cache[key], Exception):
+        raise cache[key]
+    return cache[key]
+
+
+def _table(case: MemCase, rows: list[dict]) -> tuple[str, float]:
+    lines = [f"{case.name}: {case.world} ranks, recompute={case.recompute}, "
+             f"optimizer={case.optimizer}",
+             "  rank  what          predicted    measured    error"]
+    worst = 0.0
+    for r in sorted(rows, key=lambda r: r["rank"]):
+        p, m = r["predicted"], r["measured"]
+        for k in ("params", "grads", "optimizer", "activations"):
+            lines.append(f"  {r['rank']:>4}  {k:<12} {p[k]:>10}  {m[k]:>10}  "
+                         f"{_err(p[k], m[k]):+7.1%}")
+        pt = sum(p[k] for k in ("params", "grads", "master", "optimizer", "activations"))
+        mt = sum(m.values())
+        worst = max(worst, abs(_err(pt, mt)))
+        lines.append(f"  {r['rank']:>4}  {'state+acts':<12} {pt:>10}  {mt:>10}  "
+                     f"{_err(pt, mt):+7.1%}")
+    return "\n".join(lines), worst
+
+
+def _err(predicted: int, measured: int) -> float:
+    return (predicted - measured) / measured if measured else float(predicted != 0)
+
+
+def _params():
+    return [pytest.param(key, case, id=case.name,
+                         marks=[] if case.name in FAST else [pytest.mark.full])
+            for key, cases in GROUPS.items() for case in cases]
+
+
+@pytest.mark.parametrize("key,case", _params())
+def test_prediction_within_ten_percent_of_measurement(key, case, measured):
+    rows = [r for r in _results(measured, key) if r["case"] == case.name]
+    assert len(rows) == case.world
+    table, worst = _table(case, rows)
+    print("\n" + table)
+    assert worst <= TOLERANCE, f"prediction off by {worst:.1%} (> {TOLERANCE:.0%}):\n{table}"
+
+
+def test_1f1b_pp4_keeps_four_microbatches_on_rank0_and_one_on_rank3():
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    import torch
+    from autopart.memory import activation_peak
+    x = torch.randint(0, 128, (8, 16))
+    c = autopart.compile(GPT(GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=128,
+                                       block_size=16)),
+                         autopart.Mesh(pp=4), (x,), loss_fn=lm_loss, target=x, microbatches=8)
+    peaks = []
+    for rank in range(4):
+        acts = c.memory.activations(rank)
+        _, in_flight = activation_peak(c.schedule.ranks[rank], acts, 1, 16)
+        peaks.append(sum(in_flight.values()))
+    assert peaks == [4, 3, 2, 1] == list(c.simulation.peak_in_flight)
+    mem = c.memory[0]
+    assert set(mem) == set(KEYS) and all(isinstance(v, int) for v in mem.values())
+    assert mem["total"] == sum(mem[k] for k in KEYS[:-1])
+    assert c.memory[0]["activations"] > c.memory[3]["activations"] * 0 + 1
+    js = c.to_json()
+    assert js["memory"][0]["rank"] == 0 and js["memory"][0]["total"] == mem["total"]
+    assert "memory per rank" in c.explain()
+
+
+def test_parse_bytes():
+    assert parse_bytes("20GB") == 20 * 10**9 and parse_bytes("1GiB") == 2**30
+    assert parse_bytes(123) == 123
