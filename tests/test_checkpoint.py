@@ -339,7 +339,9 @@ def test_hugging_face_gpt2_tp_pp_then_export(tmp_path):
     from autopart.runtime import checkpoint
 
     d = tmp_path
-    hf = dict(model="hf", batch=4)
+    # momentum SGD: Adam turns tensor-parallel round-off in near-zero gradients into ~1e-5 moves
+    # (tests/_workers.py), which is not what this test is about
+    hf = dict(model="hf", batch=4, optim="sgd")
     out = _chain(4, [
         Phase("tp2xpp2", {"tp": 2, "pp": 2}, steps=2, save=f"{d}/a", save_model=True, **hf),
         Phase("pp2xdp2", {"pp": 2, "dp": 2}, steps=1, load=f"{d}/a", save=f"{d}/b",
