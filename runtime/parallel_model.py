@@ -92,6 +92,18 @@ class ParallelModel:
     def explain(self) -> str:
         return self.compiled.explain()
 
+    def save(self, path, optimizer=None, extra: dict | None = None, **kwargs) -> dict:
+        """Save this model's shards, `optimizer`'s state, RNG states and `extra` to the checkpoint
+        directory `path` (collective; atomic). See autopart/runtime/checkpoint.py."""
+        from autopart.runtime.checkpoint import save
+        return save(self, path, optimizer=optimizer, extra=extra, **kwargs)
+
+    def load(self, path, optimizer=None, **kwargs) -> dict:
+        """Load a checkpoint saved on any mesh into this model (in place) and `optimizer`;
+        returns its `extra` dict (collective). See autopart/runtime/checkpoint.py."""
+        from autopart.runtime.checkpoint import load
+        return load(self, path, optimizer=optimizer, **kwargs)
+
 
 def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
                 loss_fn: Callable | None = None, target: torch.Tensor | None = None,
