@@ -71,7 +71,6 @@ def run_phase(phase: Phase, rank: int, pg_timeout: float = 60.0) -> dict:
     """One phase on this rank: parallelize, maybe load, train, compare with the plain model,
     maybe save. Returns {"problems": [...], ...}."""
     import autopart
-    from autopart.runtime import checkpoint
 
     start = time.perf_counter()
     case = Case(phase.name, model=phase.model, batch=phase.batch)
@@ -90,7 +89,7 @@ def run_phase(phase: Phase, rank: int, pg_timeout: float = 60.0) -> dict:
     timings = {"parallelize": time.perf_counter() - start}
     if phase.load is not None:
         t = time.perf_counter()
-        extra = checkpoint.load(pm, phase.load, optimizer=opt)
+        extra = pm.load(phase.load, optimizer=opt)
         timings["load"] = time.perf_counter() - t
         done = int(extra.get("step", 0))
     vocab = _vocab(phase.model)
@@ -126,7 +125,7 @@ def run_phase(phase: Phase, rank: int, pg_timeout: float = 60.0) -> dict:
                         for n, p in pm.named_parameters() if p in opt.state}
     if phase.save is not None:
         t = time.perf_counter()
-        marker = checkpoint.save(pm, phase.save, optimizer=opt,
+        marker = pm.save(phase.save, optimizer=opt,
                                  extra={"step": done + phase.steps, "phase": phase.name},
                                  model=model if phase.save_model else None)
         out["save_seconds"] = time.perf_counter() - t

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -119,11 +118,10 @@ def _single(model_name: str = "gpt4", optim: str = "adamw", steps: int = 1, **bu
 
 def test_round_trip_in_place_with_buffers_frozen_and_unused(tmp_path, single_process_group):
     """Extras (frozen layer, buffers, an unused parameter): load restores every tensor bitwise
-    into the same Parameter objects, and Adam state a fresh optimizer has not made yet."""
-    from autopart.runtime import checkpoint
-
+    into the same Parameter objects, and Adam state a fresh optimizer has not made yet
+    (through ParallelModel.save / ParallelModel.load)."""
     pm, opt, _ = _single("extras", "adam", steps=2)
-    checkpoint.save(pm, tmp_path / "ck", optimizer=opt, extra={"step": 2, "data": [1, 2]})
+    pm.save(tmp_path / "ck", optimizer=opt, extra={"step": 2, "data": [1, 2]})
     saved = {k: v.clone() for k, v in pm.full_state_dict().items()}
     saved_state = {n: {k: v.clone() for k, v in opt.state[p].items()}
                    for n, p in pm.named_parameters()}
@@ -133,7 +131,7 @@ def test_round_trip_in_place_with_buffers_frozen_and_unused(tmp_path, single_pro
             p.add_(1.0)
     ids = [id(p) for p in pm2.parameters()]
     opt2 = optimizer("adam", pm2.parameters())
-    extra = checkpoint.load(pm2, tmp_path / "ck", optimizer=opt2)
+    extra = pm2.load(tmp_path / "ck", optimizer=opt2)
     assert extra == {"step": 2, "data": [1, 2]}
     assert ids == [id(p) for p in pm2.parameters()]
     for k, v in pm2.full_state_dict().items():
@@ -219,7 +217,6 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, single_process_group):
 def test_checkpoint_of_a_different_model(tmp_path, single_process_group):
     """Different names and shapes: the error lists them."""
     import autopart
-    from autopart.runtime import checkpoint
     from examples.gpt import GPT, GPTConfig, lm_loss
 
     _, _, _, path = _saved(tmp_path)
