@@ -14,7 +14,7 @@ checked once.
     >>> from examples.gpt import GPT, lm_loss
     >>> x = torch.zeros(4, 16, dtype=torch.long)
     >>> c = autopart.compile(GPT("tiny"), autopart.Mesh(pp=2, tp=2), (x,), loss_fn=lm_loss, target=x)
-    >>> check_rank_programs(c)["checked"]
+    >>> check_rank_programs(c)["checked"]        # one chunk graph per pipeline rank
     2
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopart.errors import AutopartError, node_error
 from autopart.ir import META_TP, Boundary, ChunkProgram, sym_shape
+from autopart.localize import attribute
 from autopart.ops import registry
 from autopart.ops.comm import GroupComm
 from autopart.ops import ep as ep_ops
@@ -44,37 +45,71 @@ class _DataDependent(Exception):
 def check_rank_programs(compiled) -> dict:
     """Run each distinct rank program forward and backward on fake tensors.
 
-    Returns {"checked": chunk graphs run, "skipped": [(chunk, node, reason)], "seconds": ...};
-    raises AutopartError on the first chunk that does not run."""
+    The tensor- and expert-parallel ranks of one pipeline rank run the same chunk graphs on
+    shards of equal shapes, so each chunk graph is run once with this rank's local parameter
+    shapes (nothing is localized), and chunks with the same structure (the middle stages of a
+    uniform stack) once in all. Returns {"checked": chunk graphs run, "skipped": [(chunk, node,
+    reason)], "seconds": ...}; raises AutopartError on the first chunk that does not run."""
     import time
     start = time.perf_counter()
     plan, program = compiled.plan, compiled.program
     b, s = plan.microbatch_size, program.seq_len
+    local = _local_shapes(plan)
     seen: set = set()
     skipped: list = []
-    for rank_program in compiled.programs.distinct():
-        for chunk in rank_program.chunks:
-            key = (id(chunk.gm.graph), _param_shapes(chunk.gm))
-            if key in seen:
-                continue
-            seen.add(key)
-            reason = check_chunk(chunk, program, b, s, rank_program.coords)
-            if reason:
-                skipped.append((chunk.chunk, *reason))
+    for chunk in program.chunks:
+        key = _structure(chunk, plan)
+        if key in seen:
+            continue
+        seen.add(key)
+        reason = check_chunk(chunk, program, b, s, local)
+        if reason:
+            skipped.append((chunk.chunk, *reason))
     return {"checked": len(seen), "skipped": skipped, "seconds": time.perf_counter() - start}
 
 
-def _param_shapes(gm: fx.GraphModule) -> tuple:
-    return tuple((name, tuple(p.shape)) for name, p in gm.named_parameters())
+def _local_shapes(plan):
+    """name, full shape -> the shape one rank holds (its tp shard of each section, its experts)."""
+    mesh = plan.mesh
+    tp_shards = plan.tp_shards if mesh.tp > 1 else {}
+    ep_shards = plan.ep_shards if mesh.ep > 1 else {}
+
+    def shape(name: str, full: tuple) -> tuple:
+        out = list(full)
+        if name in ep_shards:
+            out[0] //= mesh.ep
+        if name in tp_shards:
+            out[tp_shards[name].dim] //= mesh.tp
+        return tuple(out)
+    return shape
 
 
-def check_chunk(chunk: ChunkProgram, program, b: int, s: int | None, coords: dict):
-    """Forward and backward of one chunk on fake tensors; None, or (node, reason) if a
-    data-dependent op stopped the check part way."""
-    where = f"pipeline rank {chunk.rank}, chunk {chunk.chunk}" + "".join(
-        f", {axis} rank {coords[axis]}" for axis in ("tp", "dp") if coords.get(axis))
+def _structure(chunk: ChunkProgram, plan) -> tuple:
+    """What the check depends on, without names: ops, dataflow, constant arguments, attribute
+    shapes and shards, boundary shapes."""
+    index: dict = {}
+    items = []
+    for i, n in enumerate(chunk.gm.graph.nodes):
+        index[n] = i
+        if n.op == "get_attr":
+            v = attribute(chunk.gm, n.target)
+            sig = (tuple(v.shape), v.dtype, plan.tp_shards.get(n.target),
+                   plan.ep_shards.get(n.target)) if isinstance(v, torch.Tensor) else type(v).__name__
+        else:
+            sig = n.target if n.op == "call_function" else n.op
+        args = (n.args, {} if registry.is_autopart_op(n.target, kind="p2p") else n.kwargs)
+        items.append((sig, str(fx.map_arg(args, lambda a: index[a]))))   # p2p peers aside
+    edges = tuple((r.shape, r.dtype) for r in chunk.recvs + chunk.sends)
+    return tuple(items), edges, chunk.is_last
+
+
+def check_chunk(chunk: ChunkProgram, program, b: int, s: int | None, local_shape):
+    """Forward and backward of one chunk on fake tensors, parameters of the shapes
+    `local_shape(name, full shape)` gives; None, or (node, reason) if a data-dependent op
+    stopped the check part way."""
+    where = f"pipeline rank {chunk.rank}, chunk {chunk.chunk}"
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        runner = _FakeRunner(chunk.gm, mode)
+        runner = _FakeRunner(chunk.gm, mode, local_shape)
         runner.where = where
         args = [_fake_recv(r, b, s, ph) for r, ph in zip(chunk.recvs, runner.placeholders)]
         args += [_fake_input(ph, program, b, s) for ph in runner.placeholders[len(chunk.recvs):]]
@@ -91,9 +126,9 @@ class _FakeRunner(fx.Interpreter):
     """Runs a chunk with its parameters as fake tensors and shape-only comm modules; an
     exception inside a node becomes an AutopartError naming it."""
 
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, local_shape):
         super().__init__(gm, garbage_collect_values=False)
-        self.mode = mode
+        self.mode, self.local_shape = mode, local_shape
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.attrs: dict = {}
         self.params: list = []
@@ -104,8 +139,9 @@ class _FakeRunner(fx.Interpreter):
             value = super().fetch_attr(target)
             if isinstance(value, GroupComm):
                 value = type(value)(value.size, value.rank, shape_only=True)
-            elif isinstance(value, torch.Tensor):
-                fake = self.mode.from_tensor(value.detach())
+            elif isinstance(value, torch.Tensor):    # made fake from its shape: no copy
+                fake = torch.empty(self.local_shape(target, tuple(value.shape)),
+                                   dtype=value.dtype, device=value.device)
                 if isinstance(value, torch.nn.Parameter) and value.requires_grad:
                     fake.requires_grad_(True)
                     self.params.append(fake)

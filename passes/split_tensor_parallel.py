@@ -142,7 +142,8 @@ def _seq_dim(node: fx.Node, program: Program) -> int | None:
     dims = [i for i, d in enumerate(shape) if d == SEQ]
     if dims:
         return dims[0]
-    return 1 if not program.dynamic and val.dim() == 3 else None
+    # a static sequence (a ViT's patches, or a model that fixes its length): dim 1 of [b, s, h]
+    return 1 if SEQ not in program.symbols.values() and val.dim() == 3 else None
 
 
 def _plan_sequence(gm, plan: TensorParallelPlan, program: Program, linears) -> None:
@@ -542,7 +543,8 @@ def _rewrite(program: Program, plan: TensorParallelPlan) -> fx.GraphModule:
                               (mapped(node.args[0]), mapped(node.args[1]), comm, ignore), node, R)
         elif node.name in plan.vocab_embedding:
             part = _call(g, tp_ops.vocab_parallel_embedding,
-                         (mapped(node.args[0]), mapped(node.args[1]), comm), node, P)
+                         (mapped(node.args[0]), mapped(node.args[1]), comm,
+                          *_padding_idx(node)), node, P)
             env[node] = _reduce(g, part, comm, plan.seq_shards.get(node.name), node)
         else:
             new = g.node_copy(node, mapped)
@@ -552,6 +554,14 @@ def _rewrite(program: Program, plan: TensorParallelPlan) -> fx.GraphModule:
     root = {name: attribute(old, name) for name in _attr_targets(old)}
     root[COMM] = tp_ops.TPComm(plan.tp)
     return fx.GraphModule(root, g)
+
+
+def _padding_idx(embedding: fx.Node) -> tuple:
+    """(padding_idx,) of an aten.embedding that has one (its row gets no gradient), else ()."""
+    pad = embedding.args[2] if len(embedding.args) > 2 else embedding.kwargs.get("padding_idx", -1)
+    if pad is None or pad < 0:
+        return ()
+    return (pad,)
 
 
 def _redistributed_inputs(g, node, plan, env, cache, comm) -> dict:

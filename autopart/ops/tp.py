@@ -160,13 +160,18 @@ def gather_linear_sp(x, w, b, dim, comm):
     return _GatherLinear.apply(x, w, b, dim, comm)
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, comm) -> torch.Tensor:
-    """This rank's rows of the table: ids outside them look up zeros (summed over tp after)."""
+def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, comm,
+                             padding_idx: int | None = None) -> torch.Tensor:
+    """This rank's rows of the table: ids outside them look up zeros (summed over tp after).
+    The row of `padding_idx` (global id) gets no gradient, as in nn.Embedding."""
     start = comm.rank * weight.shape[0]
     local = idx - start
     outside = (local < 0) | (local >= weight.shape[0])
     out = F.embedding(local.masked_fill(outside, 0), weight)
-    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    if padding_idx is not None:
+        out = torch.where((idx == padding_idx).unsqueeze(-1), out.detach(), out)
+    return out
 
 
 class _VocabParallelCE(torch.autograd.Function):
