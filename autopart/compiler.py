@@ -15,13 +15,14 @@ import torch
 import torch.nn as nn
 
 from autopart import schedule as sched
-from autopart.passes.analyze_costs import analyze_costs
-from autopart.capture import capture
+from autopart.arguments import check_arguments
+from autopart.capture import capture, check_on_example
 from autopart.errors import AutopartError
 from autopart.ir import Plan, Program, RankProgram
 from autopart.localize import localize_chunk
 from autopart.mesh import Mesh
 from autopart.pass_runner import Pass, PassResult, run_passes
+from autopart.passes.analyze_costs import analyze_costs
 from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
 from autopart.passes.emit_rank_programs import emit_rank_programs
 from autopart.passes.recompute_activations import recompute_activations
@@ -50,11 +51,13 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
              options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size)),
         Pass("emit_rank_programs", emit_rank_programs, requires=("stages", "tp"),
              provides=("chunks",)),
-        # last: it rewrites the emitted chunks, and its memory model needs the cut and costs
-        Pass("recompute_activations", recompute_activations,
-             requires=("chunks", "costs", "stages"), provides=("recompute",),
-             options=dict(mode=recompute, budget=memory_budget, optimizer=optimizer, mesh=mesh,
-                          schedule=schedule, microbatch_size=microbatch_size)),
+        # after emit: it rewrites the emitted chunks, and its memory model needs the cut and
+        # costs; only when asked (a recompute mode, or a budget to check)
+        *([Pass("recompute_activations", recompute_activations,
+                requires=("chunks", "costs", "stages"), provides=("recompute",),
+                options=dict(mode=recompute, budget=memory_budget, optimizer=optimizer, mesh=mesh,
+                             schedule=schedule, microbatch_size=microbatch_size))]
+          if recompute != "none" or memory_budget is not None else []),
         # zero-bubble schedules only (I/W actions): the chunks' backwards as I and W programs,
         # traced from the final chunks (recomputation's rewrite included)
         *([Pass("split_backward", split_backward, requires=("chunks",),
@@ -111,7 +114,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     (2, True)
     """
     start = time.perf_counter()
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
     mbs = _microbatch_size(example_inputs, mesh, microbatches)
     if sequence_parallel and mesh.tp == 1:
         raise AutopartError("sequence_parallel=True shards the sequence over the tp axis, but the "
@@ -135,7 +138,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                 stages.chunk_layers, stages.shared_params, sequence_parallel,
                 dict(program.tp.params) if mesh.tp > 1 else {},
                 dict(program.ep.params) if mesh.ep > 1 else {},
-                frozenset(program.tp.sp_grad_reduce), program.stats)
+                frozenset(program.tp.sp_grad_reduce), program.stats, optimizer)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
                         results, time.perf_counter() - start, program.costs)
@@ -192,8 +195,8 @@ def _microbatch_size(inputs: tuple, mesh: Mesh, microbatches: int) -> int:
     if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
         raise AutopartError("example_inputs must hold at least one tensor whose dim 0 is the batch")
     batch = int(inputs[0].shape[0])
-    if microbatches < 1:
-        raise AutopartError(f"microbatches={microbatches} must be >= 1")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise AutopartError(f"microbatches={microbatches!r} must be a positive integer")
     if batch % (mesh.dp * microbatches):
         per = mesh.dp * microbatches
         ok = [m for m in range(1, batch + 1) if batch % (mesh.dp * m) == 0]
@@ -215,10 +218,17 @@ def _capture(model, inputs, loss_fn, target, mbs) -> Program:
         t = t.repeat(reps, *([1] * (t.dim() - 1))) if reps > 1 else t
         return t[:rows]
 
-    program = capture(model, tuple(take(t) for t in inputs), loss_fn=loss_fn, target=take(target))
+    args = tuple(take(t) for t in inputs)
+    whole = tuple(inputs) + ((target,) if target is not None else ())
+    program = capture(model, args, loss_fn=loss_fn, target=take(target))
     if not program.dynamic and rows != mbs:   # static graph: it must be the microbatch's own
-        program = capture(model, tuple(t[:mbs] for t in inputs), loss_fn=loss_fn,
+        args = tuple(t[:mbs] for t in inputs)
+        program = capture(model, args, loss_fn=loss_fn,
                           target=None if target is None else target[:mbs])
+        target = None if target is None else target[:mbs]
+    else:
+        target = take(target)
+    check_on_example(program, args + ((target,) if target is not None else ()), whole)
     return program
 
 

@@ -309,8 +309,7 @@ class MemoryTable(Mapping):
     def __init__(self, compiled):
         self.compiled = compiled
         self.mesh = compiled.plan.mesh
-        rp = compiled.program.recompute
-        self.optimizer = rp.optimizer if rp is not None else "adam"
+        self.optimizer = compiled.plan.optimizer
         self._acts: dict = {}
         self._cache: dict = {}
 
