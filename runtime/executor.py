@@ -1,14 +1,25 @@
 """Execute one rank's action list for one training step.
 
-F runs a chunk program on a microbatch; B runs autograd backward through what F recorded;
-a run of consecutive SEND/RECV actions is one batch_isend_irecv, which is the communication model
-the schedule validator proves deadlock-free. Its receives are waited on at once, its sends only at
+F runs a chunk program on a microbatch; B runs its backward; I and W (zero-bubble schedules) run
+the two halves of B: the input gradient, which the previous chunk waits for, and the weight
+gradient. A chunk with compile-time split programs (split_backward) runs F as its forward program
+(no autograd graph: it returns what I and W read), I and W as their programs, and B as I then W;
+a chunk whose backward could not be traced (collectives inside) runs I as autograd.grad w.r.t.
+its received tensors, keeping the graph, and W as autograd.grad w.r.t. its parameters.
+
+A run of consecutive SEND/RECV actions is one batch_isend_irecv, which is the communication model
+the schedule validator proves deadlock-free. Its receives are waited on only when a compute needs
+them (in the order they were posted: a pair's messages match in posting order), its sends only at
 the end of the step: nothing on this rank reads a sent tensor again and the peer's receive is what
-orders the transfer, so a rank never idles until its peer has posted the matching receive.
+orders the transfer, so a rank never idles until its peer has posted the matching receive. With
+NCCL a wait only orders the compute stream after the transfer, so the host never blocks; with
+Gloo it blocks until the data is there. `hoist_receives` moves receives earlier in the lists,
+before the computes that precede their use, where the validator proves that safe.
 """
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -30,10 +41,14 @@ class StepContext:
     device: torch.device
     loss_scale: float               # 1 / (microbatches * dp): the global-batch mean
     group: object = None            # the pipeline's process group: its timeout bounds every wait
+    trace: object = None            # a runtime.trace.Recorder, or None
     acts: dict = field(default_factory=dict)       # (chunk, mb) -> received forward inputs
     outs: dict = field(default_factory=dict)       # (chunk, mb) -> forward outputs
     grads_in: dict = field(default_factory=dict)   # (chunk, mb) -> grads received for outputs
     grads_out: dict = field(default_factory=dict)  # (chunk, mb) -> grads of inputs to send back
+    saved: dict = field(default_factory=dict)      # (chunk, mb) -> split forward's saved values
+    for_weight: dict = field(default_factory=dict)  # (chunk, mb) -> what W reads, after I
+    posted: list = field(default_factory=list)     # [(store, key, works, action, posted at)]
     losses: list = field(default_factory=list)
     stats: list = field(default_factory=list)      # per microbatch: the model's other outputs
 
@@ -50,16 +65,58 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
             sends += _communicate(actions[i:j], ctx)
             i = j
         else:
-            (_forward if actions[i].kind == "F" else _backward)(actions[i], ctx)
+            _compute(actions[i], ctx)
             i += 1
+    _wait_received(ctx, None)
     for work in sends:
         work.wait()
     return ctx.losses
 
 
+def _compute(action, ctx: StepContext) -> None:
+    key = (action.chunk, action.microbatch)
+    kind = str(action.kind)
+    _wait_received(ctx, (ctx.acts if kind == "F" else ctx.grads_in, key))
+    start = _now(ctx)
+    chunk = ctx.chunks[action.chunk]
+    graphs = _split_graphs(chunk, ctx)
+    if kind == "F":
+        (_forward_split if graphs else _forward)(action, ctx)
+    elif graphs:
+        {"I": _input_grad_split, "W": _weight_grad_split, "B": _backward_split}[kind](action, ctx)
+    else:
+        {"I": _input_grad_autograd, "W": _weight_grad_autograd, "B": _backward}[kind](action, ctx)
+    if ctx.trace is not None:
+        ctx.trace.record(action, start, _now(ctx))
+    _hand_over(action, kind, ctx)
+
+
+def _hand_over(action, kind: str, ctx: StepContext) -> None:
+    """Neighbouring chunks on the same rank (the V placement's turn: zb-v, dualpipe-v) exchange
+    activations and gradients here, with no SEND/RECV in the schedule: the next chunk gets the
+    output as a fresh leaf, as if received, and the previous one the input gradients."""
+    c, m = action.chunk, action.microbatch
+    if kind == "F" and c + 1 in ctx.chunks and not ctx.chunks[c].is_last:
+        ctx.acts[(c + 1, m)] = [o.detach() for o in ctx.outs[(c, m)]]
+    elif kind in ("I", "B") and c - 1 in ctx.chunks and (c, m) in ctx.grads_out:
+        grads = ctx.grads_out.pop((c, m))
+        ctx.grads_in[(c - 1, m)] = [g for s, g in zip(ctx.chunks[c].recvs, grads)
+                                    if s.differentiable]
+
+
+def _now(ctx: StepContext) -> float:
+    if ctx.trace is None:
+        return 0.0
+    if ctx.device.type == "cuda":       # a measured timeline needs the work done, not queued
+        torch.cuda.synchronize(ctx.device)
+    return time.perf_counter()
+
+
 def _communicate(batch, ctx: StepContext) -> list:
-    """Post one batch; wait for its receives; return its sends' works, to be waited on later."""
+    """Post one batch; return its sends' works, to be waited on at the end of the step. Its
+    receives are waited on when a compute first needs one of them (_wait_received)."""
     ops, landing = [], []
+    start = _now(ctx)
     for a in batch:
         key = (a.chunk, a.microbatch)
         chunk = ctx.chunks[a.chunk]
@@ -74,25 +131,43 @@ def _communicate(batch, ctx: StepContext) -> list:
                                           ctx.group))
         elif a.kind == "RECV_F":
             bufs = [_empty(spec, ctx) for spec in chunk.recvs]
+            landing.append((ctx.acts, key, bufs, a, len(ops)))
             ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank), ctx.group)
                     for s, b in zip(chunk.recvs, bufs)]
-            landing.append((ctx.acts, key, bufs))
         else:  # RECV_B: gradients of this chunk's outputs, from the next chunk
             specs = [s for s in chunk.sends if s.differentiable]
             bufs = [_empty(spec, ctx) for spec in specs]
+            landing.append((ctx.grads_in, key, bufs, a, len(ops)))
             ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank), ctx.group)
                     for s, b in zip(specs, bufs)]
-            landing.append((ctx.grads_in, key, bufs))
-    sends = []
-    if ops:
-        for op, work in zip(ops, dist.batch_isend_irecv(ops)):
-            if op.op is dist.isend:
-                sends.append(work)      # the work holds the sent tensor until it completes
-            else:
-                work.wait()
-    for store, key, bufs in landing:
+    works = dist.batch_isend_irecv(ops) if ops else []
+    sends = [w for op, w in zip(ops, works) if op.op is dist.isend]  # a work holds its tensor
+    for store, key, bufs, a, first in landing:
         store[key] = bufs
+        ctx.posted.append((store, key, works[first:first + len(bufs)], a, start))
+    if ctx.trace is not None:
+        end = _now(ctx)
+        for a in batch:
+            if a.kind in ("SEND_F", "SEND_B"):
+                ctx.trace.record(a, start, end)
     return sends
+
+
+def _wait_received(ctx: StepContext, needed) -> None:
+    """Wait for the posted receives up to the one that fills `needed` = (store, key), in posting
+    order (all of them for None). Nothing to wait for when `needed` was never posted."""
+    if needed is not None and not any(s is needed[0] and k == needed[1]
+                                      for s, k, *_ in ctx.posted):
+        return
+    while ctx.posted:
+        store, key, works, action, posted = ctx.posted.pop(0)
+        start = _now(ctx)
+        for w in works:
+            w.wait()
+        if ctx.trace is not None:   # the slice is the time this rank waited for the data
+            ctx.trace.record(action, start, _now(ctx), posted=posted)
+        if needed is not None and store is needed[0] and key == needed[1]:
+            return
 
 
 @functools.lru_cache(maxsize=4096)
@@ -103,6 +178,8 @@ def _shape(spec, batch: int, seq: int | None) -> tuple[int, ...]:
 def _empty(spec, ctx: StepContext) -> torch.Tensor:
     return torch.empty(_shape(spec, ctx.batch, ctx.seq), dtype=spec.dtype, device=ctx.device)
 
+
+# -- fused backward, autograd -----------------------------------------------------------------------
 
 def _forward(action, ctx: StepContext) -> None:
     key = (action.chunk, action.microbatch)
@@ -139,6 +216,172 @@ def _backward(action, ctx: StepContext) -> None:
                               for t in received]
 
 
+# -- split backward, autograd (chunks whose joint graph could not be traced) -------------------------
+
+def _output_pairs(chunk, key, ctx: StepContext) -> tuple[list, list | None]:
+    """(outputs, their gradients) to differentiate: the scaled loss, or the differentiable sends
+    that require grad with the gradients received for them."""
+    outs = ctx.outs.pop(key)
+    if chunk.is_last:
+        return [outs[0]], None
+    grads = iter(ctx.grads_in.pop(key))
+    pairs = [(o, next(grads)) for s, o in zip(chunk.sends, outs) if s.differentiable]
+    pairs = [(o, g) for o, g in pairs if o.requires_grad]
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _input_grad_autograd(action, ctx: StepContext) -> None:
+    key = (action.chunk, action.microbatch)
+    chunk = ctx.chunks[action.chunk]
+    outputs, grads = _output_pairs(chunk, key, ctx)
+    received = ctx.acts.pop(key, [])
+    wrt = [t for s, t in zip(chunk.recvs, received) if s.differentiable]
+    found = iter(torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+                 if outputs and wrt else [None] * len(wrt))
+    if action.chunk > 0:
+        ctx.grads_out[key] = [_or_zeros(next(found), t) if s.differentiable else None
+                              for s, t in zip(chunk.recvs, received)]
+    ctx.for_weight[key] = (outputs, grads)
+
+
+def _weight_grad_autograd(action, ctx: StepContext) -> None:
+    key = (action.chunk, action.microbatch)
+    outputs, grads = ctx.for_weight.pop(key)
+    params = _params(ctx.chunks[action.chunk])
+    names = [n for n, p in params.items() if p.requires_grad]
+    if not outputs or not names:
+        return
+    found = torch.autograd.grad(outputs, [params[n] for n in names], grads, allow_unused=True)
+    _accumulate(params, names, found)
+
+
+# -- split backward, compile-time programs ----------------------------------------------------------
+
+def _split_graphs(chunk, ctx: StepContext):
+    """The chunk's SplitBackward if it has programs for this microbatch shape, else None."""
+    sb = chunk.backward
+    if sb is None or sb.fallback is not None or tuple(sb.shape) != (ctx.batch, ctx.seq):
+        return None
+    return sb
+
+
+def _forward_split(action, ctx: StepContext) -> None:
+    key = (action.chunk, action.microbatch)
+    chunk = ctx.chunks[action.chunk]
+    sb = chunk.backward
+    inputs = ctx.microbatch(action.microbatch)
+    with torch.no_grad():
+        res = executable(sb.forward, chunk.gm)(*ctx.acts.pop(key, []),
+                                               *(inputs[name] for name in chunk.inputs))
+    outs, ctx.saved[key] = tuple(res[:sb.num_outputs]), res[sb.num_outputs:]
+    if chunk.is_last:
+        ctx.losses.append(outs[0])
+        if len(outs) > 1:
+            ctx.stats.append(outs[1:])
+    ctx.outs[key] = outs
+
+
+def _input_grad_split(action, ctx: StepContext) -> None:
+    key = (action.chunk, action.microbatch)
+    chunk = ctx.chunks[action.chunk]
+    sb = chunk.backward
+    outs = ctx.outs.pop(key)
+    if chunk.is_last:   # d(loss * scale)/d(loss), as the fused path's multiply gives it
+        picked = [torch.full((), ctx.loss_scale, dtype=outs[0].dtype, device=outs[0].device)]
+    else:
+        diff = [i for i, s in enumerate(chunk.sends) if s.differentiable]
+        got = dict(zip(diff, ctx.grads_in.pop(key)))
+        picked = [got[i] for i in sb.grad_outputs]
+    saved = ctx.saved.pop(key)
+    with torch.no_grad():
+        res = executable(sb.input_grad, chunk.gm)(*(saved[i] for i in sb.saved_for_input), *picked)
+    n_in = sum(s.differentiable for s in chunk.recvs)
+    found = iter(res[:n_in])
+    if action.chunk > 0:
+        ctx.grads_out[key] = [_or_zeros(next(found), None, s, ctx) if s.differentiable else None
+                              for s in chunk.recvs]
+    ctx.for_weight[key] = [saved[i] for i in sb.saved_for_weight] + list(res[n_in:])
+
+
+def _weight_grad_split(action, ctx: StepContext) -> None:
+    key = (action.chunk, action.microbatch)
+    chunk = ctx.chunks[action.chunk]
+    with torch.no_grad():
+        found = executable(chunk.backward.weight_grad, chunk.gm)(*ctx.for_weight.pop(key))
+    _accumulate(_params(chunk), chunk.backward.params, found)
+
+
+def _backward_split(action, ctx: StepContext) -> None:
+    _input_grad_split(action, ctx)
+    _weight_grad_split(action, ctx)
+
+
+def _or_zeros(grad, like, spec=None, ctx=None):
+    """A received tensor the outputs do not depend on gets a zero gradient, as with autograd."""
+    if grad is not None:
+        return grad
+    return torch.zeros_like(like) if like is not None else \
+        torch.zeros(_shape(spec, ctx.batch, ctx.seq), dtype=spec.dtype, device=ctx.device)
+
+
+_PARAMS: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+
+
+def _params(chunk) -> dict:
+    params = _PARAMS.get(chunk.gm)
+    if params is None:
+        params = _PARAMS[chunk.gm] = {n: chunk.gm.get_parameter(n) for n in chunk.params}
+    return params
+
+
+def _accumulate(params: dict, names, grads) -> None:
+    """Add gradients into .grad as autograd's AccumulateGrad does outside grad mode."""
+    for name, g in zip(names, grads):
+        if g is None:
+            continue
+        p = params[name]
+        if p.grad is None:
+            p.grad = g.detach()
+        else:
+            p.grad += g
+
+
+def hoist_receives(schedule):
+    """`schedule` with each receive moved up past the computes before it (so its transfer runs
+    during them), as far as the validator still proves the lists deadlock-free. The order of
+    the transfers themselves never changes: only batches merge."""
+    from autopart import schedule as sched
+    ranks = [list(r) for r in schedule.ranks]
+    for r in range(len(ranks)):
+        i = 0
+        while i < len(ranks[r]):
+            if ranks[r][i].kind in (sched.Kind.RECV_F, sched.Kind.RECV_B):
+                i = _hoist_one(schedule, ranks, r, i)
+            i += 1
+    return sched.Schedule(schedule.name, schedule.pp, schedule.microbatches,
+                          schedule.virtual_stages, tuple(tuple(a) for a in ranks))
+
+
+def _hoist_one(schedule, ranks: list, r: int, i: int) -> int:
+    """Move ranks[r][i] to the earliest valid place after the previous transfer; its new index."""
+    from autopart import schedule as sched
+    actions = ranks[r]
+    top = i
+    while top > 0 and actions[top - 1].kind.is_compute:
+        top -= 1
+    for j in range(top, i):
+        trial = actions[:j] + [actions[i]] + actions[j:i] + actions[i + 1:]
+        candidate = [trial if k == r else a for k, a in enumerate(ranks)]
+        try:
+            sched.validate(sched.Schedule(schedule.name, schedule.pp, schedule.microbatches,
+                                          schedule.virtual_stages, tuple(map(tuple, candidate))))
+        except sched.ScheduleError:
+            continue
+        ranks[r] = trial
+        return j
+    return i
+
+
 # -- the program as run: the same graph, cheaper calls -----------------------------------------------
 # Calling an ATen overload from Python (torch.ops.aten.linear.default) costs a few microseconds more
 # than the Python binding of the same op, and `self.transformer.h.0.attn.c_attn.weight` is five
@@ -165,35 +408,66 @@ _BINDINGS = {   # overload -> Python binding taking the same arguments (checked 
 _EXECUTABLE: "weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule]" = weakref.WeakKeyDictionary()
 
 
-def executable(gm: fx.GraphModule) -> fx.GraphModule:
-    """The copy of `gm` the executor runs (built on first use, once per GraphModule)."""
-    fast = _EXECUTABLE.get(gm)
+def executable(gm: fx.GraphModule, owner: fx.GraphModule | None = None) -> fx.GraphModule:
+    """The copy of `gm` the executor runs (built on first use, once per GraphModule). With
+    `owner` (the chunk's forward program, as this rank holds it: its own shards, on its device),
+    attributes are read from `owner` where it has them, so a split program uses the chunk's
+    very parameters."""
+    if owner is None:
+        fast = _EXECUTABLE.get(gm)
+        if fast is None:
+            fast = _EXECUTABLE[gm] = _fast_copy(gm, gm)
+        return fast
+    per_owner = _EXECUTABLE_OF.setdefault(owner, {})
+    fast = per_owner.get(id(gm))
     if fast is None:
-        fast = _EXECUTABLE[gm] = _fast_copy(gm)
+        fast = per_owner[id(gm)] = _fast_copy(gm, owner)
     return fast
 
 
-def _fast_copy(gm: fx.GraphModule) -> fx.GraphModule:
+_EXECUTABLE_OF: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+
+
+def _fast_copy(gm: fx.GraphModule, owner: fx.GraphModule) -> fx.GraphModule:
     root, graph, env, flat_of = torch.nn.Module(), fx.Graph(), {}, {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             flat = flat_of.get(node.target)
             if flat is None:
                 flat = flat_of[node.target] = f"_{len(flat_of)}_" + node.target.replace(".", "_")
-                owner, _, leaf = node.target.rpartition(".")
-                value = getattr(gm.get_submodule(owner), leaf)
+                value = _attr(owner, node.target)
+                if value is None:
+                    value = _attr(gm, node.target)
                 if isinstance(value, torch.nn.Parameter):
                     root.register_parameter(flat, value)
                 elif isinstance(value, torch.Tensor):
                     root.register_buffer(flat, value)
                 elif isinstance(value, fx.GraphModule):   # a recomputed region: fast too
-                    setattr(root, flat, _fast_copy(value))
+                    setattr(root, flat, _fast_copy(value, value))
                 else:
                     setattr(root, flat, value)      # a submodule (higher-order op body)
             env[node] = graph.get_attr(flat)
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
+            if owner is not gm and env[node].kwargs.get("device") == torch.device("meta"):
+                # a split program traced from a meta-device model: make its tensors where the
+                # chunk's parameters now live
+                env[node].update_kwarg("device", _device_of(owner))
             if node.op == "call_function" and node.target in _BINDINGS:
                 env[node].target = _BINDINGS[node.target]
     graph.lint()
     return fx.GraphModule(root, graph, class_name=f"{type(gm).__name__}Executable")
+
+
+def _attr(module: torch.nn.Module, target: str):
+    owner, _, leaf = target.rpartition(".")
+    try:
+        return getattr(module.get_submodule(owner), leaf)
+    except AttributeError:
+        return None
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")

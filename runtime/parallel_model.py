@@ -19,7 +19,9 @@ from autopart.mesh import Mesh
 from autopart.runtime.gradients import GradientReducer
 from autopart.runtime.groups import RankGroups, bind_comms, build_groups, check_world_size
 from autopart.runtime.state import StateGatherer
+from autopart.runtime.executor import hoist_receives
 from autopart.runtime.step import StepDriver
+from autopart.runtime.trace import Recorder, trace_path
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -28,7 +30,8 @@ class ParallelModel:
     """This rank's share of a parallelized model. Build it with `autopart.parallelize`."""
 
     def __init__(self, compiled: Compiled, rank: int, device: torch.device, timeout: timedelta,
-                 key_order: list[str], extra_state: dict[str, torch.Tensor]):
+                 key_order: list[str], extra_state: dict[str, torch.Tensor],
+                 trace: str | None = None):
         self.compiled = compiled
         plan = compiled.plan
         self.mesh: Mesh = plan.mesh
@@ -43,8 +46,11 @@ class ParallelModel:
         for c in self.program.chunks:
             c.gm.to(device)
         self._params = self.program.parameters()
-        self._step = StepDriver(plan, self.program, compiled.schedule.ranks[self.coords["pp"]],
-                                compiled.program.inputs, self._groups.pp, device)
+        # receives posted before the computes that precede their use, where provably safe
+        actions = hoist_receives(compiled.schedule).ranks[self.coords["pp"]]
+        self._trace = Recorder(trace, rank, self.mesh.world_size) if trace else None
+        self._step = StepDriver(plan, self.program, actions, compiled.program.inputs,
+                                self._groups.pp, device, trace=self._trace)
         self._grads = GradientReducer(plan, self._params, self._groups, self.coords, device)
         self._state = StateGatherer(plan, compiled.program, self.program, self._groups, device,
                                     key_order, extra_state)
@@ -65,6 +71,8 @@ class ParallelModel:
         for p in self._params.values():
             p.grad = None
         ctx = self._step.run(inputs, target)
+        if self._trace is not None:
+            self._trace.end_step()
         self._grads.reduce()
         if self.compiled.plan.stats:
             self.last_stats = self._state.stats(ctx.stats)
@@ -110,7 +118,7 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
                 microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
                 sequence_parallel: bool = False, recompute: str = "none",
                 memory_budget: str | int | None = None, optimizer: str = "adam",
-                timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelModel:
+                timeout: timedelta = DEFAULT_TIMEOUT, trace: str | None = None) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
@@ -120,6 +128,10 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
         pm = autopart.parallelize(model, mesh, (tokens,), loss_fn=lm_loss, target=targets,
                                   microbatches=4)
         loss = pm.train_step(tokens, target=targets); opt.step(); opt.zero_grad()
+
+    `trace="t.json"` (or AUTOPART_TRACE=t.json on every rank) records every action each rank
+    runs, with start and end times, into one Chrome / Perfetto trace written by rank 0 after
+    each train_step (autopart/runtime/trace.py).
     """
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
@@ -142,7 +154,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     in_chunks = {n for c in compiled.program.chunks for n in c.gm.state_dict()}
     extra = {k: v.detach().cpu() for k, v in model.state_dict().items()
              if canonical.get(k, k) not in in_chunks}
-    return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra)
+    return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra,
+                         trace=trace_path(trace))
 
 
 def _device_of(model: nn.Module) -> torch.device:

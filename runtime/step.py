@@ -17,8 +17,9 @@ class StepDriver:
     """Runs `actions` (this pipeline rank's list) over `rank_program`'s chunks."""
 
     def __init__(self, plan: Plan, rank_program: RankProgram, actions, input_names: list[str],
-                 peer_group, device: torch.device):
+                 peer_group, device: torch.device, trace=None):
         self.plan, self.actions, self.input_names = plan, actions, input_names
+        self.trace = trace          # a runtime.trace.Recorder, or None
         self.coords, self.group, self.device = rank_program.coords, peer_group, device
         self.chunks = {c.chunk: c for c in rank_program.chunks}
 
@@ -33,7 +34,7 @@ class StepDriver:
             peer=lambda p: mesh.rank(pp=p, dp=self.coords["dp"], tp=self.coords["tp"]),
             microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
             batch=mbs, seq=int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None,
-            device=self.device, loss_scale=plan.loss_scale, group=self.group)
+            device=self.device, loss_scale=plan.loss_scale, group=self.group, trace=self.trace)
         run_actions(self.actions, ctx)
         return ctx
 

@@ -1,0 +1,198 @@
+"""Zero-bubble schedules: autopart's 1F1B, interleaved 1F1B, ZB-H1 and ZB-V against
+torch.distributed.pipelining's Schedule1F1B, ScheduleInterleavedZeroBubble and
+ScheduleZBVZeroBubble, on the same GPT, the same cuts and the same batch.
+
+    python bench/zero_bubble.py                       # the table
+    python bench/zero_bubble.py --steps 10 --json
+
+Two rank processes (Gloo, one thread each: with more ranks than cores an idle rank lends its core
+to another and a bubble stops costing time, so this machine measures bubbles at pp=2 only).
+Compute-bound microbatches: the example GPT with n_embd=256, microbatches of 8 sequences, m=4.
+Per schedule, in turn, step after step in one run (the machine's noise hits all alike):
+  autopart   ParallelModel.train_step
+  torch      the torch.distributed.pipelining schedule on stage modules cut where autopart cut
+  floor      each rank's chunks run eagerly microbatch by microbatch, no communication
+and the table gives median step times, autopart / torch, autopart / autopart's own 1F1B, and
+each one's share of the floor: floor * (1 + the schedule's bubble with unit F = I = W costs) /
+step time. One traced autopart step per schedule gives each chunk's measured F, I, W (or B)
+times; the schedule simulator's step time from them is printed beside the measured one.
+Helpers (stage modules, checks against the plain model, timing) come from
+bench/pipeline_vs_torch.py. Results: bench/README.md and README "Zero-bubble schedules".
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pipeline_vs_torch as pvt  # noqa: E402
+from examples.gpt import GPT, config, lm_loss  # noqa: E402
+
+# (autopart schedule, virtual stages, torch schedule class or None)
+ROWS = [
+    ("1f1b", 1, "Schedule1F1B"),
+    ("interleaved-1f1b", 2, None),
+    ("zb-h1", 1, None),                          # torch has no one-chunk ZB-H1 of its own
+    ("zb-h1", 2, "ScheduleInterleavedZeroBubble"),
+    ("zb-v", 2, "ScheduleZBVZeroBubble"),
+]
+PP = pvt.PP
+for _name, _v, _cls in ROWS:     # torch_pipeline looks its class up in this table by key
+    if _cls:
+        pvt.SCHEDULES.setdefault(f"torch:{_cls}", (_v, _cls))
+
+
+def measured_costs(pm, trace_path: str) -> dict:
+    """One traced step of `pm`: per (chunk, kind) the median duration in ms, on every rank."""
+    from autopart.runtime.trace import Recorder
+    rec = Recorder(trace_path, dist.get_rank(), dist.get_world_size())
+    pm._step.trace = rec          # trace this step only: tracing costs a gather per step
+    pm.train_step(pm._bench_batch[0], target=pm._bench_batch[1])
+    pm._step.trace = None
+    rec.end_step()
+    rows = [None]
+    if dist.get_rank() == 0:
+        per: dict = {}
+        for e in json.loads(Path(trace_path).read_text())["traceEvents"]:
+            if e["ph"] == "X" and e["args"]["kind"] in ("F", "B", "I", "W"):
+                per.setdefault((e["args"]["chunk"], e["args"]["kind"]), []).append(e["dur"] / 1e3)
+        rows = [[(c, k, statistics.median(v)) for (c, k), v in per.items()]]
+    dist.broadcast_object_list(rows, src=0)
+    return {(c, k): ms for c, k, ms in rows[0]}
+
+
+def predicted_ms(schedule, costs: dict) -> tuple[float, float]:
+    """(simulated step time from measured per-action costs, unit-cost bubble)."""
+    from autopart import schedule as sched
+    n = schedule.num_chunks
+    f = [costs[(c, "F")] for c in range(n)]
+    if (0, "I") in costs:
+        i = [costs[(c, "I")] for c in range(n)]
+        w = [costs[(c, "W")] for c in range(n)]
+        sim = sched.simulate(schedule, forward_cost=f, input_grad_cost=i, weight_grad_cost=w)
+    else:
+        sim = sched.simulate(schedule, forward_cost=f, backward_cost=[costs[(c, "B")] for c in range(n)])
+    unit = sched.simulate(schedule, forward_cost=1.0, input_grad_cost=1.0, weight_grad_cost=1.0)
+    return sim.makespan, unit.bubble
+
+
+def rank_main(rank: int, world: int, opts: dict) -> dict:
+    import autopart
+    torch.manual_seed(opts["seed"])
+    cfg = config(opts["config"])
+    plain = GPT(cfg)
+    m, mbs = opts["microbatches"], opts["microbatch_size"]
+    g = torch.Generator().manual_seed(opts["seed"] + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (m * mbs, cfg.block_size), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (m * mbs, cfg.block_size), generator=g)
+    hidden = 0.02 * torch.randn(mbs, cfg.block_size, cfg.n_embd, generator=g)
+    results = []
+    for name, v, torch_cls in ROWS:
+        pm = autopart.parallelize(copy.deepcopy(plain), autopart.Mesh(pp=PP), (tokens,),
+                                  loss_fn=lm_loss, target=targets, microbatches=m, schedule=name,
+                                  virtual_stages=v)
+        pm._bench_batch = (tokens, targets)
+        key = f"torch:{torch_cls}" if torch_cls else {1: "1f1b", 2: "interleaved-1f1b"}[v]
+        pipe = pvt.torch_pipeline(copy.deepcopy(plain), pm.compiled, pm.coords["pp"], m, key)
+        check = pvt.check_equal_work(plain, pm, pipe, tokens, targets, opts["tol"])
+        runners = {"autopart": (lambda: pm.train_step(tokens, target=targets), list(pm.parameters())),
+                   "floor": (lambda: pvt.floor_step(pipe, tokens, targets, m, hidden), pipe.params)}
+        if torch_cls:
+            runners["torch"] = (lambda: pvt.torch_step(pipe, tokens, targets), pipe.params)
+        wall: dict = {k: [] for k in runners}
+        for it in range(opts["warmup"] + opts["steps"]):
+            for k, (fn, params) in runners.items():
+                pvt._zero(params)
+                dt, _ = pvt._timed(fn)
+                if it >= opts["warmup"]:
+                    wall[k].append(dt)
+        med = {}
+        for k, xs in wall.items():
+            t = torch.tensor(xs, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)      # a step lasts as long as its slowest rank
+            med[k] = 1e3 * statistics.median(t.tolist())
+        pvt._zero(pm.parameters())
+        with tempfile.TemporaryDirectory() as tmp:
+            costs = measured_costs(pm, str(Path(tmp) / "t.json"))
+        predicted, bubble = predicted_ms(pm.compiled.schedule, costs)
+        results.append({"schedule": name, "virtual_stages": v, "torch": torch_cls,
+                        "autopart_ms": med["autopart"], "torch_ms": med.get("torch"),
+                        "floor_ms": med["floor"], "bubble": bubble,
+                        "floor_share": med["floor"] * (1 + bubble) / med["autopart"],
+                        "torch_floor_share": (med["floor"] * (1 + bubble) / med["torch"]
+                                              if torch_cls else None),
+                        "predicted_ms": predicted, "check": check,
+                        "costs_ms": {f"{c}{k}": round(x, 2) for (c, k), x in sorted(costs.items())}})
+        del pm, pipe
+    return {"results": results}
+
+
+def table(opts: dict, results: list[dict]) -> str:
+    cfg = config(opts["config"])
+    base = next(r["autopart_ms"] for r in results if r["schedule"] == "1f1b")
+    lines = [f"GPT {opts['config']} (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, block_size="
+             f"{cfg.block_size}); pp={PP}, Gloo, 1 thread/rank; {opts['microbatches']} microbatches "
+             f"x {opts['microbatch_size']} sequences; medians of {opts['steps']} steps after "
+             f"{opts['warmup']} warm-up", "",
+             f"{'schedule':<22}{'autopart':>9}{'predicted':>10}{'vs 1f1b':>8}{'torch':>8}"
+             f"{'ratio':>7}{'bubble':>8}{'floor':>8}{'autopart':>9}{'torch':>7}",
+             f"{'':<22}{'ms':>9}{'ms':>10}{'':>8}{'ms':>8}{'':>7}{'':>8}{'ms':>8}"
+             f"{'share':>9}{'share':>7}"]
+    for r in results:
+        name = r["schedule"] + (f" v={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+        t = f"{r['torch_ms']:>8.0f}{r['autopart_ms'] / r['torch_ms']:>7.2f}" if r["torch"] else \
+            f"{'-':>8}{'-':>7}"
+        ts = f"{100 * r['torch_floor_share']:>6.0f}%" if r["torch"] else f"{'-':>7}"
+        lines.append(f"{name:<22}{r['autopart_ms']:>9.0f}{r['predicted_ms']:>10.0f}"
+                     f"{r['autopart_ms'] / base:>8.3f}{t}{r['bubble']:>8.3f}{r['floor_ms']:>8.0f}"
+                     f"{100 * r['floor_share']:>8.0f}%{ts}")
+    lines += ["", "torch: " + ", ".join(f"{r['schedule']} v={r['virtual_stages']} vs {r['torch']}"
+                                        for r in results if r["torch"]),
+              "vs 1f1b    autopart step time / autopart's own 1F1B; ratio = autopart / torch",
+              "predicted  the C++ simulator's makespan from this run's measured per-action times",
+              "bubble     the schedule's bubble with unit F = I = W costs (one synchronous step)",
+              "share      floor * (1 + bubble) / step time; floor = each rank's chunks eagerly, "
+              "no communication"]
+    for r in results:
+        c = r["check"]
+        lines.append(f"{r['schedule']} v={r['virtual_stages']}: first-step grad rel err autopart "
+                     f"{c['autopart_grad_rel_err']:.1e} torch {c['torch_grad_rel_err']:.1e}; "
+                     f"per-action ms {r['costs_ms']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--microbatch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--config", default="tiny,n_layer=8,n_embd=256,n_head=8,block_size=32,vocab_size=512")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    opts = dict(microbatches=a.microbatches, microbatch_size=a.microbatch_size, steps=a.steps,
+                warmup=a.warmup, config=a.config, seed=a.seed, tol=a.tol)
+    from autopart.runtime.launch import spawn
+    out = spawn(rank_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]
+    text = table(opts, out["results"])
+    print(text, file=sys.stderr if a.json else sys.stdout)
+    if a.json:
+        print(json.dumps({"bench": "zero_bubble", "options": opts, "results": out["results"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
