@@ -37,6 +37,23 @@ def unshard_tensor(shards: list[torch.Tensor], dim: int, sections: tuple) -> tor
                       for i in range(len(sections))], dim)
 
 
+def rank_cuts(plan: Plan, name: str, tp_rank: int, ep_rank: int) -> list:
+    """(ParamShard, axis size, rank index) for each cut of parameter `name` on this rank, in the
+    order localize_module applies them (experts first, then tensor parallelism)."""
+    mesh = plan.mesh
+    return [(shards[name], size, rank)
+            for shards, size, rank in ((plan.ep_shards, mesh.ep, ep_rank),
+                                       (plan.tp_shards, mesh.tp, tp_rank))
+            if size > 1 and name in shards]
+
+
+def rank_slice(plan: Plan, name: str, full: torch.Tensor, tp_rank: int, ep_rank: int) -> torch.Tensor:
+    """This rank's slice of the full tensor `name`, cut exactly as localize_module cuts it."""
+    for sh, size, rank in rank_cuts(plan, name, tp_rank, ep_rank):
+        full = shard_tensor(full, sh.dim, sh.sections, size, rank)
+    return full
+
+
 def localize_chunk(chunk: ChunkProgram, plan: Plan, tp_rank: int, ep_rank: int, *,
                    copy: bool) -> ChunkProgram:
     """`chunk` as the rank with these tp and ep indices runs it (see localize_module)."""

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from autopart.compiler import Compiled, compile as compile_model
 from autopart.errors import AutopartError
+from autopart.materialize import RankInit, initial_state, is_meta
 from autopart.mesh import Mesh
 from autopart.runtime.gradients import GradientReducer
 from autopart.runtime.groups import RankGroups, bind_comms, build_groups, check_world_size
@@ -31,7 +32,7 @@ class ParallelModel:
 
     def __init__(self, compiled: Compiled, rank: int, device: torch.device, timeout: timedelta,
                  key_order: list[str], extra_state: dict[str, torch.Tensor],
-                 trace: str | None = None):
+                 build: Callable | None = None, trace: str | None = None):
         self.compiled = compiled
         plan = compiled.plan
         self.mesh: Mesh = plan.mesh
@@ -43,8 +44,11 @@ class ParallelModel:
         # this rank's own copies of its weight shards, its comms bound to its groups
         self.program = compiled.programs.instantiate(rank)
         bind_comms(self.program.chunks, self._groups)
-        for c in self.program.chunks:
-            c.gm.to(device)
+        if build is not None:   # a meta-device model: allocate and fill this rank's shards only
+            build(self.program, plan, device)
+        else:
+            for c in self.program.chunks:
+                c.gm.to(device)
         self._params = self.program.parameters()
         # receives posted before the computes that precede their use, where provably safe
         actions = hoist_receives(compiled.schedule).ranks[self.coords["pp"]]
@@ -97,6 +101,14 @@ class ParallelModel:
         """The plain model's complete state dict (every key, full shapes), on every rank."""
         return self._state.full_state_dict()
 
+    def load_pretrained(self, source) -> None:
+        """Overwrite this rank's shards with their slices of a checkpoint: a state dict, a
+        torch.save file, a .safetensors file or a Hugging Face model directory (sharded
+        safetensors with model.safetensors.index.json). Each rank reads only its slices
+        (autopart/runtime/pretrained.py)."""
+        from autopart.runtime.pretrained import load_pretrained
+        load_pretrained(self, source)
+
     def explain(self) -> str:
         return self.compiled.explain()
 
@@ -118,7 +130,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
                 microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
                 sequence_parallel: bool = False, recompute: str = "none",
                 memory_budget: str | int | None = None, optimizer: str = "adam",
-                timeout: timedelta = DEFAULT_TIMEOUT, trace: str | None = None) -> ParallelModel:
+                timeout: timedelta = DEFAULT_TIMEOUT, seed: int = 0,
+                init_fn: Callable | None = None, trace: str | None = None) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
@@ -137,10 +150,14 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
                             "first (or use autopart.compile to inspect without processes)")
     # before compiling: a rank outside a smaller mesh would otherwise fail on its own, differently
+    meta = is_meta(model)
+    if meta:   # a meta-device model compiles on meta inputs; each rank allocates only its shards
+        example_inputs, target = _on_meta(example_inputs), _on_meta(target)
     check_world_size(mesh)
     device = _device_of(model)
-    example_inputs = tuple(t.to(device) for t in example_inputs)
-    target = target.to(device) if target is not None else None
+    to = torch.device("meta") if meta else device
+    example_inputs = tuple(t.to(to) for t in example_inputs)
+    target = target.to(to) if target is not None else None
     compiled = compile_model(model, mesh, example_inputs, loss_fn=loss_fn, target=target,
                              microbatches=microbatches, schedule=schedule,
                              virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
@@ -152,17 +169,28 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     canonical = {a: i.name for i in list(compiled.program.params.values()) +
                  list(compiled.program.buffers.values()) for a in (i.name, *i.aliases)}
     in_chunks = {n for c in compiled.program.chunks for n in c.gm.state_dict()}
-    extra = {k: v.detach().cpu() for k, v in model.state_dict().items()
-             if canonical.get(k, k) not in in_chunks}
-    return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra,
+    extra_keys = [k for k in keys if canonical.get(k, k) not in in_chunks]
+    if meta:
+        extra = initial_state(model, extra_keys, seed=seed, init_fn=init_fn)
+        build = RankInit(model, canonical, seed, init_fn)
+    else:
+        extra = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in extra_keys}
+        build = None
+    return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, build,
                          trace=trace_path(trace))
+
+
+def _on_meta(x):
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    return tuple(_on_meta(t) for t in x) if isinstance(x, (tuple, list)) else x
 
 
 def _device_of(model: nn.Module) -> torch.device:
     p = next(iter(model.parameters()), None)
-    if p is None or p.device.type == "meta":
-        raise AutopartError("parallelize needs a model with real weights (not on the meta device); "
-                            "use autopart.compile to inspect a meta-device model")
+    if p is None or p.device.type == "meta":   # built on meta: each rank allocates its own shards
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
     return p.device
 
 

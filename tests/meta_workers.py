@@ -1,0 +1,191 @@
+"""Rank functions for tests/test_memory_scale.py: models built on the meta device, initialized
+from scratch or loaded from a checkpoint of the plain model, trained against the plain model.
+
+The plain reference is built here from its definition (a real model seeded like the checkpoint
+the test process wrote, or autopart.materialize of a meta model for from-scratch runs) and
+trained with the same torch optimizer on the same batch; the rank returns plain data (problems,
+bytes) and the test process asserts on it.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.nn as nn
+
+from tests._workers import ATOL, RTOL, SWITCH_SPECS, _compare, gpt_config, hf_loss
+
+
+@dataclass(frozen=True)
+class MetaCase:
+    name: str
+    model: str = "gpt"           # gpt | switch | llama (Hugging Face LlamaForCausalLM)
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    microbatches: int = 2
+    source: str = ""             # checkpoint the test process wrote; "" = from scratch only
+    steps: int = 3
+    optim: str = "sgd"           # sgd (momentum) | adamw
+    zero: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def construct(case: MetaCase) -> tuple[nn.Module, object]:
+    """(model, loss_fn) built under the current device context (meta or real)."""
+    if case.model == "gpt":
+        from examples.gpt import GPT, lm_loss
+        return GPT(gpt_config(4)), lm_loss
+    if case.model == "switch":
+        from examples.switch import SwitchGPT, config
+        return SwitchGPT(config(SWITCH_SPECS["switch"])), None
+    if case.model == "llama":
+        import transformers
+        transformers.logging.set_verbosity_error()
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=32,
+                                       tie_word_embeddings=False)
+        return transformers.LlamaForCausalLM(cfg), hf_loss
+    raise ValueError(case.model)
+
+
+def plain(case: MetaCase, seed: int = 0) -> nn.Module:
+    """The plain model whose checkpoint the test saved: real weights, seeded."""
+    torch.manual_seed(seed)
+    return construct(case)[0]
+
+
+def batch(case: MetaCase):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 128, (8, 16), generator=g)
+    y = torch.randint(0, 128, (8, 16), generator=g)
+    if case.model == "switch":        # the model takes the target and returns its own loss
+        return (x, y), None
+    return (x,), y
+
+
+def save_checkpoint(case: MetaCase, path: str, kind: str) -> None:
+    """The plain model's weights as `kind`: safetensors | torch | hf (save_pretrained dir)."""
+    model = plain(case)
+    if kind == "hf":
+        model.save_pretrained(path, safe_serialization=True, max_shard_size="20KB")
+    elif kind == "safetensors":
+        from safetensors.torch import save_model
+        save_model(model, path)          # keeps one name of a tied pair
+    else:
+        torch.save(model.state_dict(), path)
+
+
+def held_bytes(pm) -> int:
+    """Bytes of the distinct storages of every tensor this rank's programs hold (measured from
+    the tensors, not from autopart's accounting: a view of a full tensor counts in full)."""
+    seen, total = set(), 0
+    for c in pm.program.chunks:
+        for t in list(c.gm.parameters()) + list(c.gm.buffers()):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def _optimizer(case: MetaCase, params):
+    if case.optim == "adamw":
+        return torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)
+    return torch.optim.SGD, dict(lr=0.1, momentum=0.9)
+
+
+def run(rank: int, world: int, case: MetaCase) -> dict:
+    """Build `case` on meta, check its from-scratch init against autopart.materialize, load the
+    checkpoint (if any), train `case.steps` steps beside the plain model; report what differs."""
+    import autopart
+    from tests._workers import _local_view
+    problems: list[str] = []
+    with torch.device("meta"):
+        meta_model, loss_fn = construct(case)
+    inputs, target = batch(case)
+    mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep)
+    init_fn = meta_model._init_weights if case.model == "llama" else None
+    kw = dict(zero=case.zero) if case.zero else {}
+    pm = autopart.parallelize(meta_model, mesh, inputs, loss_fn=loss_fn, target=target,
+                              microbatches=case.microbatches, seed=3, init_fn=init_fn,
+                              timeout=timedelta(seconds=120), **kw)
+    mine = _local_view(pm, rank)
+    if any(t.device.type != "meta" for t in meta_model.state_dict().values()):
+        problems.append("parallelize materialized tensors of the user's meta model")
+    # from scratch: exactly autopart.materialize of the same model and seed
+    with torch.device("meta"):
+        ref_meta, _ = construct(case)
+    scratch = autopart.materialize(ref_meta, seed=3, init_fn=init_fn)
+    ref_params = dict(scratch.named_parameters())
+    for name, p in pm.named_parameters():
+        if not torch.equal(p.detach(), mine(name, ref_params[name].detach())):
+            problems.append(f"from-scratch {name} differs from autopart.materialize")
+    expected = sum(mine(n, t).numel() * t.element_size()
+                   for n, t in _rank_state(pm, scratch).items())
+    measured = held_bytes(pm)
+    if measured != expected:
+        problems.append(f"rank {rank} holds {measured} bytes of tensors, its share is {expected}")
+    ref = scratch
+    if case.source:
+        pm.load_pretrained(case.source)
+        ref = plain(case)
+    ref_params = {n: p for n, p in ref.named_parameters()}
+    cls, kw = _optimizer(case, None)
+    opt = pm.optimizer(cls, **kw) if hasattr(pm, "optimizer") else cls(pm.parameters(), **kw)
+    ref_opt = cls(ref.parameters(), **kw)
+    for step in range(1, case.steps + 1):
+        loss = pm.train_step(*inputs, target=target)
+        out = ref(*inputs)
+        ref_loss = loss_fn(out, target) if loss_fn is not None else out
+        ref_loss.backward()
+        _compare(f"step {step} loss", loss, ref_loss, RTOL, ATOL, problems)
+        opt.step(), opt.zero_grad()
+        ref_opt.step(), ref_opt.zero_grad()
+    atol = 1e-5 if case.optim == "adamw" else ATOL
+    for name, p in pm.named_parameters():
+        _compare(f"{name} after {case.steps} steps", p, mine(name, ref_params[name]), RTOL, atol,
+                 problems)
+    return {"problems": problems, "held": measured, "expected": expected,
+            "state_bytes": _optimizer_state_bytes(opt)}
+
+
+def _rank_state(pm, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's tensors this rank holds (by the program's names)."""
+    sd = dict(model.named_parameters())
+    sd.update(dict(model.named_buffers()))
+    names = {n for c in pm.program.chunks
+             for n, _ in list(c.gm.named_parameters()) + list(c.gm.named_buffers())}
+    canon = {a: i.name for i in list(pm.compiled.program.params.values())
+             + list(pm.compiled.program.buffers.values()) for a in (i.name, *i.aliases)}
+    return {canon.get(k, k): v for k, v in sd.items() if canon.get(k, k) in names}
+
+
+def _optimizer_state_bytes(opt) -> int:
+    seen, total = set(), 0
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if v.untyped_storage().data_ptr() not in seen:
+                    seen.add(v.untyped_storage().data_ptr())
+                    total += v.untyped_storage().nbytes()
+    return total
+
+
+def run_cases(rank: int, world: int, cases: list) -> list[dict]:
+    out = []
+    for case in cases:
+        try:
+            out.append({"case": case.name, **run(rank, world, case)})
+        except Exception as e:  # noqa: BLE001  (one case's failure must not hide the others')
+            import traceback
+            out.append({"case": case.name, "problems": [f"{type(e).__name__}: {e}\n"
+                                                        f"{traceback.format_exc()}"]})
+    return out

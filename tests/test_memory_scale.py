@@ -1,0 +1,142 @@
+"""Models that do not fit in one process: built on the meta device, each rank allocating only its
+share, initialized from scratch (equal to autopart.materialize of the same model and seed) or
+loaded from a checkpoint of the plain model (each rank reading its slices), then trained 3 steps
+equal to the plain model (fp32, tests/_workers.py's tolerances). Each rank's bytes are measured
+from the storages of the tensors its programs hold (tests/meta_workers.held_bytes), not from
+autopart's accounting. Bad checkpoints: a missing key, an extra key, a wrong shape, a dtype that
+cannot be cast, each an AutopartError naming the key and the file.
+
+Fast tier: python -m pytest -m "not full" tests/test_memory_scale.py
+Full:      python -m pytest tests/test_memory_scale.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopart
+from autopart.errors import AutopartError
+from autopart.runtime.launch import spawn
+from tests.meta_workers import MetaCase, batch, construct, plain, run_cases, save_checkpoint
+
+
+def _run(tmp_path, cases: list[MetaCase], kinds: list[str], world: int) -> list:
+    ready = []
+    for case, kind in zip(cases, kinds):
+        if kind:
+            path = str(tmp_path / f"{case.name}.{kind}")
+            save_checkpoint(case, path, kind)
+            case = MetaCase(**{**case.__dict__, "source": path})
+        ready.append(case)
+    ranks = spawn(run_cases, world, ready, timeout=600)
+    problems = [f"{r['case']} rank {rank}: {p}" for rank, results in enumerate(ranks)
+                for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    return ranks
+
+
+# -- no processes ---------------------------------------------------------------------------------
+
+def test_materialize_is_per_module_and_order_free():
+    """Each module's weights depend on (seed, its path) only: a real model re-materialized, a
+    meta model and a different seed."""
+    with torch.device("meta"):
+        a, _ = construct(MetaCase("gpt"))
+    autopart.materialize(a, seed=5)
+    b = plain(MetaCase("gpt"))
+    autopart.materialize(b, seed=5)            # real tensors: overwritten in place
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    assert a.lm_head.weight is a.transformer.wte.weight     # the tie survives
+    autopart.materialize(b, seed=6)
+    assert not torch.equal(a.transformer.h[0].mlp.c_fc.weight, b.transformer.h[0].mlp.c_fc.weight)
+    # the same module type at two paths gets different weights
+    assert not torch.equal(a.transformer.h[0].mlp.c_fc.weight, a.transformer.h[1].mlp.c_fc.weight)
+
+
+def test_materialize_rebuilds_non_persistent_buffers():
+    """A Hugging Face Llama's RoPE inv_freq (non-persistent, computed in __init__) is recomputed
+    from the module's constructor, without user code."""
+    with torch.device("meta"):
+        meta, _ = construct(MetaCase("llama", model="llama"))
+    autopart.materialize(meta, seed=0, init_fn=meta._init_weights)
+    real = plain(MetaCase("llama", model="llama"))
+    assert torch.equal(meta.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
+
+
+def test_materialize_without_reset_parameters_is_a_clear_error():
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+    with torch.device("meta"):
+        m = torch.nn.Sequential(Scale())
+    with pytest.raises(AutopartError, match=r"(?s)Scale at '0'.*init_fn"):
+        autopart.materialize(m)
+
+
+def test_bad_checkpoints_name_the_key_and_the_file(tmp_path, single_process_group):
+    case = MetaCase("gpt")
+    with torch.device("meta"):
+        model, loss_fn = construct(case)
+    inputs, target = batch(case)
+    pm = autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=loss_fn, target=target)
+    good = plain(case).state_dict()
+    from safetensors.torch import save_file
+
+    def write(sd, name):
+        path = tmp_path / name
+        save_file({k: v.clone() for k, v in sd.items()}, str(path))   # ties as copies
+        return str(path)
+    missing = {k: v for k, v in good.items() if k != "transformer.h.1.ln_2.bias"}
+    with pytest.raises(AutopartError, match=r"missing\.safetensors has no key "
+                                            r"'transformer\.h\.1\.ln_2\.bias'"):
+        pm.load_pretrained(write(missing, "missing.safetensors"))
+    with pytest.raises(AutopartError, match=r"key 'extra\.weight' in .*extra\.pt is not in"):
+        path = tmp_path / "extra.pt"
+        torch.save({**good, "extra.weight": torch.zeros(2)}, path)
+        pm.load_pretrained(str(path))
+    shape = {**good, "transformer.wpe.weight": torch.zeros(8, 32)}
+    with pytest.raises(AutopartError, match=r"'transformer\.wpe\.weight' in .*shape\.safetensors "
+                                            r"has shape \[8, 32\] but the model's is \[16, 32\]"):
+        pm.load_pretrained(write(shape, "shape.safetensors"))
+    dtype = {**good, "transformer.ln_f.weight": torch.ones(32, dtype=torch.complex64)}
+    with pytest.raises(AutopartError, match=r"'transformer\.ln_f\.weight' in .*dtype\.safetensors "
+                                            r"is torch\.complex64, which cannot be cast"):
+        pm.load_pretrained(write(dtype, "dtype.safetensors"))
+    # the tied pair stored under lm_head.weight only (either name is accepted); a plain dict
+    tied = {k: v for k, v in good.items() if k != "transformer.wte.weight"}
+    pm.load_pretrained(tied)
+    assert torch.equal(dict(pm.named_parameters())["transformer.wte.weight"],
+                       good["lm_head.weight"])
+
+
+# -- spawned ranks --------------------------------------------------------------------------------
+
+def test_meta_pp2_safetensors_and_scratch(tmp_path):
+    """pp=2: from scratch equals materialize; load a safetensors file (save_model keeps one name
+    of the tied pair); 3 SGD-momentum steps equal the plain model; bytes held = the share."""
+    ranks = _run(tmp_path, [MetaCase("gpt-pp2", pp=2)], ["safetensors"], 2)
+    total = sum(p.numel() * 4 for p in plain(MetaCase("gpt")).parameters())
+    for results in ranks:
+        assert results[0]["held"] == results[0]["expected"]
+        assert results[0]["held"] < 0.75 * total       # a pipeline half (+ the tied embedding)
+
+
+@pytest.mark.full
+def test_meta_tp2_torch_file(tmp_path):
+    _run(tmp_path, [MetaCase("gpt-tp2", tp=2)], ["torch"], 2)
+
+
+@pytest.mark.full
+def test_meta_hf_llama_directory(tmp_path):
+    """save_pretrained of a random LlamaForCausalLM (sharded safetensors + index), pp=2."""
+    _run(tmp_path, [MetaCase("llama-pp2", model="llama", pp=2)], ["hf"], 2)
+
+
+@pytest.mark.full
+def test_meta_four_ranks(tmp_path):
+    """pp=2 x dp=2 (GPT) and dp=2 x ep=2 (Switch: each rank holds half the experts)."""
+    _run(tmp_path, [MetaCase("gpt-pp2xdp2", pp=2, dp=2),
+                    MetaCase("switch-dp2xep2", model="switch", dp=2, ep=2)],
+         ["safetensors", "safetensors"], 4)
