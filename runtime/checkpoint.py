@@ -339,7 +339,7 @@ def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
     path = Path(path).absolute()
     rank = dist.get_rank()
     # the temporary directory's name, the same on every rank; and a check of `path` on rank 0
-    token = [uuid.uuid4().hex[:12] if rank == 0 else None, _check_target(path) if rank == 0 else None]
+    token = [uuid.uuid4().hex[:12], _check_target(path)] if rank == 0 else [None, None]
     dist.broadcast_object_list(token, src=0)
     if token[1]:
         raise AutopartError(token[1])
@@ -672,7 +672,8 @@ def read_full_state_dict(path: str | os.PathLike, *, verify: bool = True
     marker = _read_marker(path)
     problems = check_files(path, marker, list(marker["files"]) if verify else [])
     if problems:
-        raise AutopartError(f"checkpoint {path} is corrupt or incomplete:\n  " + "\n  ".join(problems))
+        raise AutopartError(f"checkpoint {path} is corrupt or incomplete:\n  "
+                            + "\n  ".join(problems))
     reader = dcp.FileSystemReader(str(path))
     saved = _read_metadata(reader, path).state_dict_metadata
     tensors = marker["model"]["tensors"]
@@ -738,5 +739,5 @@ def summary(marker: dict) -> str:
             + (f" with {marker['optimizer']} state" if marker.get("optimizer") else ""))
 
 
-__all__ = ["save", "load", "export", "read_full_state_dict", "read_marker", "check_files", "layout", "Slices",
-           "MARKER", "summary"]
+__all__ = ["save", "load", "export", "read_full_state_dict", "read_marker", "check_files",
+           "layout", "Slices", "MARKER", "summary"]

@@ -36,6 +36,7 @@ class Phase:
     virtual_stages: int = 1
     batch: int = 8
     save_model: bool = False            # pass model= to save (records a HF config)
+    save_at: int | None = None          # save after this step (default: after the last) and go on
     return_params: bool = False         # return this rank's parameters (bitwise comparisons)
     random_batches: bool = False        # batches drawn from the global RNG (exact resume)
 
@@ -108,28 +109,27 @@ def run_phase(phase: Phase, rank: int, pg_timeout: float = 60.0) -> dict:
     if phase.load is not None:
         _compare_state(pm, opt, ref_params, ref_opt, mine, f"{phase.name} after load "
                        f"(step {done})", _param_atol(phase.optim), problems)
-    for step in range(done + 1, done + phase.steps + 1):
+    out = {"phase": phase.name, "rank": rank, "problems": problems, "extra": extra}
+    last = done + phase.steps
+    for step in range(done + 1, last + 1):
         b = batch(phase, step, vocab, inputs, target)    # one draw, for both models
         pm.train_step(*b[0], target=b[1])
         opt.step(), opt.zero_grad()
         _plain_step(plain, loss_fn, ref_opt, *b)
-    _compare_state(pm, opt, ref_params, ref_opt, mine,
-                   f"{phase.name} after step {done + phase.steps}", _param_atol(phase.optim),
-                   problems)
-    out = {"phase": phase.name, "rank": rank, "problems": problems, "extra": extra,
-           "seconds": time.perf_counter() - start, "timings": timings}
+        if phase.save is not None and step == (phase.save_at or last):
+            t = time.perf_counter()
+            marker = pm.save(phase.save, optimizer=opt, extra={"step": step, "phase": phase.name},
+                             model=model if phase.save_model else None)
+            out["save_seconds"] = time.perf_counter() - t
+            out["files"] = marker["files"]
+    _compare_state(pm, opt, ref_params, ref_opt, mine, f"{phase.name} after step {last}",
+                   _param_atol(phase.optim), problems)
+    out.update(seconds=time.perf_counter() - start, timings=timings)
     if phase.return_params:
         out["params"] = {n: p.detach().clone() for n, p in pm.named_parameters()}
         out["full_state_dict"] = pm.full_state_dict()
         out["state"] = {n: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
                         for n, p in pm.named_parameters() if p in opt.state}
-    if phase.save is not None:
-        t = time.perf_counter()
-        marker = pm.save(phase.save, optimizer=opt,
-                                 extra={"step": done + phase.steps, "phase": phase.name},
-                                 model=model if phase.save_model else None)
-        out["save_seconds"] = time.perf_counter() - t
-        out["files"] = marker["files"]
     return out
 
 

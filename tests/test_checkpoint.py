@@ -3,7 +3,8 @@ model; exact resume in new processes; atomic saves; clear errors; export to safe
 Hugging Face model directory.
 
 Every resharding phase compares each rank's parameters and optimizer state, right after loading
-and after training on, with the unmodified model trained the same steps (tests/checkpoint_workers.py).
+and after training on, with the unmodified model trained the same steps
+(tests/checkpoint_workers.py).
 
 Fast tier: python -m pytest -m "not full" tests/test_checkpoint.py
 Everything: python -m pytest tests/test_checkpoint.py
@@ -40,7 +41,7 @@ def _chain(world: int, phases: list[Phase], pg_timeout: float = 60.0) -> dict[st
     return out
 
 
-# -- fast tier: two 2-rank spawns, the rest in this process -----------------------------------------
+# -- fast tier: two 2-rank spawns, the rest in this process ------------------------------------
 
 @pytest.mark.full
 def test_reshard_pp_tp_dp_schedule_adamw(tmp_path):
@@ -75,22 +76,20 @@ def _assert_each_chunk_once(path) -> None:
 
 
 def test_exact_resume_in_new_processes(tmp_path):
-    """tp=2 (q|k|v sections): k=2 steps, save, resume in new processes, 2 more steps: bitwise
-    equal to 4 steps without the interruption (batches drawn from the global RNG, so its state
-    must be restored too); then the same checkpoint loads under pp=2 (a change of tp and pp),
-    against the plain model."""
+    """tp=2 (q|k|v sections): 4 steps with a save after step 2; resumed from it in new
+    processes, 2 more steps are bitwise equal to those 4 without the interruption (batches drawn
+    from the global RNG, so its state must be restored too); then the same checkpoint loads
+    under pp=2 (a change of tp and pp), against the plain model."""
     ck = str(tmp_path / "k2")
-    first = _chain(2, [
-        Phase("uninterrupted", {"tp": 2}, steps=4, random_batches=True, return_params=True),
-        Phase("first-2", {"tp": 2}, steps=2, random_batches=True, save=ck),
-    ])
+    first = _chain(2, [Phase("uninterrupted", {"tp": 2}, steps=4, random_batches=True,
+                             return_params=True, save=ck, save_at=2)])
     resumed = _chain(2, [
         Phase("resumed", {"tp": 2}, steps=2, load=ck, random_batches=True, return_params=True),
         Phase("pp2", {"pp": 2}, steps=1, load=ck, random_batches=True),
     ])
     _assert_each_chunk_once(ck)
     for a, b in zip(first["uninterrupted"], resumed["resumed"]):
-        assert b["extra"] == {"step": 2, "phase": "first-2"}
+        assert b["extra"] == {"step": 2, "phase": "uninterrupted"}
         assert a["params"].keys() == b["params"].keys()
         for name in a["params"]:
             assert torch.equal(a["params"][name], b["params"][name]), f"rank {a['rank']} {name}"
@@ -294,7 +293,7 @@ def test_export_hugging_face_gpt2(tmp_path, single_process_group):
         assert torch.equal(loaded(x).logits, ref(x).logits)
 
 
-# -- full tier ----------------------------------------------------------------------------------------
+# -- full tier ---------------------------------------------------------------------------------
 
 @pytest.mark.full
 def test_reshard_experts_sgd_momentum(tmp_path):
