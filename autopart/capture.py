@@ -7,8 +7,12 @@ under the plain model's names, so every later program names them as the user doe
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import re
+import traceback
 from typing import Callable
 
 import torch
@@ -32,6 +36,9 @@ class _WithLoss(nn.Module):
     def forward(self, *args):
         inputs, target = (args[:-1], args[-1]) if self.has_target else (args, None)
         out = self.model(*inputs)
+        if out is None:
+            raise AutopartError(f"{type(self.model).__name__}.forward returned None: it must return "
+                                "the loss, or the output that loss_fn turns into the loss")
         if self.loss_fn is not None:
             loss = self.loss_fn(out, target) if self.has_target else self.loss_fn(out)
             return _check_scalar(loss, "loss_fn returned")
@@ -150,18 +157,34 @@ def _export(wrapper: nn.Module, args: tuple):
     if seq is not None:  # some models tie the sequence to a fixed size: keep only the batch symbolic
         seq_static = (tuple(({0: batch} if a.shape[0] > 1 else None) for a in args),)
         attempts.insert(1, (seq_static, True))
-    last_error = None
+    last_error, printed = None, ""
     for dyn, dynamic in attempts:
+        out = io.StringIO()
         try:
-            ep = torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
+            # torch prints the partial graph and logs warnings on some failures: the error below
+            # says what matters (with the user's line, read from that print when needed)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), \
+                    _quiet("torch.fx.experimental.symbolic_shapes"):
+                ep = torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
             return ep, dynamic and args[0].shape[0] > 1
         except AutopartError:
             raise                 # ours, from inside forward (e.g. no loss): already explained
         except Exception as e:  # noqa: BLE001  (any export failure: try the next, report the last)
-            last_error = e
+            last_error, printed = e, out.getvalue()
             if not _is_shape_error(e):
                 break
-    raise _capture_error(last_error) from last_error
+    raise _capture_error(last_error, printed) from last_error
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _is_shape_error(e: Exception) -> bool:
@@ -171,17 +194,53 @@ def _is_shape_error(e: Exception) -> bool:
     return any(k in text for k in ("Constraint", "constraint", "specializ", "guard", "Dim", "dynamic"))
 
 
-def _capture_error(e: Exception) -> AutopartError:
+def _user_source(e: Exception, printed: str) -> str:
+    """The user's file:line where the capture failed: the innermost traceback frame outside
+    torch and autopart, else the last `# File:` line of the graph torch printed."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "/torch/" not in f.filename and "/autopart/" not in f.filename
+              and "/site-packages/" not in f.filename]
+    if frames:
+        f = frames[-1]
+        return f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else "")
+    found = re.findall(r"# File: (\S+?):(\d+) in (\S+), code: (.*)", printed)
+    if found:
+        path, line, fn, code = found[-1]
+        return f"{path}:{line} in {fn}: {code.strip()}"
+    found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', str(e))
+    user = [f for f in found if "/torch/" not in f[0] and "/autopart/" not in f[0]]
+    return f"{user[-1][0]}:{user[-1][1]} in {user[-1][2]}" if user else ""
+
+
+def _capture_error(e: Exception, printed: str = "") -> AutopartError:
     text = str(e)
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)
-    user = [f for f in frames if "/torch/" not in f[0] and "/autopart/" not in f[0]]
-    where = f"\n  source: {user[-1][0]}:{user[-1][1]} in {user[-1][2]}" if user else ""
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return AutopartError(
-        f"torch.export could not capture the model: {type(e).__name__}: {first}{where}\n"
-        "  remedy: make forward() traceable: no data-dependent Python control flow on tensor "
-        "values (use torch.where / torch.cond), no .item()/.tolist() on activations, no calls into "
-        "non-PyTorch libraries. torch.fx.symbolic_trace is not needed: autopart uses torch.export.")
+    source = _user_source(e, printed)
+    where = f"\n  source: {source}" if source else ""
+    return AutopartError(f"torch.export could not capture the model: {type(e).__name__}: "
+                         f"{first}{where}\n  remedy: {_remedy(e, text)}")
+
+
+def _remedy(e: Exception, text: str) -> str:
+    """What to do, by cause: a tracing limit, integer ids given as floats, or plain code that
+    fails on the example inputs themselves."""
+    if "data-dependent" in text or "DataDependent" in type(e).__name__:
+        return ("the value there depends on tensor data, which a traced graph cannot branch or "
+                "size on: use torch.where / torch.cond instead of a Python if on a tensor, and "
+                "keep sizes independent of values (no .item()/.tolist() for a size or a slice)")
+    if "'indices'" in text and ("Long, Int" in text or "scalar type" in text):
+        return ("token ids used as embedding indices must be an integer tensor: pass "
+                "torch.long ids (e.g. x.long()), not floats")
+    tracer = type(e).__module__.startswith(("torch._dynamo", "torch.export", "torch.fx",
+                                            "torch._export"))
+    if tracer:
+        return ("make forward() traceable: no data-dependent Python control flow on tensor "
+                "values (use torch.where / torch.cond), no .item()/.tolist() on activations, no "
+                "calls into non-PyTorch libraries. torch.fx.symbolic_trace is not needed: "
+                "autopart uses torch.export.")
+    return ("forward() (or loss_fn) raised this on the example inputs themselves, not because of "
+            "tracing: check that model(*example_inputs) (and loss_fn(output, target)) runs, and "
+            "that the inputs have the dtypes and shapes the model expects")
 
 
 def _to_program(ep, model: nn.Module, args: tuple, dynamic: bool, names: list[str]) -> Program:
@@ -326,3 +385,57 @@ def _rename_meta(node: fx.Node, symbols: dict) -> None:
         node.meta["nn_module_stack"] = {
             k: (_strip(re.sub(r"^L\['self'\]\.?", "", path)), cls) for k, (path, cls) in stack.items()
             if _strip(re.sub(r"^L\['self'\]\.?", "", path)) not in ("", "model")}
+
+
+def check_on_example(program: Program, args: tuple, whole: tuple | None = None) -> None:
+    """Run the captured graph once on real example tensors (`args`: inputs then target, in the
+    program's input order) and name the node that fails: an index past an embedding table (token
+    ids >= the vocabulary, a sequence longer than the positions) would otherwise surface as
+    torch's bare "index out of range" at the first train_step. Ids fed straight to an embedding
+    are checked over `whole` (the whole example batch) when given. Meta tensors are not checked."""
+    if any(a.device.type == "meta" for a in args) or \
+            any(t.device.type == "meta" for t in program.gm.parameters()):
+        return
+    values = dict(zip(program.inputs, whole if whole is not None else args))
+    for node in program.gm.graph.nodes:
+        if node.target is torch.ops.aten.embedding.default and node.args[1].name in values:
+            _check_ids(node, values[node.args[1].name], program)
+    with torch.no_grad():
+        _NamingInterpreter(program.gm).run(*args)
+
+
+def _check_ids(node: fx.Node, ids: torch.Tensor, program: Program) -> None:
+    rows = int(node.args[0].meta["val"].shape[0])
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= rows:
+        raise node_error(node, f"input {node.args[1].name!r} holds ids from {low} to {high}, but "
+                         f"the embedding table {node.args[0].target} has {rows} rows",
+                         f"use ids in [0, {rows}) (e.g. a vocabulary of at least {high + 1})")
+
+
+class _NamingInterpreter(fx.Interpreter):
+    """Runs the graph; a failing node becomes an AutopartError naming it and its source line.
+    (fx appends its own context to whatever run_node raises, so the error is made in run.)"""
+
+    def run_node(self, n: fx.Node):
+        self.current = n
+        return super().run_node(n)
+
+    def run(self, *args):
+        try:
+            return super().run(*args)
+        except Exception as e:  # noqa: BLE001  (any failure: say where, keep torch's first line)
+            raise self._error(e) from e
+
+    def _error(self, e: Exception) -> AutopartError:
+        n = self.current
+        text = str(e).strip()
+        problem = f"the model fails on the example inputs: {type(e).__name__}: " \
+                  f"{text.splitlines()[0] if text else ''}"
+        if n.target is torch.ops.aten.embedding.default:
+            rows = int(n.args[0].meta["val"].shape[0])
+            problem += (f" (the table {n.args[0].target} has {rows} rows: an index computed from "
+                        "the input sizes, e.g. positions of a sequence longer than the model's, "
+                        "is past its end)")
+        return node_error(n, problem, "give inputs the model accepts (sequence length, id range, "
+                          "dtypes); model(*example_inputs) fails the same way")

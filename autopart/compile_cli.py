@@ -74,6 +74,9 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
                    help="write each distinct rank program to DIR/rank{pp_rank}.py")
     p.add_argument("--rank", type=int, default=None, help="print this global rank's program code")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.add_argument("--loss-fn", default=None, metavar="NAME",
+                   help="a function in FILE.py turning (output, target) into the loss (default: "
+                        "the file's lm_loss when it has one; else the model returns its loss)")
     p.add_argument("--meta", action="store_true",
                    help="build the model on the meta device (automatic above ~1e9 parameters)")
     p.set_defaults(run=run_compile)
@@ -85,7 +88,11 @@ def run_compile(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except (AutopartError, ScheduleError, _UsageError) as e:
-        print(f"autopart compile: error: {e}", file=sys.stderr)
+        hint = ""
+        if "pass loss_fn=" in str(e) and args.loss_fn is None:   # the API's remedy, for the CLI
+            hint = ("\n  on the command line: --loss-fn NAME, a function in FILE.py taking "
+                    "(output, target) (a function named lm_loss is used without the flag)")
+        print(f"autopart compile: error: {e}{hint}", file=sys.stderr)
         return 2
 
 
@@ -94,6 +101,8 @@ def _run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     mesh = Mesh.parse(args.mesh)
+    if args.microbatches is not None and args.microbatches < 1:
+        raise _UsageError(f"--microbatches {args.microbatches} must be at least 1")
     microbatches = args.microbatches if args.microbatches is not None else mesh.pp
     schedule = args.schedule or ("interleaved-1f1b" if args.virtual_stages > 1 else "1f1b")
     batch = args.batch if args.batch is not None else mesh.dp * microbatches
@@ -101,8 +110,10 @@ def _run(args: argparse.Namespace) -> int:
         raise _UsageError(f"--batch {batch} must be positive")
     if args.rank is not None:
         mesh.coords(args.rank)        # a rank outside the mesh fails before the slow part
+    if args.emit:
+        _check_writable(Path(args.emit))    # before the slow part, not after it
     module, name = _load(args.target)
-    built = _build(module, name, args.config, batch, args.meta)
+    built = _build(module, name, args.config, batch, args.meta, args.loss_fn)
     compiled = autopart_compile(built.model, mesh, built.inputs, loss_fn=built.loss_fn,
                                 target=built.target, microbatches=microbatches,
                                 schedule=schedule, virtual_stages=args.virtual_stages,
@@ -158,6 +169,8 @@ def _load(target: str):
     sys.path.insert(0, str(file.resolve().parent))   # so the file can import its neighbours
     try:
         spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001  (the user's file does not run: where, in one line)
+        raise _UsageError(f"{file} does not load: {type(e).__name__}: {e}{_where(e, file)}") from e
     finally:
         sys.path.remove(str(file.resolve().parent))
     if not hasattr(module, name):
@@ -173,7 +186,30 @@ class _Built:
         self.loss_fn, self.meta, self.n_params = loss_fn, meta, n_params
 
 
-def _build(module, name: str, spec: str | None, batch: int, meta: bool) -> _Built:
+def _where(e: Exception, file: Path) -> str:
+    """' (FILE:LINE)' of the deepest frame in the user's file, if the traceback has one."""
+    import traceback
+    if isinstance(e, SyntaxError):
+        return ""            # its message already says the file and line
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if Path(f.filename).resolve() == file.resolve()]
+    return f" ({file}:{frames[-1].lineno})" if frames else ""
+
+
+def _check_writable(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise _UsageError(f"--emit {folder}: exists and is not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".autopart-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise _UsageError(f"--emit {folder}: cannot write there ({e.strerror})") from e
+
+
+def _build(module, name: str, spec: str | None, batch: int, meta: bool,
+           loss_name: str | None = None) -> _Built:
     """Build the model (on meta when asked or when too large), its inputs, target and loss."""
     with torch.device("meta"):                   # counting parameters allocates nothing
         model, cfg, extra = _make(module, name, spec, batch, "meta")
@@ -187,7 +223,7 @@ def _build(module, name: str, spec: str | None, batch: int, meta: bool) -> _Buil
         inputs = _example_inputs(module, model, cfg, batch, device)
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
-    loss_fn = getattr(module, "lm_loss", None)
+    loss_fn = _loss_fn(module, loss_name)
     if loss_fn is None and target is not None:
         inputs, target = inputs + (target,), None     # model(*inputs, target) returns the loss
     elif loss_fn is not None and target is None and isinstance(inputs[0], torch.Tensor):
@@ -214,7 +250,12 @@ def _make(module, name: str, spec: str | None, batch: int, device: str):
     if "config" in params and spec is not None:
         kwargs["config"] = spec
     elif spec is not None:
-        raise _UsageError(f"--config given, but {name}() takes no 'config' argument")
+        models = [k for k, v in vars(module).items() if isinstance(v, type)
+                  and issubclass(v, nn.Module) and v.__module__ == module.__name__]
+        raise _UsageError(f"{name} is a function taking no 'config' argument, so it cannot take "
+                          f"--config; NAME must be a model class (nn.Module) or a function "
+                          f"returning a model. Model classes in the file: "
+                          f"{', '.join(models) or 'none'}")
     if "batch" in params:
         kwargs["batch"] = batch
     if "device" in params:
@@ -247,6 +288,17 @@ def _config(module, spec: str | None):
         raise
     except (KeyError, ValueError) as e:
         raise _UsageError(f"--config {spec!r}: {e.args[0] if e.args else e}") from e
+
+
+def _loss_fn(module, name: str | None):
+    """--loss-fn NAME from the file, else the file's lm_loss, else None (the model's output is
+    the loss)."""
+    if name is None:
+        return getattr(module, "lm_loss", None)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise _UsageError(f"--loss-fn {name}: the file has no function {name!r}")
+    return fn
 
 
 def _unique_params(model: nn.Module):

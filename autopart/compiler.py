@@ -196,7 +196,7 @@ def _microbatch_size(inputs: tuple, mesh: Mesh, microbatches: int) -> int:
         raise AutopartError("example_inputs must hold at least one tensor whose dim 0 is the batch")
     batch = int(inputs[0].shape[0])
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise AutopartError(f"microbatches={microbatches!r} must be a positive integer")
+        raise AutopartError(f"microbatches={microbatches!r} must be >= 1 (an integer)")
     if batch % (mesh.dp * microbatches):
         per = mesh.dp * microbatches
         ok = [m for m in range(1, batch + 1) if batch % (mesh.dp * m) == 0]

@@ -287,6 +287,7 @@ class Plan:
     ep_shards: dict = field(default_factory=dict)   # expert param name -> ParamShard(0, (E,))
     sp_grad_reduce: frozenset = frozenset()  # replicated params whose grads sum over tp (SP)
     stats: tuple[str, ...] = ()             # names of the statistics outputs, summed per step
+    optimizer: str = "adam"                 # whose state the memory model counts
 
     @property
     def loss_scale(self) -> float:

@@ -87,11 +87,17 @@ class Mesh:
     @classmethod
     def parse(cls, text: str) -> "Mesh":
         """`"dp=2,pp=4"` -> Mesh(dp=2, pp=4)."""
+        if not isinstance(text, str):
+            raise AutopartError(f"Mesh.parse takes a string like 'dp=2,pp=4', not a "
+                                f"{type(text).__name__}")
         sizes = {}
         for item in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = item.partition("=")
             if not sep or key not in ("dp", "pp", "tp", "ep") or not value.isdigit():
                 raise AutopartError(f"bad mesh item {item!r} in {text!r}: write e.g. dp=2,pp=4,tp=2")
+            if key in sizes:
+                raise AutopartError(f"mesh {text!r} gives {key} twice ({key}={sizes[key]} and "
+                                    f"{item}): give each axis once")
             sizes[key] = int(value)
         return cls(**sizes)
 

@@ -77,9 +77,25 @@ def config(spec: str = "tiny") -> GPTConfig:
         key, _, value = item.partition("=")
         if key not in types:
             raise KeyError(f"GPTConfig has no field {key!r}; fields: {', '.join(types)}")
-        kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}
-        changes[key] = kind[types[key]](value)
-    return dataclasses.replace(cfg, **changes)
+        kind = {"int": int, "float": float, "bool": _bool}
+        try:
+            changes[key] = kind[types[key]](value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} is not a valid {types[key]}") from None
+    cfg = dataclasses.replace(cfg, **changes)
+    if cfg.n_embd % cfg.n_head:
+        ok = [h for h in range(1, cfg.n_embd + 1) if cfg.n_embd % h == 0 and h <= 128]
+        raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}; "
+                         f"use n_head in {ok}")
+    return cfg
+
+
+def _bool(text: str) -> bool:
+    """'true'/'1'/'yes' or 'false'/'0'/'no'; anything else is an error, not False."""
+    words = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+    if text.lower() not in words:
+        raise ValueError(f"{text!r} is not a boolean")
+    return words[text.lower()]
 
 
 class CausalSelfAttention(nn.Module):

@@ -133,15 +133,25 @@ def config(spec: str = "tiny") -> SwitchConfig:
     if name not in CONFIGS:
         raise KeyError(f"unknown Switch config {name!r}; known: {', '.join(CONFIGS)}")
     types = {f.name: f.type for f in dataclasses.fields(SwitchConfig)}
-    kinds = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes"),
+    kinds = {"int": int, "float": float, "bool": _bool,
              "float | None": lambda v: None if v.lower() in ("none", "dropless") else float(v)}
     changes = {}
     for item in overrides:
         key, _, value = item.partition("=")
         if key not in types:
             raise KeyError(f"SwitchConfig has no field {key!r}; fields: {', '.join(types)}")
-        changes[key] = kinds[types[key]](value)
+        try:
+            changes[key] = kinds[types[key]](value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} is not a valid {types[key]}") from None
     return dataclasses.replace(CONFIGS[name], **changes)
+
+
+def _bool(text: str) -> bool:
+    """'true'/'1'/'yes' or 'false'/'0'/'no'; anything else is an error, not False."""
+    if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise ValueError(f"{text!r} is not a boolean")
+    return text.lower() in ("1", "true", "yes")
 
 
 class CausalSelfAttention(nn.Module):

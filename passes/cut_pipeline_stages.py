@@ -30,7 +30,10 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     replicated = _input_derived(graph)
     compute = [n for n in graph.nodes if n.op == "call_function" and n.name not in replicated]
     if not compute:
-        raise AutopartError("the model has no computation to split")
+        raise AutopartError(
+            "the model has no trainable parameters: every op depends on the inputs alone, so "
+            "there is nothing to train or to place on pipeline stages.\n  remedy: give the model "
+            "parameters (requires_grad=True), or run it without autopart")
     b, s = microbatch_size, program.seq_len
     cost = [max(evaluate(costs[n.name].fwd_bwd_flops, b, s), 1.0) for n in compute]
     last_use = _last_uses(compute)
@@ -41,6 +44,7 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     cuts = _choose_cuts(compute, cost, cross_bytes, k, layers)
     bounds = [0, *cuts, len(compute)]
     chunk_of = {n.name: c for c in range(k) for n in compute[bounds[c]:bounds[c + 1]]}
+    _check_every_chunk_has_parameters(graph, chunk_of, chunk_ranks, len(program.params))
     plan = StagePlan(
         num_chunks=k, chunk_ranks=tuple(chunk_ranks), chunk_of=chunk_of, replicated=tuple(sorted(replicated)),
         crossings=tuple(tuple(v.name for v in _crossing_at(compute, last_use, g)) for g in cuts),
@@ -224,6 +228,21 @@ def _typical_layer_floor(spans, cross_bytes, banned, default: float) -> float:
                          if g < len(cross_bytes) and g not in banned), default=default)
                     for a, b in spans)
     return minima[len(minima) // 2] if minima else default
+
+
+def _check_every_chunk_has_parameters(graph, chunk_of, chunk_ranks, n_params: int) -> None:
+    """A chunk without parameters would make a pipeline rank pass activations along (or compute
+    only the loss) and train nothing: the model is too small for this many stages."""
+    held = {chunk_of[u.name] for n in graph.nodes if n.op == "get_attr" and _is_param(graph, n)
+            for u in n.users if u.name in chunk_of}
+    empty = [c for c in range(len(chunk_ranks)) if c not in held]
+    if empty:
+        c = empty[0]
+        raise AutopartError(
+            f"pipeline chunk {c} (on pipeline rank {chunk_ranks[c]}) would hold no parameters: "
+            f"the model's {n_params} parameter tensor(s) fill only {len(held)} of "
+            f"{len(chunk_ranks)} chunks.\n  remedy: use at most {max(len(held), 1)} pipeline "
+            "chunks (pp * virtual_stages), e.g. pp=1 for a model this small")
 
 
 def _shared_params(graph, chunk_of, replicated) -> dict[str, tuple[int, ...]]:

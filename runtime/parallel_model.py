@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopart.arguments import check_arguments
 from autopart.compiler import Compiled, compile as compile_model
 from autopart.errors import AutopartError
 from autopart.materialize import RankInit, initial_state, is_meta
@@ -32,7 +33,7 @@ class ParallelModel:
 
     def __init__(self, compiled: Compiled, rank: int, device: torch.device, timeout: timedelta,
                  key_order: list[str], extra_state: dict[str, torch.Tensor],
-                 build: Callable | None = None, trace: str | None = None):
+                 build: Callable | None = None, trace: str | None = None, zero: int = 0):
         self.compiled = compiled
         plan = compiled.plan
         self.mesh: Mesh = plan.mesh
@@ -56,6 +57,9 @@ class ParallelModel:
         self._step = StepDriver(plan, self.program, actions, compiled.program.inputs,
                                 self._groups.pp, device, trace=self._trace)
         self._grads = GradientReducer(plan, self._params, self._groups, self.coords, device)
+        self.zero = zero
+        if zero:   # ZeRO-1: gradients reduce-scattered, optimizer state 1/dp (runtime/optimizer.py)
+            self._grads.zero_layouts = zero_layouts(plan, self._params, self._groups)
         self._state = StateGatherer(plan, compiled.program, self.program, self._groups, device,
                                     key_order, extra_state)
         # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over
@@ -109,6 +113,17 @@ class ParallelModel:
         from autopart.runtime.pretrained import load_pretrained
         load_pretrained(self, source)
 
+    def optimizer(self, cls, **kwargs):
+        """The optimizer for this rank's parameters: `cls(pm.parameters(), **kwargs)`, or with
+        zero=1 a distributed optimizer keeping `cls`'s state for this rank's 1/dp slice
+        (runtime/optimizer.py). Build it after load_pretrained.
+
+            opt = pm.optimizer(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)"""
+        if not self.zero:
+            return cls(self.parameters(), **kwargs)
+        from autopart.runtime.optimizer import ZeroOptimizer
+        return ZeroOptimizer(list(self._grads.zero_layouts), cls, **kwargs)
+
     def explain(self) -> str:
         return self.compiled.explain()
 
@@ -131,7 +146,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
                 sequence_parallel: bool = False, recompute: str = "none",
                 memory_budget: str | int | None = None, optimizer: str = "adam",
                 timeout: timedelta = DEFAULT_TIMEOUT, seed: int = 0,
-                init_fn: Callable | None = None, trace: str | None = None) -> ParallelModel:
+                init_fn: Callable | None = None, trace: str | None = None,
+                zero: int = 0) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
@@ -153,6 +169,7 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     meta = is_meta(model)
     if meta:   # a meta-device model compiles on meta inputs; each rank allocates only its shards
         example_inputs, target = _on_meta(example_inputs), _on_meta(target)
+    example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
     check_world_size(mesh)
     device = _device_of(model)
     to = torch.device("meta") if meta else device
@@ -177,7 +194,27 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
         extra = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in extra_keys}
         build = None
     return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, build,
-                         trace=trace_path(trace))
+                         trace=trace_path(trace), zero=_check_zero(zero))
+
+
+def _check_zero(zero: int) -> int:
+    if zero not in (0, 1):
+        raise AutopartError(f"zero={zero!r}: autopart implements ZeRO stage 1 (optimizer state "
+                            "sharded over data-parallel replicas).\n  remedy: zero=0 or zero=1")
+    return zero
+
+
+def zero_layouts(plan, params: dict, groups) -> tuple:
+    """The flat layouts of ZeRO-1: dense parameters over the dp replicas, expert parameters
+    over the ranks holding the same experts; each parameter marked as sharded."""
+    from autopart.runtime.optimizer import FlatLayout, manage
+    dense = [n for n in params if n not in plan.ep_shards and params[n].requires_grad]
+    experts = [n for n in params if n in plan.ep_shards and params[n].requires_grad]
+    layouts = tuple(FlatLayout(params, names, group)
+                    for names, group in ((dense, groups.dp), (experts, groups.ep_replica))
+                    if names)
+    manage(params[n] for n in dense + experts)
+    return layouts
 
 
 def _on_meta(x):

@@ -1,0 +1,202 @@
+"""README's "Bad input" rows, tried as a new user would: each gets a clear error at compile time
+that names what is wrong and what to do, never a traceback from deep inside torch.
+
+The inputs come from ../shared/reference/bad-inputs-tried.md (what a new user got before)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopart
+from autopart.errors import AutopartError
+from examples.gpt import GPT, config, lm_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT_FILE = str(ROOT / "examples" / "gpt.py")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return GPT(config("tiny,n_layer=2"))
+
+
+def ids(*shape, high=256):
+    return torch.randint(0, high, shape)
+
+
+class Item(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = int(x.sum().item()) % 3 + 1
+        return self.lin(x)[:, :n].sum()
+
+
+class Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.lin(x).sum()
+        return self.lin(x).mean()
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        return (self.lin(x) * mask).sum()
+
+
+class ReturnsNone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.lin(x)
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+API_CASES = {
+    # name: (call, words the message must hold)
+    "mesh given as a string": (
+        lambda m: autopart.compile(m, "pp=2", (ids(2, 64),), loss_fn=lm_loss, target=ids(2, 64)),
+        ["Mesh.parse('pp=2')"]),
+    "a lambda as the model": (
+        lambda m: autopart.compile(lambda x: x, autopart.Mesh(), (ids(2, 64),)),
+        ["not a torch.nn.Module"]),
+    "a dict of example inputs": (
+        lambda m: autopart.compile(m, autopart.Mesh(), {"idx": ids(2, 64)}),
+        ["example_inputs is a dict", "tuple of tensors"]),
+    "an int among the example inputs": (
+        lambda m: autopart.compile(m, autopart.Mesh(), (ids(2, 64), 3)),
+        ["example input 1 is a int"]),
+    "loss_fn without target": (
+        lambda m: autopart.compile(m, autopart.Mesh(), (ids(2, 64),), loss_fn=lm_loss),
+        ["no target was given", "target=..."]),
+    "target batch differs from the inputs'": (
+        lambda m: autopart.compile(m, autopart.Mesh(), (ids(8, 64),), loss_fn=lm_loss,
+                                   target=ids(4, 64)),
+        ["target has batch 4", "example input 0 has 8"]),
+    "sequence longer than the model's positions": (
+        lambda m: autopart.compile(m, autopart.Mesh(), (ids(2, 128),), loss_fn=lm_loss,
+                                   target=ids(2, 128)),
+        ["transformer.wpe.weight has 64 rows", "source:", "gpt.py"]),
+    "token ids past the vocabulary": (
+        lambda m: autopart.compile(m, autopart.Mesh(), (torch.full((4, 64), 300),),
+                                   loss_fn=lm_loss, target=ids(4, 64)),
+        ["ids from 300 to 300", "256 rows", "vocabulary of at least 301"]),
+    "float token ids": (
+        lambda m: autopart.compile(m, autopart.Mesh(), (torch.rand(2, 64),), loss_fn=lm_loss,
+                                   target=ids(2, 64)),
+        ["integer tensor", "torch.long"]),
+    "a CPU model with meta inputs": (
+        lambda m: autopart.compile(m, autopart.Mesh(), (ids(2, 64).to("meta"),),
+                                   loss_fn=lm_loss, target=ids(2, 64).to("meta")),
+        ["the model is on cpu but input 0 is on meta"]),
+    "forward(x, mask) given one input": (
+        lambda m: autopart.compile(TwoInputs(), autopart.Mesh(), (torch.randn(2, 4),)),
+        ["forward takes (x, mask)", "mask would be missing"]),
+    "forward returning None with a loss_fn": (
+        lambda m: autopart.compile(ReturnsNone(), autopart.Mesh(), (torch.randn(2, 4),),
+                                   loss_fn=_mse, target=torch.randn(2, 4)),
+        ["ReturnsNone.forward returned None"]),
+    ".item() used for a size": (
+        lambda m: autopart.compile(Item(), autopart.Mesh(), (torch.randn(2, 4),)),
+        ["source:", "test_bad_inputs.py", ".item()", "torch.where"]),
+    "if on a tensor value": (
+        lambda m: autopart.compile(Branch(), autopart.Mesh(), (torch.randn(2, 4),)),
+        ["source:", "if x.sum() > 0", "torch.cond"]),
+    "a plain Linear cut into two stages": (
+        lambda m: autopart.compile(nn.Linear(4, 4), autopart.Mesh(pp=2), (torch.randn(4, 4),),
+                                   loss_fn=_mse, target=torch.randn(4, 4), microbatches=2),
+        ["chunk 1", "would hold no parameters", "pp=1"]),
+    "a model with no parameters": (
+        lambda m: autopart.compile(nn.ReLU(), autopart.Mesh(), (torch.randn(4, 4),),
+                                   loss_fn=lambda o: o.sum()),
+        ["no trainable parameters"]),
+    "microbatches = 0": (
+        lambda m: autopart.compile(m, autopart.Mesh(), (ids(2, 64),), loss_fn=lm_loss,
+                                   target=ids(2, 64), microbatches=0),
+        ["microbatches=0 must be >= 1"]),
+    "a mesh with an axis twice": (
+        lambda m: autopart.Mesh.parse("pp=2,pp=4"), ["gives pp twice"]),
+}
+
+
+@pytest.mark.parametrize("name", list(API_CASES))
+def test_api_bad_input_gets_a_clear_error(name, gpt):
+    call, words = API_CASES[name]
+    with pytest.raises(AutopartError) as e:
+        call(gpt)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, f"{name}: {w!r} not in:\n{msg}"
+    assert "Traceback" not in msg and "While executing" not in msg
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "autopart", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def _files(tmp_path: Path) -> dict[str, Path]:
+    out = {"missing.py": "import torch\nimport nonexistent_module_xyz\n",
+           "syntax.py": "def f(:\n",
+           "logits.py": ("import torch, torch.nn as nn\n"
+                         "class M(nn.Module):\n"
+                         "    def __init__(s):\n"
+                         "        super().__init__(); s.l = nn.Linear(8, 8)\n"
+                         "    def forward(s, x): return s.l(x)\n"
+                         "def example_inputs(cfg, batch, device):\n"
+                         "    return (torch.randn(batch, 8, device=device),)\n")}
+    for name, text in out.items():
+        (tmp_path / name).write_text(text)
+    return {name: tmp_path / name for name in out}
+
+
+CLI_CASES = {
+    "model file with a missing import": (["{missing.py}:M"],
+                                         ["does not load", "nonexistent_module_xyz", "missing.py:2"]),
+    "model file with a syntax error": (["{syntax.py}:M"], ["does not load", "SyntaxError"]),
+    "logits and no loss function": (["{logits.py}:M"], ["not a scalar loss", "--loss-fn NAME"]),
+    "a config function as the model": ([GPT_FILE + ":config", "--config", "tiny"],
+                                       ["NAME must be a model class", "GPT"]),
+    "heads not dividing the width": ([GPT_FILE + ":GPT", "--config", "tiny,n_head=5"],
+                                     ["not divisible by n_head=5", "use n_head in"]),
+    "a word that is not a boolean": ([GPT_FILE + ":GPT", "--config", "tiny,tie_weights=nope"],
+                                     ["tie_weights='nope' is not a valid bool"]),
+    "--microbatches 0": ([GPT_FILE + ":GPT", "--microbatches", "0"],
+                         ["--microbatches 0 must be at least 1"]),
+    "--mesh with an axis twice": ([GPT_FILE + ":GPT", "--mesh", "pp=2,pp=4"], ["gives pp twice"]),
+    "--emit onto a file": ([GPT_FILE + ":GPT", "--emit", "{syntax.py}"],
+                           ["exists and is not a directory"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CLI_CASES))
+def test_cli_bad_input_is_one_clear_line_and_exit_2(name, tmp_path):
+    files = _files(tmp_path)
+    args, words = CLI_CASES[name]
+    for key, path in files.items():
+        args = [a.replace("{" + key + "}", str(path)) for a in args]
+    r = _cli("compile", *args)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    for w in words:
+        assert w in r.stderr, f"{name}: {w!r} not in:\n{r.stderr[-2000:]}"
