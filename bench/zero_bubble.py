@@ -104,7 +104,12 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
         pm._bench_batch = (tokens, targets)
         key = f"torch:{torch_cls}" if torch_cls else {1: "1f1b", 2: "interleaved-1f1b"}[v]
         pipe = pvt.torch_pipeline(copy.deepcopy(plain), pm.compiled, pm.coords["pp"], m, key)
-        check = pvt.check_equal_work(plain, pm, pipe, tokens, targets, opts["tol"])
+        # autopart must match the plain model; torch's result is reported, not required (its
+        # ScheduleInterleavedZeroBubble gets the tied embedding's gradient wrong here)
+        check = pvt.check_equal_work(plain, pm, pipe, tokens, targets, float("inf"))
+        if not (check["autopart_grad_rel_err"] <= opts["tol"]
+                and abs(check["autopart_loss"] - check["plain_loss"]) <= opts["tol"] * 10):
+            raise AssertionError(f"{name} v={v}: autopart differs from the plain model: {check}")
         runners = {"autopart": (lambda: pm.train_step(tokens, target=targets), list(pm.parameters())),
                    "floor": (lambda: pvt.floor_step(pipe, tokens, targets, m, hidden), pipe.params)}
         if torch_cls:
@@ -123,7 +128,8 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
             med[k] = 1e3 * statistics.median(t.tolist())
         pvt._zero(pm.parameters())
         with tempfile.TemporaryDirectory() as tmp:
-            costs = measured_costs(pm, str(Path(tmp) / "t.json"))
+            keep = opts.get("trace_dir")
+            costs = measured_costs(pm, str(Path(keep or tmp) / f"{name}-v{v}.json"))
         predicted, bubble = predicted_ms(pm.compiled.schedule, costs)
         results.append({"schedule": name, "virtual_stages": v, "torch": torch_cls,
                         "autopart_ms": med["autopart"], "torch_ms": med.get("torch"),
@@ -182,9 +188,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trace-dir", help="keep each schedule's traced step there (<name>-v<v>.json)")
     a = ap.parse_args(argv)
     opts = dict(microbatches=a.microbatches, microbatch_size=a.microbatch_size, steps=a.steps,
-                warmup=a.warmup, config=a.config, seed=a.seed, tol=a.tol)
+                warmup=a.warmup, config=a.config, seed=a.seed, tol=a.tol,
+                trace_dir=str(Path(a.trace_dir).resolve()) if a.trace_dir else None)
     from autopart.runtime.launch import spawn
     out = spawn(rank_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]
     text = table(opts, out["results"])
