@@ -41,6 +41,9 @@ class GradientReducer:
                  device: torch.device, all_reduce: Callable = dist.all_reduce):
         self.plan, self.params, self.groups, self.coords = plan, params, groups, coords
         self.device, self.all_reduce = device, all_reduce
+        # zero=1: (dense, experts) FlatLayouts (runtime/optimizer.py); their gradients are
+        # reduce-scattered over the replicas instead of all-reduced
+        self.zero_layouts: tuple = ()
 
     def reduce(self) -> None:
         """Turn this step's local gradients into the plain model's (see the module docstring)."""
@@ -57,6 +60,10 @@ class GradientReducer:
                  if p.grad is not None and n not in plan.ep_shards]
         experts = [p.grad for n, p in self.params.items()
                    if p.grad is not None and n in plan.ep_shards]
+        if self.zero_layouts:
+            for layout in self.zero_layouts:
+                layout.reduce_scatter_grads()
+            return
         all_reduce_flat(dense, groups.dp, self.all_reduce)
         all_reduce_flat(experts, groups.ep_replica, self.all_reduce)
 
@@ -75,6 +82,11 @@ class GradientReducer:
                     sq_experts += p.grad.double().pow(2).sum()
                 else:
                     sq += p.grad.double().pow(2).sum()
+        if self.zero_layouts:   # zero=1: each replica holds the gradient of its slice only
+            if self.groups.dp is not None:
+                self.all_reduce(sq, group=self.groups.dp)
+            if self.groups.ep_replica is not None:
+                self.all_reduce(sq_experts, group=self.groups.ep_replica)
         if self.groups.ep is not None:      # each ep rank holds 1/ep of the experts
             self.all_reduce(sq_experts, group=self.groups.ep)
         sq += sq_experts

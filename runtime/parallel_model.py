@@ -13,13 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopart.arguments import check_arguments
 from autopart.compiler import Compiled, compile as compile_model
 from autopart.errors import AutopartError
 from autopart.materialize import RankInit, initial_state, is_meta
 from autopart.mesh import Mesh
 from autopart.runtime.gradients import GradientReducer
-from autopart.runtime.groups import RankGroups, bind_comms, build_groups, check_world_size
+from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check_same_program,
+                                     check_world_size)
+from autopart.runtime import nonfinite
+from autopart.runtime.nonfinite import check_mode as check_nonfinite_mode
 from autopart.runtime.state import StateGatherer
 from autopart.runtime.executor import hoist_receives
 from autopart.runtime.step import StepDriver
@@ -33,8 +35,12 @@ class ParallelModel:
 
     def __init__(self, compiled: Compiled, rank: int, device: torch.device, timeout: timedelta,
                  key_order: list[str], extra_state: dict[str, torch.Tensor],
-                 build: Callable | None = None, trace: str | None = None, zero: int = 0):
+                 build: Callable | None = None, trace: str | None = None, zero: int = 0,
+                 nonfinite: str = "raise"):
         self.compiled = compiled
+        self.nonfinite = check_nonfinite_mode(nonfinite)
+        self.steps = 0                  # train_steps run: errors name the step
+        self.skipped_steps: list[int] = []
         plan = compiled.plan
         self.mesh: Mesh = plan.mesh
         self.rank = rank
@@ -42,6 +48,7 @@ class ParallelModel:
         self.ep_rank = self.mesh.ep_rank(rank)
         self.device = device
         self._groups: RankGroups = build_groups(self.mesh, plan, timeout)
+        check_same_program(compiled.digest(), self._groups)
         # this rank's own copies of its weight shards, its comms bound to its groups
         self.program = compiled.programs.instantiate(rank)
         bind_comms(self.program.chunks, self._groups)
@@ -78,12 +85,19 @@ class ParallelModel:
         earlier = {n: p.grad for n, p in self._params.items() if p.grad is not None}
         for p in self._params.values():
             p.grad = None
-        ctx = self._step.run(inputs, target)
+        self.steps += 1
+        ctx = self._step.run(inputs, target, self.steps)
         if self._trace is not None:
             self._trace.end_step()
         self._grads.reduce()
         if self.compiled.plan.stats:
             self.last_stats = self._state.stats(ctx.stats)
+        if self.nonfinite != "ignore":
+            mine = nonfinite.local_problems(ctx.losses, self._params, self.coords["pp"])
+            report = nonfinite.find_nonfinite(self.steps, mine, self.rank, self._groups.world,
+                                              self.device)
+            if nonfinite.handle(report, self.nonfinite, self._params):
+                self.skipped_steps.append(self.steps)
         for name, grad in earlier.items():
             p = self._params[name]
             p.grad = grad if p.grad is None else grad.add_(p.grad)
@@ -147,7 +161,7 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
                 memory_budget: str | int | None = None, optimizer: str = "adam",
                 timeout: timedelta = DEFAULT_TIMEOUT, seed: int = 0,
                 init_fn: Callable | None = None, trace: str | None = None,
-                zero: int = 0) -> ParallelModel:
+                zero: int = 0, nonfinite: str = "raise") -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
@@ -169,7 +183,6 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     meta = is_meta(model)
     if meta:   # a meta-device model compiles on meta inputs; each rank allocates only its shards
         example_inputs, target = _on_meta(example_inputs), _on_meta(target)
-    example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
     check_world_size(mesh)
     device = _device_of(model)
     to = torch.device("meta") if meta else device
@@ -194,7 +207,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
         extra = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in extra_keys}
         build = None
     return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, build,
-                         trace=trace_path(trace), zero=_check_zero(zero))
+                         trace=trace_path(trace), zero=_check_zero(zero),
+                         nonfinite=nonfinite)
 
 
 def _check_zero(zero: int) -> int:

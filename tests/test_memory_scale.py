@@ -113,14 +113,33 @@ def test_bad_checkpoints_name_the_key_and_the_file(tmp_path, single_process_grou
 
 # -- spawned ranks --------------------------------------------------------------------------------
 
-def test_meta_pp2_safetensors_and_scratch(tmp_path):
-    """pp=2: from scratch equals materialize; load a safetensors file (save_model keeps one name
-    of the tied pair); 3 SGD-momentum steps equal the plain model; bytes held = the share."""
-    ranks = _run(tmp_path, [MetaCase("gpt-pp2", pp=2)], ["safetensors"], 2)
-    total = sum(p.numel() * 4 for p in plain(MetaCase("gpt")).parameters())
+def test_meta_pp2_and_zero_dp2(tmp_path):
+    """One 2-rank spawn. pp=2: from scratch equals materialize; load a safetensors file
+    (save_model keeps one name of the tied pair); 3 SGD-momentum steps equal the plain model;
+    bytes held = the share. dp=2 zero=1 with SGD momentum: 3 steps equal the plain optimizer,
+    each rank's optimizer state is 1/2 of the plain one's, and a torch optimizer built over
+    pm.parameters() fails at its first step."""
+    ranks = _run(tmp_path, [MetaCase("gpt-pp2", pp=2),
+                            MetaCase("gpt-dp2-zero-sgd", dp=2, zero=1)],
+                 ["safetensors", "torch"], 2)
+    numel = sum(p.numel() for p in plain(MetaCase("gpt")).parameters())
     for results in ranks:
-        assert results[0]["held"] == results[0]["expected"]
-        assert results[0]["held"] < 0.75 * total       # a pipeline half (+ the tied embedding)
+        pp2, zero = results
+        assert pp2["held"] == pp2["expected"]
+        assert pp2["held"] < 0.75 * numel * 4     # a pipeline half (+ the tied embedding)
+        # one momentum buffer over this rank's half of the flat buffer
+        assert zero["state_bytes"] == 4 * (-(-numel // 2)), (zero["state_bytes"], numel)
+
+
+@pytest.mark.full
+def test_zero_sgd_momentum_pp2xdp2_and_experts(tmp_path):
+    """zero=1 with AdamW on pp=2 x dp=2 (GPT) and SGD momentum on dp=2 x ep=2 (Switch: experts shard
+    over their own replica group, here of one rank, the dense part over dp)."""
+    ranks = _run(tmp_path, [MetaCase("gpt-pp2xdp2-zero", pp=2, dp=2, zero=1, optim="adamw"),
+                            MetaCase("switch-dp2xep2-zero", model="switch", dp=2, ep=2, zero=1)],
+                 ["", ""], 4)
+    for results in ranks:
+        assert results[0]["state_bytes"] < 0.55 * 2 * results[0]["held"]   # two moments, 1/2
 
 
 @pytest.mark.full
