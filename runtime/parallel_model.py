@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopart.arguments import check_arguments
 from autopart.compiler import Compiled, compile as compile_model
 from autopart.errors import AutopartError
 from autopart.materialize import RankInit, initial_state, is_meta
@@ -183,6 +184,7 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     meta = is_meta(model)
     if meta:   # a meta-device model compiles on meta inputs; each rank allocates only its shards
         example_inputs, target = _on_meta(example_inputs), _on_meta(target)
+    example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
     check_world_size(mesh)
     device = _device_of(model)
     to = torch.device("meta") if meta else device
