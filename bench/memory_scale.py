@@ -1,0 +1,112 @@
+"""Peak resident memory per process: a >=300M-parameter GPT trained 2 steps with Adam, plain in one
+process vs autopart built on the meta device and loaded from a safetensors file.
+
+    python bench/memory_scale.py [--config gpt2-medium-like] [--steps 2]
+
+Prints each process's VmHWM (kernel high-water mark), minus that of a process that only imported
+torch (printed), and the ratio to the plain process; and the checkpoint load time per rank vs
+torch.load of the whole file. Target: every rank under 0.4 of the plain peak at pp=4.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = "gpt2-124m,n_layer=24,n_embd=1024,n_head=16,block_size=256"   # ~350M, gpt2-medium-like
+
+
+def hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def torch_only(_rank=0, _world=1) -> int:
+    return hwm()
+
+
+def plain(spec: str, path: str, steps: int) -> dict:
+    from examples.gpt import GPT, lm_loss
+    model = GPT(spec)
+    t = time.perf_counter()
+    model.load_state_dict(torch.load(path, weights_only=True), strict=False)
+    load_s = time.perf_counter() - t
+    x = torch.randint(0, 1000, (2, 128))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        lm_loss(model(x), x).backward()
+        opt.step(), opt.zero_grad()
+    return {"hwm": hwm(), "load_s": load_s}
+
+
+def ranked(rank: int, world: int, spec: str, path: str, steps: int, mesh: dict) -> dict:
+    import autopart
+    from examples.gpt import GPT, lm_loss
+    with torch.device("meta"):
+        model = GPT(spec)
+    x = torch.randint(0, 1000, (4, 128))
+    pm = autopart.parallelize(model, autopart.Mesh(**mesh), (x,), loss_fn=lm_loss, target=x,
+                              microbatches=2, zero=1 if mesh.get("dp", 1) > 1 else 0)
+    t = time.perf_counter()
+    pm.load_pretrained(path)
+    load_s = time.perf_counter() - t
+    opt = pm.optimizer(torch.optim.Adam, lr=1e-4)
+    for _ in range(steps):
+        pm.train_step(x, target=x)
+        opt.step(), opt.zero_grad()
+    return {"hwm": hwm(), "load_s": load_s}
+
+
+def main() -> None:
+    import multiprocessing as mp
+    from autopart.runtime.launch import spawn
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=CONFIG)
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        base = pool.apply(torch_only)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "gpt.safetensors")
+        with ctx.Pool(1) as pool:
+            pool.apply(_save, (args.config, path))
+            pt = path.replace(".safetensors", ".pt")
+            pool.apply(_save_torch, (args.config, pt))
+        with ctx.Pool(1) as pool:
+            ref = pool.apply(plain, (args.config, pt, args.steps))
+        print(f"torch-only process: {base / 2**20:.0f} MiB")
+        print(f"plain: peak {ref['hwm'] / 2**20:.0f} MiB (net {(ref['hwm'] - base) / 2**20:.0f}), "
+              f"torch.load of the whole file {ref['load_s']:.2f} s")
+        for mesh in ({"pp": 4}, {"pp": 2, "dp": 2}):
+            out = spawn(ranked, 4, args.config, path, args.steps, mesh, timeout=3600,
+                        pg_timeout=1800)
+            for r, o in enumerate(out):
+                ratio = (o["hwm"] - base) / (ref["hwm"] - base)
+                print(f"{mesh} rank {r}: peak {o['hwm'] / 2**20:.0f} MiB, net ratio to plain "
+                      f"{ratio:.2f}, load_pretrained {o['load_s']:.2f} s")
+
+
+def _save(spec: str, path: str) -> None:
+    from safetensors.torch import save_model
+    from examples.gpt import GPT
+    torch.manual_seed(0)
+    save_model(GPT(spec), path)
+
+
+def _save_torch(spec: str, path: str) -> None:
+    from examples.gpt import GPT
+    torch.manual_seed(0)
+    torch.save(GPT(spec).state_dict(), path)
+
+
+if __name__ == "__main__":
+    main()
