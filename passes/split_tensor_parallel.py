@@ -510,8 +510,9 @@ def _check_sequence(program, plan, tp) -> None:
     token), not necessarily the first input's dim 1 (its channels)."""
     nodes = {n.name: n for n in program.gm.graph.nodes}
     for name, dim in plan.seq_shards.items():
-        size = shape_of(nodes[name])[dim]
-        if not isinstance(size, torch.SymInt) and int(size) % tp:
+        shape = shape_of(nodes[name])
+        size = shape[dim] if dim < len(shape) else None
+        if isinstance(size, int) and size % tp:
             raise node_error(nodes[name], f"sequence parallelism splits the sequence ({int(size)} "
                              f"tokens) over tp={tp} ranks", f"a sequence length divisible by {tp}"
                              ", or sequence_parallel=False")
