@@ -201,3 +201,47 @@ def test_unbound_program_refuses_to_run():
     comm = tp_ops.TPComm(2)
     with pytest.raises(RuntimeError, match="not bound"):
         tp_ops.reduce_from_tp(torch.ones(2), comm)
+
+
+def test_meta_llama_complex_rotary_splits_every_linear():
+    """Complex rotary embeddings (view_as_complex, complex mul, view_as_real, flatten), float
+    round trips with export's _assert_tensor_metadata, repeat_kv by expand + reshape, RMSNorm by
+    hand: every projection split, nothing sliced locally, nothing replicated."""
+    from examples.llama_meta import Llama, config
+    from examples.llama_meta import lm_loss as llama_loss
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 16))
+    program = capture(Llama(config("tiny-gqa")), (x,), loss_fn=llama_loss, target=x)
+    out, report = split_tensor_parallel(program, tp=2)
+    assert report["replicated_linears"] == []
+    counts = _counts(out.gm)
+    assert counts["scatter_to_tp"] == 0 and counts["vocab_parallel_cross_entropy"] == 1
+    assert out.tp.params["layers.0.attention.wk.weight"] == ParamShard(0, (32,))   # 2 kv heads
+    assert "view_as_complex" in out.gm.code and ", 2, -1, 2])" in out.gm.code   # 2 local heads
+
+
+class _Blocked(torch.nn.Module):
+    """Two layers whose first linear feeds a cumsum (no rule), each small: warned, not fatal."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.ModuleList(torch.nn.Linear(32, 256) for _ in range(2))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(256, 32) for _ in range(2))
+        self.small = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, x):
+        for big, down, small in zip(self.big, self.down, self.small):
+            x = x + down(torch.relu(big(x))) + torch.cumsum(small(x), -1)
+        return x.pow(2).mean()
+
+
+def test_replicated_linears_warn_once_grouped_by_the_op_that_stopped_them():
+    program = capture(_Blocked(), (torch.randn(2, 8, 32),))
+    with pytest.warns(UserWarning) as caught:
+        split_tensor_parallel(program, tp=2)
+    ours = [str(w.message) for w in caught if "replicated over tp" in str(w.message)]
+    assert len(ours) == 1, ours
+    text = ours[0]
+    assert "2 linear(s) stay replicated over tp=2" in text and "and 1 more like it" in text
+    assert "aten.cumsum.default" in text and "test_split_tensor_parallel.py" in text
+    assert "% of the parameters" in text
