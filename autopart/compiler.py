@@ -6,6 +6,7 @@ hundreds of billions of parameters compiles without being allocated.
 from __future__ import annotations
 
 import functools
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +90,21 @@ class Compiled:
         any global rank, built on first access (autopart.memory)."""
         from autopart.memory import MemoryTable
         return MemoryTable(self)
+
+    def digest(self) -> str:
+        """A short hash of what every rank must agree on: autopart's version, the plan, each
+        chunk's code, and every parameter's name, shape and dtype. Ranks whose digests differ
+        compiled different programs (another model, configuration or autopart version)."""
+        import hashlib
+        from autopart import __version__
+        # sets print in an order that depends on the process's string hash seed: sort them
+        plan = dataclasses.replace(self.plan, sp_grad_reduce=tuple(sorted(self.plan.sp_grad_reduce)))
+        h = hashlib.sha256(f"{__version__}\n{plan!r}\n".encode())
+        for chunk in self.program.chunks:
+            h.update(chunk.code.encode())
+        for info in self.program.params.values():
+            h.update(f"{info.name}{tuple(info.shape)}{info.dtype}".encode())
+        return h.hexdigest()[:16]
 
     def explain(self) -> str:
         from autopart.explain import explain_table

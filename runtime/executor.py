@@ -42,6 +42,7 @@ class StepContext:
     loss_scale: float               # 1 / (microbatches * dp): the global-batch mean
     group: object = None            # the pipeline's process group: its timeout bounds every wait
     trace: object = None            # a runtime.trace.Recorder, or None
+    step: int = 0                   # which train_step this is (errors name it)
     acts: dict = field(default_factory=dict)       # (chunk, mb) -> received forward inputs
     outs: dict = field(default_factory=dict)       # (chunk, mb) -> forward outputs
     grads_in: dict = field(default_factory=dict)   # (chunk, mb) -> grads received for outputs
@@ -65,12 +66,38 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
             sends += _communicate(actions[i:j], ctx)
             i = j
         else:
-            _compute(actions[i], ctx)
+            try:
+                _compute(actions[i], ctx)
+            except PeerFailure:
+                raise
+            except RuntimeError as e:     # a collective inside the chunk (tp, ep) timed out
+                raise PeerFailure(f"rank {dist.get_rank()} failed in {actions[i]} at step "
+                                  f"{ctx.step}: {e}") from e
             i += 1
     _wait_received(ctx, None)
-    for work in sends:
-        work.wait()
+    for action, work, peer in sends:
+        _wait(work, f"could not deliver {action} to rank {peer}", ctx)
     return ctx.losses
+
+
+class PeerFailure(RuntimeError):
+    """A wait of the step that failed: the peer died or stopped responding within the timeout.
+    The message names this rank, the action, the peer and the step."""
+
+
+def _wait(work, what: str, ctx: StepContext) -> None:
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise PeerFailure(f"rank {dist.get_rank()} {what} at step {ctx.step}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from e
+
+
+def _peer_of(action, ctx: StepContext) -> int:
+    """The global rank at the other end of a transfer action."""
+    chunk = ctx.chunks[action.chunk]
+    specs = chunk.sends if action.kind in ("SEND_F", "RECV_B") else chunk.recvs
+    return ctx.peer(specs[0].peer_rank) if specs else -1
 
 
 def _compute(action, ctx: StepContext) -> None:
@@ -142,6 +169,9 @@ def _communicate(batch, ctx: StepContext) -> list:
                     for s, b in zip(specs, bufs)]
     works = dist.batch_isend_irecv(ops) if ops else []
     sends = [w for op, w in zip(ops, works) if op.op is dist.isend]  # a work holds its tensor
+    sent_by = [a for a in batch if a.kind in ("SEND_F", "SEND_B")
+               for _ in range(_count_sends(a, ctx))]
+    sends = [(a, w, _peer_of(a, ctx)) for a, w in zip(sent_by, sends)]
     for store, key, bufs, a, first in landing:
         store[key] = bufs
         ctx.posted.append((store, key, works[first:first + len(bufs)], a, start))
@@ -151,6 +181,14 @@ def _communicate(batch, ctx: StepContext) -> list:
             if a.kind in ("SEND_F", "SEND_B"):
                 ctx.trace.record(a, start, end)
     return sends
+
+
+def _count_sends(action, ctx: StepContext) -> int:
+    """How many tensors a send action posts (one isend each)."""
+    chunk = ctx.chunks[action.chunk]
+    if action.kind == "SEND_F":
+        return len(chunk.sends)
+    return sum(1 for s in chunk.recvs if s.differentiable)
 
 
 def _wait_received(ctx: StepContext, needed) -> None:
@@ -163,7 +201,7 @@ def _wait_received(ctx: StepContext, needed) -> None:
         store, key, works, action, posted = ctx.posted.pop(0)
         start = _now(ctx)
         for w in works:
-            w.wait()
+            _wait(w, f"was waiting for {action} from rank {_peer_of(action, ctx)}", ctx)
         if ctx.trace is not None:   # the slice is the time this rank waited for the data
             ctx.trace.record(action, start, _now(ctx), posted=posted)
         if needed is not None and store is needed[0] and key == needed[1]:

@@ -38,6 +38,10 @@ def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
         raise AutopartError("autopart.parallelize needs an initialized process group: call "
                             "torch.distributed.init_process_group (torchrun sets the environment)")
     check_world_size(mesh)
+    # Ranks finish compiling at different times (seconds apart on a loaded machine); creating a
+    # group waits for every member only as long as the group's own (short) timeout, so first meet
+    # on the default group, whose timeout is the launcher's.
+    dist.barrier()
     rank = dist.get_rank()
     world = _mine([tuple(range(mesh.world_size))], rank, timeout)
     dp = _mine(mesh.groups("dp"), rank, timeout)
@@ -57,6 +61,22 @@ def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
         if group is not None:
             shared[name] = group
     return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica)
+
+
+def check_same_program(digest: str, groups: RankGroups) -> None:
+    """Raise on every rank, naming which ranks differ, unless all compiled the same program."""
+    digests: list = [None] * groups.mesh.world_size
+    dist.all_gather_object(digests, digest, group=groups.world)
+    if len(set(digests)) == 1:
+        return
+    by_digest: dict[str, list[int]] = {}
+    for rank, d in enumerate(digests):
+        by_digest.setdefault(d, []).append(rank)
+    parts = "; ".join(f"ranks {ranks} compiled {d}" for d, ranks in by_digest.items())
+    raise AutopartError(
+        f"the ranks compiled different programs ({parts}).\n  remedy: every rank must build "
+        "the same model with the same configuration, example input shapes, parallelize options "
+        "and autopart version")
 
 
 def bind_comms(chunks, groups: RankGroups) -> None:

@@ -23,9 +23,9 @@ class StepDriver:
         self.coords, self.group, self.device = rank_program.coords, peer_group, device
         self.chunks = {c.chunk: c for c in rank_program.chunks}
 
-    def run(self, inputs: tuple, target: torch.Tensor | None) -> StepContext:
+    def run(self, inputs: tuple, target: torch.Tensor | None, step: int = 0) -> StepContext:
         """Forward and backward of every microbatch of this replica; returns the step's context
-        (microbatch losses, statistics)."""
+        (microbatch losses, statistics). `step` numbers the train_step for error messages."""
         plan, mesh = self.plan, self.plan.mesh
         batch = self.replica_rows(inputs, target)
         mbs = plan.microbatch_size
@@ -34,7 +34,8 @@ class StepDriver:
             peer=lambda p: mesh.rank(pp=p, dp=self.coords["dp"], tp=self.coords["tp"]),
             microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
             batch=mbs, seq=int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None,
-            device=self.device, loss_scale=plan.loss_scale, group=self.group, trace=self.trace)
+            device=self.device, loss_scale=plan.loss_scale, group=self.group, trace=self.trace,
+            step=step)
         run_actions(self.actions, ctx)
         return ctx
 

@@ -13,6 +13,7 @@ import pytest
 
 from autopart.runtime.launch import spawn
 from tests._workers import die_mid_step, mesh_mismatch
+from tests.failure_workers import mismatched_programs, nonfinite_loss
 
 TIMEOUT_S = 10.0     # parallelize(timeout=...): bounds every wait of the training step
 PG_TIMEOUT = 300.0   # the default group's, deliberately longer: parallelize's own must apply
@@ -43,6 +44,39 @@ def test_killed_rank_makes_the_others_fail_pp2():
     text, elapsed = _failures(2, "exit", victim=1)
     _assert_survivors_raised(text, 2, victim=1, code=13)
     assert elapsed < 120, f"spawn took {elapsed:.0f} s"
+
+
+def test_the_survivors_error_names_the_action_the_peer_and_the_step():
+    # rank 1 dies in its first forward of step 2; rank 0 is then waiting on (or sending to) it
+    text, _ = _failures(2, "exit", victim=1)
+    assert re.search(r"rank 0 (was waiting for \dRECV_[FB]\d+ from|could not deliver "
+                     r"\dSEND_[FB]\d+ to) rank 1 at step 2", text), text[-3000:]
+
+
+def test_ranks_that_compiled_different_programs_are_named():
+    errors = spawn(mismatched_programs, 2, timeout=240)
+    for rank, error in enumerate(errors):
+        assert error.startswith("AutopartError: the ranks compiled different programs"), error
+        assert "ranks [0] compiled" in error and "ranks [1] compiled" in error, error
+        assert "remedy" in error
+
+
+def test_nonfinite_loss_raises_with_the_step_stage_and_microbatch():
+    per_rank = spawn(nonfinite_loss, 2, "raise", timeout=240)
+    for r in per_rank:
+        assert len(r["losses"]) == 1 and len(r["errors"]) == 1, r
+        error = r["errors"][0]
+        assert "non-finite values at step 2" in error, error
+        assert "rank 1: the loss of microbatch 0 is nan (pipeline stage 1)" in error, error
+        assert "rank 0: the gradient of" in error, error
+
+
+def test_nonfinite_step_is_skipped_on_request():
+    per_rank = spawn(nonfinite_loss, 2, "skip", timeout=240)
+    for r in per_rank:
+        assert r["errors"] == [] and r["skipped"] == [2], r
+        assert r["grads_after_skip"] == 0, "a skipped step leaves no gradient to step with"
+        assert r["losses"][2] == r["losses"][2] and abs(r["losses"][2]) < 1e3, r   # finite again
 
 
 def test_unresponsive_rank_makes_the_others_fail_within_the_timeout_pp2():

@@ -1,0 +1,59 @@
+"""Non-finite losses and gradients, found on the rank where they appear and reported on every rank
+with the step, the pipeline stage and the microbatch (Megatron checks the same by default).
+
+One tiny all-reduce per step says whether anything is wrong; only then do the ranks exchange the
+details for the message.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from autopart.errors import AutopartError
+
+MODES = ("raise", "skip", "ignore")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise AutopartError(f"nonfinite={mode!r}: use one of {', '.join(MODES)} (raise: stop with "
+                            "the step, stage and microbatch; skip: drop the step's gradients)")
+    return mode
+
+
+def local_problems(losses: list[torch.Tensor], params: dict, pp_rank: int) -> list[str]:
+    """What is non-finite on this rank: microbatch losses (last stage) and gradients."""
+    out = [f"the loss of microbatch {i} is {float(loss)} (pipeline stage {pp_rank})"
+           for i, loss in enumerate(losses) if not math.isfinite(float(loss))]
+    for name, p in params.items():
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            bad = int((~torch.isfinite(p.grad)).sum())
+            out.append(f"the gradient of {name} has {bad} non-finite value(s) (pipeline stage "
+                       f"{pp_rank})")
+    return out
+
+
+def find_nonfinite(step: int, mine: list[str], rank: int, group, device) -> str | None:
+    """The report of every rank's problems (None when all is finite), the same on every rank."""
+    flag = torch.tensor([1.0 if mine else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() == 0:
+        return None
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (rank, mine), group=group)
+    lines = [f"  rank {r}: {p}" for r, problems in everyone for p in problems]
+    return f"non-finite values at step {step}:\n" + "\n".join(lines)
+
+
+def handle(report: str | None, mode: str, params: dict) -> bool:
+    """Raise or drop the gradients as `mode` says; True when the step was skipped."""
+    if report is None:
+        return False
+    if mode == "raise":
+        raise AutopartError(report + "\n  remedy: lower the learning rate, check the data of "
+                            "that step, or pass nonfinite='skip' to drop such steps")
+    for p in params.values():
+        p.grad = None          # optimizers leave parameters without a gradient as they are
+    return True

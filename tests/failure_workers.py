@@ -1,0 +1,54 @@
+"""Rank functions for tests/test_failures.py: programs that differ between ranks, and
+non-finite losses."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from tests._workers import Case, build
+
+
+def mismatched_programs(rank: int, world: int) -> str:
+    """Rank 1 builds a deeper model than the others: parallelize must refuse on every rank."""
+    import autopart
+    from examples.gpt import GPT, config, lm_loss
+
+    torch.manual_seed(0)
+    model = GPT(config(f"tiny,n_layer={4 if rank == 1 else 2},n_embd=32,n_head=2,block_size=16"))
+    x = torch.randint(0, 256, (4, 16))
+    try:
+        autopart.parallelize(model, autopart.Mesh(pp=world), (x,), loss_fn=lm_loss, target=x,
+                             microbatches=2, timeout=timedelta(seconds=60))
+        return "no error"
+    except autopart.AutopartError as e:
+        return f"AutopartError: {e}"
+
+
+def nonfinite_loss(rank: int, world: int, mode: str) -> dict:
+    """Three steps; in step 2 the final norm's weight (on the last pipeline rank) is NaN, so the
+    loss of every microbatch and every gradient upstream are NaN. Report or skip that step."""
+    import autopart
+
+    case = Case("nan", pp=world, microbatches=2)
+    model, loss_fn, inputs, target = build(case)
+    pm = autopart.parallelize(model, autopart.Mesh(pp=world), inputs, loss_fn=loss_fn,
+                              target=target, microbatches=2, timeout=timedelta(seconds=60),
+                              nonfinite=mode)
+    norm = dict(pm.named_parameters()).get("transformer.ln_f.weight")
+    out = {"errors": [], "losses": [], "grads_after_skip": None}
+    for step in (1, 2, 3):
+        if norm is not None:
+            with torch.no_grad():
+                norm.fill_(float("nan") if step == 2 else 1.0)
+        try:
+            out["losses"].append(float(pm.train_step(*inputs, target=target)))
+        except autopart.AutopartError as e:
+            out["errors"].append(str(e))
+            break
+        if step == 2:
+            out["grads_after_skip"] = sum(p.grad is not None for p in pm.parameters())
+        for p in pm.parameters():
+            p.grad = None
+    out["skipped"] = list(pm.skipped_steps)
+    return out
