@@ -117,6 +117,8 @@ def check_chunk(chunk: ChunkProgram, program, b: int, s: int | None, local_shape
             outs = runner.run(*args)
         except _DataDependent as e:
             return (e.node.name, f"{e.node.target.__name__} has data-dependent output sizes")
+        except AutopartError as e:       # fx's Interpreter appends its own trace: keep ours
+            raise AutopartError(str(e).split("\n\nWhile executing")[0]) from None
         _check_sends(chunk, outs, b, s, where)
         _backward(chunk, runner, outs, args, where)
     return None

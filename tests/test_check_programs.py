@@ -50,7 +50,8 @@ def test_wrong_view_names_node_source_pass_and_shapes():
     assert "examples/gpt.py" in text                    # the user's source line
     assert "produced by: emit_rank_programs" in text
     assert "float32[2, 16, 64]" in text                 # the view's input: microbatch 2, seq 16
-    assert "[2, 16, 5, 16]" in text.replace("sym_size_int", "") or "5, 16" in text
+    assert "shape '[2, 16, 5, 16]' is invalid for input of size 2048" in text
+    assert "While executing" not in text
 
 
 def test_wrong_view_on_a_shard_blames_split_tensor_parallel():
@@ -67,7 +68,7 @@ def test_collectives_have_their_real_output_shapes_on_fakes():
         x = torch.empty(2, 8, 6)
         assert tp_ops.gather_from_tp(x, 1, comm).shape == (2, 32, 6)
         assert tp_ops.reduce_scatter_tp(x, 1, comm).shape == (2, 2, 6)
-        assert tp_ops.scatter_to_tp(x, 2, comm).shape == (2, 8, 1.5 * 0 + 2)
+        assert tp_ops.scatter_to_tp(x, 2, comm).shape == (2, 8, 2)
         assert tp_ops.reduce_from_tp(x, comm).shape == x.shape
     with pytest.raises(RuntimeError, match="not bound"):    # a real program still refuses
         tp_ops.reduce_from_tp(torch.ones(2), tp_ops.TPComm(2))
