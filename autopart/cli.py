@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from autopart.compile_cli import add_compile_command
 from autopart.export_cli import add_export_command
+from autopart.plan_cli import add_calibrate_command, add_plan_command
 from autopart.schedule import SCHEDULES, Schedule, SimResult, make_schedule, simulate
 
 
@@ -137,7 +138,8 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_schedule_command, add_compile_command, add_export_command, _add_trace_command)
+    _add_schedule_command, add_compile_command, add_export_command, _add_trace_command,
+    add_plan_command, add_calibrate_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,228 @@
+"""`autopart plan FILE.py:NAME --gpus N --batch B --cluster NAME`: choose a layout with the cost model.
+
+    autopart plan examples/gpt.py:GPT --config megatron-1t --gpus 3072 --batch 3072 --cluster a100-80gb-selene
+    autopart plan examples/gpt.py:GPT --config megatron-1t --gpus 3072 --batch 3072 --cluster a100-80gb-selene --mesh tp=8,pp=64,dp=6 --json
+    autopart plan examples/gpt.py:GPT --config gpt3-175b --gpus 96 --batch 96 --cluster a100-80gb-selene --explain-cost --png plan.png
+    autopart calibrate                      # measure this machine: the `local` cluster
+
+Without --mesh (or with some axes of it) the planner searches tp, pp, dp, microbatch size, virtual
+stages, schedule and recomputation; knobs given are fixed. The ranked table lists the layouts
+that fit first (fastest first), then the rejected ones with why; `--json` prints
+{"layouts": [...], "best": {...}} alone on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from autopart.errors import AutopartError
+
+
+def add_plan_command(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="choose a parallel layout with the cost model",
+                              description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="examples:\n" + "\n".join(
+                                  line for line in __doc__.splitlines() if line.startswith("    autopart")))
+    p.add_argument("target", metavar="FILE.py:NAME", help="a model class or a function returning the model")
+    p.add_argument("--config", default=None, help="config name and/or overrides, e.g. megatron-1t,n_layer=64")
+    p.add_argument("--gpus", type=int, required=True, help="devices in total")
+    p.add_argument("--batch", type=int, required=True, help="global batch (sequences per step)")
+    p.add_argument("--cluster", default="a100-80gb-selene",
+                   help="a100-80gb-selene (default), h100-sxm, h200, local, or a cluster .json file")
+    p.add_argument("--mesh", default=None, help="fix some axes, e.g. tp=8,pp=64,dp=6 (the rest searched)")
+    p.add_argument("--microbatch-size", type=int, default=None)
+    p.add_argument("--virtual-stages", type=int, default=None)
+    p.add_argument("--schedule", default=None, choices=("1f1b", "interleaved-1f1b"))
+    p.add_argument("--recompute", default=None, choices=("full", "none"))
+    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="default bf16 mixed precision (fp32 on the local cluster)")
+    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"))
+    p.add_argument("--top", type=int, default=12, help="rows of the printed table (default 12)")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--explain-cost", action="store_true",
+                   help="print the cluster's calibration constants and the chosen layout's time breakdown")
+    p.add_argument("--png", metavar="FILE", default=None,
+                   help="draw the chosen layout's predicted timeline to FILE and the ranked layouts "
+                        "to FILE-layouts.png")
+    p.set_defaults(run=run_plan)
+    return p
+
+
+def add_calibrate_command(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("calibrate", help="measure this machine into the `local` cluster profile",
+                              description="Time matmuls of a few shapes, a memory-bound op, and a Gloo "
+                                          "all-reduce and p2p between two local processes; save the profile.")
+    p.add_argument("--out", default=None, help="where to save (default ~/.cache/autopart/local-cluster.json)")
+    p.set_defaults(run=run_calibrate)
+    return p
+
+
+def parse_mesh(text: str | None, gpus: int) -> dict:
+    """'tp=8,pp=64,dp=6' -> {'tp': 8, 'pp': 64, 'dp': 6}, checked against --gpus."""
+    if not text:
+        return {}
+    axes = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in ("tp", "pp", "dp", "ep"):
+            raise AutopartError(f"--mesh {text!r}: write axis=size with axes tp, pp, dp (e.g. tp=8,pp=64,dp=6)")
+        if key in axes:
+            raise AutopartError(f"--mesh {text!r}: {key} given twice")
+        try:
+            axes[key] = int(value)
+        except ValueError:
+            raise AutopartError(f"--mesh {text!r}: {key}={value!r} is not an integer") from None
+        if axes[key] < 1:
+            raise AutopartError(f"--mesh {text!r}: {key} must be at least 1")
+    if axes.pop("ep", 1) != 1:
+        raise AutopartError("--mesh: ep > 1 is not planned yet (the cost model has no expert all-to-all)")
+    size = 1
+    for v in axes.values():
+        size *= v
+    if gpus % size or (len(axes) == 3 and size != gpus):
+        raise AutopartError(f"--mesh {text!r} uses {size} devices, which does not "
+                            f"{'equal' if len(axes) == 3 else 'divide'} --gpus {gpus}")
+    return axes
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        return _plan(args)
+    except AutopartError as e:
+        print(f"autopart plan: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:   # the compile CLI's usage errors (file, name, config)
+        if type(e).__name__ == "_UsageError":
+            print(f"autopart plan: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from autopart.planner import CostModel, default_precision
+    from autopart.planner.cluster import cluster
+    from autopart.planner.profile import load_profile
+    from autopart.planner.search import search
+    start = time.perf_counter()
+    if args.gpus < 1 or args.batch < 1:
+        raise AutopartError(f"--gpus {args.gpus} and --batch {args.batch} must be positive")
+    c = cluster(args.cluster)                       # before the slow capture
+    axes = parse_mesh(args.mesh, args.gpus)
+    profile = load_profile(args.target, args.config)
+    model = CostModel(profile, c, args.batch, precision=args.precision or default_precision(c),
+                      optimizer=args.optimizer)
+    ranked = search(model, args.gpus, tp=axes.get("tp"), pp=axes.get("pp"), dp=axes.get("dp"),
+                    microbatch_size=args.microbatch_size, virtual_stages=args.virtual_stages,
+                    schedule=args.schedule, recompute=args.recompute)
+    best = next((e for e in ranked if e.fits), None)
+    seconds = time.perf_counter() - start
+    if args.png and best is not None:
+        for path in draw(model, best, ranked, args.png):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"layouts": [e.row() for e in ranked], "best": best.row() if best else None}))
+    else:
+        print(report(model, ranked, best, args.top, seconds))
+    if args.explain_cost:
+        print(explain(model, best), file=sys.stderr if args.json else sys.stdout)
+    return 0 if best is not None else 1
+
+
+def report(model, ranked, best, top: int, seconds: float) -> str:
+    p, c = model.profile, model.cluster
+    lines = [f"{p.layers} layers, hidden {p.hidden}, vocab {p.vocab}, sequence {p.seq}; global batch "
+             f"{model.batch}; {c.name}, {model.precision} + {model.optimizer}",
+             f"{len(ranked)} layouts, {sum(e.fits for e in ranked)} fit; searched in {seconds:.1f} s "
+             + (f"(one layer captured in {p.seconds:.1f} s)" if not p.cached else "(layer profile cached)"), ""]
+    head = ("mesh", "mbs", "v", "schedule", "recompute", "step s", "TFLOP/s/dev", "GB/rank", "")
+    rows = [_cells(e) for e in ranked if e.fits][:top]
+    rejected = [e for e in ranked if not e.fits]
+    rows += [_cells(e) for e in rejected[: max(3, top // 4)]]
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    lines.append("  ".join(str(h).ljust(w) for h, w in zip(head, widths)).rstrip())
+    lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows]
+    if rejected:
+        lines.append(f"({len(rejected)} rejected in all)")
+    if best is not None:
+        r = best.row()
+        lines += ["", f"best: {r['mesh']}, microbatch size {r['microbatch_size']}, {r['schedule']} "
+                      f"(v={r['virtual_stages']}), recompute {r['recompute']}: {r['step_time_s']:.3f} s a step, "
+                      f"{r['tflops_per_device']:.1f} TFLOP/s per device, {r['memory_per_rank_gb']:.1f} GB per rank"]
+    else:
+        lines += ["", "no layout fits in memory"]
+    return "\n".join(lines)
+
+
+def _cells(e) -> tuple:
+    r = e.row()
+    note = "" if e.fits else f"rejected: {e.rejected_because}"
+    if not e.simulated:
+        note = (note + " " if note else "") + "(bubble formula)"
+    return (r["mesh"], r["microbatch_size"], r["virtual_stages"], r["schedule"], r["recompute"],
+            f"{r['step_time_s']:.3f}", f"{r['tflops_per_device']:.1f}", f"{r['memory_per_rank_gb']:.1f}", note)
+
+
+def explain(model, best) -> str:
+    lines = [model.cluster.explain()]
+    if best is not None:
+        lay = best.layout
+        f, b, _ = model.part_times(model.profile.parts[lay.tp]["layer"], lay.tp, lay.microbatch_size)
+        lines.append(f"chosen layout {lay.mesh}: one layer, one microbatch of {lay.microbatch_size}: forward "
+                     f"{f * 1e3:.2f} ms, backward {b * 1e3:.2f} ms (+ forward again with full recompute)")
+        lines += [f"  {k}: {v:.4f} s" for k, v in best.breakdown.items()]
+        m = best.memory
+        lines.append("  memory per rank (GB): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in m.items()))
+    return "\n".join(lines)
+
+
+def draw(model, best, ranked, path: str) -> list[str]:
+    """The chosen layout's simulated timeline (at most 2pp microbatches drawn) and a bar chart."""
+    from pathlib import Path
+    from autopart.schedule import make_schedule, simulate
+    from autopart.timeline import draw_simulated
+    lay = best.layout
+    fwd, bwd, _ = model.chunk_costs(lay)
+    m = model.microbatches(lay)
+    shown = m if m <= 2 * lay.pp else 2 * lay.pp
+    schedule = make_schedule(lay.schedule, lay.pp, shown, lay.virtual_stages)
+    sim = simulate(schedule, fwd, bwd, latency=model.message_time(lay))
+    title = (f"predicted: {lay.mesh}, {lay.schedule} v={lay.virtual_stages}, microbatch {lay.microbatch_size}, "
+             f"{shown} of {m} microbatches shown; seconds")
+    out = [str(draw_simulated(schedule, sim, path, title=title))]
+    out.append(str(_bars(ranked, Path(path).with_name(Path(path).stem + "-layouts.png"))))
+    return out
+
+
+def _bars(ranked, path) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shown = [e for e in ranked if e.fits][:15] + [e for e in ranked if not e.fits][:5]
+    labels = [f"{e.layout.mesh} b={e.layout.microbatch_size} v={e.layout.virtual_stages} {e.layout.recompute}"
+              for e in shown]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(shown) + 1.2))
+    ax.barh(range(len(shown)), [e.tflops_per_device for e in shown],
+            color=["tab:blue" if e.fits else "tab:gray" for e in shown])
+    ax.set_yticks(range(len(shown)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted TFLOP/s per device (paper's formula); gray: does not fit in memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from autopart.planner.calibrate import calibrate
+    from autopart.planner.cluster import LOCAL_PATH
+    c = calibrate()
+    path = c.save(args.out or LOCAL_PATH)
+    print(c.explain())
+    print(f"saved {path}")
+    return 0
+
+
+__all__ = ["add_plan_command", "add_calibrate_command", "parse_mesh", "run_plan"]

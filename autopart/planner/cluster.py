@@ -1,0 +1,116 @@
+"""Clusters: what the cost model knows about the hardware, as one small frozen dataclass.
+
+Named presets (:data:`PRESETS`), a JSON file (``Cluster.from_json``), or ``local``: this machine as
+measured by ``autopart calibrate`` (saved to ``~/.cache/autopart/local-cluster.json``).
+
+>>> c = cluster("a100-80gb-selene")
+>>> c.gpus_per_node, c.peak_flops / 1e12, c.intra_bw / 1e9, c.inter_bw / 1e9
+(8, 312.0, 300.0, 25.0)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopart.errors import AutopartError
+
+LOCAL_PATH = Path(os.environ.get("AUTOPART_CACHE", Path.home() / ".cache" / "autopart")) / "local-cluster.json"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One kind of node, repeated. Bandwidths are bytes/s per device and per direction.
+
+    The last five fields are the calibration constants of the cost model (autopart/planner/cost.py),
+    global to a cluster (never per model): a GEMM of dimensions M, N, K runs at
+    ``peak_flops * gemm_efficiency * prod(d / (d + gemm_half_dim))``; memory-bound ops move bytes
+    at ``hbm_bw * memory_efficiency``; collectives and p2p at ``link_efficiency`` of the link's
+    bandwidth plus ``latency_s`` per message step.
+    """
+    name: str
+    gpus_per_node: int
+    peak_flops: float          # dense bf16/fp16 matmul peak per device
+    hbm_bw: float              # device memory bandwidth
+    memory_bytes: float        # device memory
+    intra_bw: float            # within a node (NVLink/NVSwitch), one direction
+    inter_bw: float            # across nodes (InfiniBand), per device, one direction
+    gemm_efficiency: float = 0.8
+    gemm_half_dim: float = 32.0
+    memory_efficiency: float = 0.7
+    link_efficiency: float = 0.8
+    latency_s: float = 1e-5
+
+    CONSTANTS = ("gemm_efficiency", "gemm_half_dim", "memory_efficiency", "link_efficiency", "latency_s")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Cluster:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise AutopartError(f"cluster description has unknown keys {unknown}; known: {sorted(known)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING and f.name not in data)
+        if missing:
+            raise AutopartError(f"cluster description lacks {missing}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Cluster:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise AutopartError(f"cannot read cluster file {path}: {e}") from e
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    def explain(self) -> str:
+        """The constants as `autopart plan --explain-cost` prints them."""
+        lines = [f"cluster {self.name}: {self.gpus_per_node} devices/node, peak {self.peak_flops / 1e12:g} TFLOP/s, "
+                 f"HBM {self.hbm_bw / 1e9:g} GB/s, memory {self.memory_bytes / 1e9:g} GB, intra-node "
+                 f"{self.intra_bw / 1e9:g} GB/s, inter-node {self.inter_bw / 1e9:g} GB/s per device (one direction)",
+                 "calibration constants (global to the cluster; fitted on megatron_table1_given.json for A100):"]
+        lines += [f"  {k} = {getattr(self, k):g}" for k in self.CONSTANTS]
+        return "\n".join(lines)
+
+
+# The constants below were fitted by autopart/planner/fit.py on the five rows of
+# ../shared/reference/megatron_table1_given.json only (A100). H100 and H200 reuse them: no
+# measurements of ours to fit them on, so those presets are the A100's efficiencies at their specs.
+_FITTED = dict(gemm_efficiency=0.8, gemm_half_dim=32.0, memory_efficiency=0.7, link_efficiency=0.8, latency_s=1e-5)
+
+PRESETS: dict[str, Cluster] = {
+    # Selene (Narayanan et al. 2021): DGX A100 80GB, NVSwitch 600 GB/s bidirectional per GPU,
+    # 8 x 200 Gb/s HDR InfiniBand per node (one HCA per GPU).
+    "a100-80gb-selene": Cluster("a100-80gb-selene", 8, 312e12, 2.039e12, 80e9, 300e9, 25e9, **_FITTED),
+    # DGX H100: 989 TFLOP/s dense bf16, NVLink 4 900 GB/s bidirectional, 8 x 400 Gb/s NDR.
+    "h100-sxm": Cluster("h100-sxm", 8, 989e12, 3.35e12, 80e9, 450e9, 50e9, **_FITTED),
+    # H200: the H100's compute and links, 141 GB of HBM3e at 4.8 TB/s.
+    "h200": Cluster("h200", 8, 989e12, 4.8e12, 141e9, 450e9, 50e9, **_FITTED),
+}
+
+
+def cluster(name: str) -> Cluster:
+    """A preset by name, ``local`` (this machine, from ``autopart calibrate``) or a JSON file."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name == "local":
+        if not LOCAL_PATH.is_file():
+            raise AutopartError(f"no local profile at {LOCAL_PATH}.\n  remedy: run `autopart calibrate` "
+                                "first (a short run timing matmuls and a two-process all-reduce)")
+        return Cluster.from_json(LOCAL_PATH)
+    if name.endswith(".json"):
+        return Cluster.from_json(name)
+    raise AutopartError(f"unknown cluster {name!r}; known: {', '.join([*PRESETS, 'local'])}, or a .json file")
+
+
+__all__ = ["Cluster", "PRESETS", "LOCAL_PATH", "cluster"]

@@ -1,0 +1,286 @@
+"""The cost model: one training step of one layout, in seconds, on a cluster.
+
+Per microbatch and chunk, on one device:
+    forward   GEMMs at flops / (peak * efficiency(M, N, K)) + memory-bound ops at bytes / HBM
+              + tensor-parallel all-reduces over the node's links (Megatron does not overlap them)
+    backward  twice the forward's GEMMs and memory-bound ops + its tp all-reduces
+              + with full recomputation, the layer's forward once more
+The pipeline (1F1B or interleaved) is the C++ simulator (autopart._C, what autopart.schedule.simulate
+runs) with those per-chunk costs and a p2p message time: a microbatch's hidden state cut in tp
+slices, each over its own InfiniBand link, then all-gathered over NVLink (the paper's scatter/gather).
+After it: the data-parallel ring all-reduce of the gradients (not overlapped: autopart's runtime
+reduces after the last backward), the tied-embedding all-reduce between first and last stage, and
+the optimizer step (memory-bound). The efficiency of a GEMM is a smooth function of its dimensions,
+``gemm_efficiency * prod(d / (d + gemm_half_dim))``: small dimensions (a head's 64-160, a thin
+tp shard) run further from peak. Its two constants and the memory and link efficiencies are the
+cluster's, global; nothing here is per model.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from autopart.planner.cluster import Cluster
+from autopart.planner.profile import Part, Profile
+
+SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b")
+RECOMPUTE = ("full", "none")
+# precision -> (param bytes, grad bytes, master bytes, activation bytes, gradient all-reduce bytes).
+# Megatron keeps fp32 main gradients; with fp16 (the paper) it all-reduces them in fp16, with bf16
+# in fp32 (accumulate_allreduce_grads_in_fp32), so bf16 moves twice the bytes.
+PRECISIONS = {"bf16": (2, 4, 4, 2, 4), "fp16": (2, 2, 4, 2, 2), "fp32": (4, 4, 0, 4, 4)}
+OPTIMIZER_BYTES = {"adam": 8, "sgd-momentum": 4, "sgd": 0}     # fp32 state per parameter
+# bytes an optimizer step reads and writes per parameter: grad, master, states (read + write), param
+STEP_BYTES = {"adam": 4 + 8 + 16 + 2, "sgd-momentum": 4 + 8 + 8 + 2, "sgd": 4 + 8 + 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    microbatch_size: int
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "full"
+
+    @property
+    def mesh(self) -> str:
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+
+
+@dataclass
+class Estimate:
+    """One layout's prediction. Times in seconds, memory in bytes (the fullest rank)."""
+    layout: Layout
+    step_time: float
+    tflops_per_device: float
+    memory: dict
+    fits: bool
+    rejected_because: str | None
+    breakdown: dict
+    simulated: bool = True
+
+    def row(self) -> dict:
+        lay = self.layout
+        return {"mesh": lay.mesh, "microbatch_size": lay.microbatch_size, "virtual_stages": lay.virtual_stages,
+                "schedule": lay.schedule, "recompute": lay.recompute, "step_time_s": round(self.step_time, 4),
+                "tflops_per_device": round(self.tflops_per_device, 1),
+                "memory_per_rank_gb": round(self.memory["total"] / 1e9, 2), "fits": self.fits,
+                "rejected_because": self.rejected_because}
+
+
+class CostModel:
+    """Predicts layouts of one model (its profile) for one global batch on one cluster."""
+
+    def __init__(self, profile: Profile, cluster: Cluster, batch: int, *, precision: str = "bf16",
+                 optimizer: str = "adam"):
+        self.profile, self.cluster, self.batch = profile, cluster, batch
+        self.precision, self.optimizer = precision, optimizer
+        self.bytes = PRECISIONS[precision]
+        self._act_scale = self.bytes[3] / 4          # the profile was captured in fp32
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def gemm_time(self, flops: float, m: float, n: float, k: float) -> float:
+        c = self.cluster
+        d0 = c.gemm_half_dim
+        eff = c.gemm_efficiency * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
+        return flops / (c.peak_flops * eff)
+
+    def allreduce_time(self, nbytes: float, ranks: int, bandwidth: float) -> float:
+        """Ring all-reduce: 2(n-1)/n of the bytes over each link, 2(n-1) steps of latency."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        c = self.cluster
+        return 2 * (ranks - 1) / ranks * nbytes / (bandwidth * c.link_efficiency) + 2 * (ranks - 1) * c.latency_s
+
+    def part_times(self, part: Part, tp: int, b: int) -> tuple[float, float, float]:
+        """(forward, backward, tp communication in forward) of one part for one microbatch."""
+        c = self.cluster
+        gemm = sum(self.gemm_time(f(b), mm(b), n, k) for f, mm, n, k in part.gemms)
+        mem = part.elementwise_bytes(b) * self._act_scale / (c.hbm_bw * c.memory_efficiency)
+        ar_f = self.allreduce_time(part.allreduce_fwd(b) * self._act_scale, tp, c.intra_bw)
+        ar_b = self.allreduce_time(part.allreduce_bwd(b) * self._act_scale, tp, c.intra_bw)
+        return gemm + mem + ar_f, 2 * (gemm + mem) + ar_b, ar_f + ar_b
+
+    def chunk_costs(self, lay: Layout) -> tuple[list[float], list[float], list[int]]:
+        """Per chunk (model order): forward, backward (with recomputation) and layer counts."""
+        parts = self.profile.parts[lay.tp]
+        b = lay.microbatch_size
+        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b)
+        if lay.recompute == "full":
+            lb += lf                      # the layer's forward once more before its backward
+        ff, fb, _ = self.part_times(parts["first"], lay.tp, b)
+        tf, tb, _ = self.part_times(parts["last"], lay.tp, b)
+        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        fwd = [n * lf for n in counts]
+        bwd = [n * lb for n in counts]
+        fwd[0] += ff
+        bwd[0] += fb
+        fwd[-1] += tf
+        bwd[-1] += tb
+        return fwd, bwd, counts
+
+    def message_time(self, lay: Layout) -> float:
+        """One microbatch's activation (or gradient) between neighbouring stages."""
+        if lay.pp == 1:
+            return 0.0
+        c = self.cluster
+        nbytes = self.profile.parts[lay.tp]["layer"].out_bytes(lay.microbatch_size) * self._act_scale
+        if lay.tp * lay.dp < c.gpus_per_node:          # neighbours in one node (tp, then dp, then pp)
+            return c.latency_s + nbytes / (c.intra_bw * c.link_efficiency)
+        # scatter/gather: each of the tp ranks sends 1/tp over its own link, then an all-gather
+        gather = (lay.tp - 1) / lay.tp * nbytes / (c.intra_bw * c.link_efficiency) if lay.tp > 1 else 0.0
+        return 2 * c.latency_s + nbytes / lay.tp / (c.inter_bw * c.link_efficiency) + gather
+
+    def microbatches(self, lay: Layout) -> int:
+        return self.batch // (lay.dp * lay.microbatch_size)
+
+    def params_on(self, lay: Layout, rank: int) -> float:
+        """Trainable elements held by pipeline rank `rank` (first/last parts on the end ranks)."""
+        parts = self.profile.parts[lay.tp]
+        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        layers = sum(n for k, n in enumerate(counts) if k % lay.pp == rank)
+        total = layers * parts["layer"].params
+        if rank == 0:
+            total += parts["first"].params
+        if rank == lay.pp - 1:
+            total += parts["last"].params
+            if lay.pp == 1:
+                total -= parts.get("shared_params", 0.0)
+        return total
+
+    def after_pipeline(self, lay: Layout) -> dict:
+        """Gradient all-reduce over dp, tied-embedding all-reduce, optimizer step (seconds)."""
+        c = self.cluster
+        params = max(self.params_on(lay, 0), self.params_on(lay, lay.pp - 1))
+        dp_bw = c.intra_bw if lay.tp * lay.dp <= c.gpus_per_node else c.inter_bw
+        grads = self.allreduce_time(params * self.bytes[4], lay.dp, dp_bw)
+        shared = self.profile.parts[lay.tp].get("shared_params", 0.0)
+        tied = self.allreduce_time(shared * self.bytes[4], 2, c.inter_bw) if lay.pp > 1 else 0.0
+        step = params * STEP_BYTES[self.optimizer] / (c.hbm_bw * c.memory_efficiency)
+        return {"dp_allreduce": grads, "tied_allreduce": tied, "optimizer": step}
+
+    def memory(self, lay: Layout, in_flight: tuple) -> dict:
+        """Bytes on the fullest pipeline rank (first or last); `in_flight[r]` chunk-microbatches."""
+        parts = self.profile.parts[lay.tp]
+        b, scale = lay.microbatch_size, self._act_scale
+        pb, gb, mb, _, _ = self.bytes
+        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        per_chunk = sum(counts) / len(counts)
+        layer = parts["layer"]
+        kept = (layer.out_bytes(b) if lay.recompute == "full" else layer.saved_bytes(b)) * scale
+        best = None
+        for rank in {0, lay.pp - 1}:
+            params = self.params_on(lay, rank)
+            acts = in_flight[rank] * per_chunk * kept
+            if lay.recompute == "full":
+                acts += layer.saved_bytes(b) * scale      # the layer being recomputed, whole
+            if rank == 0:
+                # the embedding's output is the first layer's input (counted above); what it saves
+                # for its own backward (the token ids) is one microbatch's working memory at most
+                acts += parts["first"].saved_bytes(b) * scale
+            if rank == lay.pp - 1:
+                acts += parts["last"].saved_bytes(b) * scale  # logits and loss: one microbatch at a time
+            buffers = 2 * layer.out_bytes(b) * scale if lay.pp > 1 else 0.0
+            row = {"params": params * pb, "grads": params * gb, "master": params * mb,
+                   "optimizer": params * OPTIMIZER_BYTES[self.optimizer], "activations": acts, "buffers": buffers}
+            row["total"] = sum(row.values())
+            if best is None or row["total"] > best["total"]:
+                best = row
+        return best
+
+    def model_flops(self, lay: Layout) -> float:
+        """The paper's count: 96 (72 without recomputation) B s l h^2 (1 + s/6h + V/16lh)."""
+        p = self.profile
+        B, s, l, h, V = self.batch, p.seq, p.layers, p.hidden, p.vocab
+        k = 96 if lay.recompute == "full" else 72
+        return k * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+    # -- a whole step ---------------------------------------------------------------------------
+
+    def check(self, lay: Layout) -> str | None:
+        """Why the layout cannot run at all (not memory), or None."""
+        p = self.profile
+        if lay.tp not in p.parts:
+            return p.invalid_tp.get(lay.tp, f"tp={lay.tp} was not analysed")
+        if self.batch % (lay.dp * lay.microbatch_size):
+            return f"batch {self.batch} is not a multiple of dp*microbatch_size = {lay.dp * lay.microbatch_size}"
+        m = self.microbatches(lay)
+        if lay.pp * lay.virtual_stages > p.layers:
+            return f"{lay.pp * lay.virtual_stages} chunks for {p.layers} layers"
+        if lay.schedule == "interleaved-1f1b" and (lay.pp == 1 or m % lay.pp):
+            return f"interleaved-1f1b needs pp > 1 and microbatches ({m}) a multiple of pp ({lay.pp})"
+        if lay.schedule == "1f1b" and lay.virtual_stages != 1:
+            return "1f1b runs one chunk per rank"
+        return None
+
+    def estimate(self, lay: Layout, simulate: bool = True) -> Estimate:
+        fwd, bwd, _ = self.chunk_costs(lay)
+        m = self.microbatches(lay)
+        msg = self.message_time(lay)
+        if simulate:
+            makespan, in_flight = pipeline(lay.schedule, lay.pp, m, lay.virtual_stages, tuple(fwd), tuple(bwd), msg)
+        else:
+            makespan, in_flight = _pipeline_formula(lay, m, fwd, bwd, msg)
+        after = self.after_pipeline(lay)
+        step = makespan + sum(after.values())
+        mem = self.memory(lay, in_flight)
+        fits = mem["total"] <= self.cluster.memory_bytes
+        why = None if fits else (f"needs {mem['total'] / 1e9:.1f} GB per rank (params+grads+master+optimizer "
+                                 f"{(mem['params'] + mem['grads'] + mem['master'] + mem['optimizer']) / 1e9:.1f}, "
+                                 f"activations {mem['activations'] / 1e9:.1f}) > {self.cluster.memory_bytes / 1e9:g} GB")
+        devices = lay.tp * lay.pp * lay.dp
+        tflops = self.model_flops(lay) / (step * devices) / 1e12
+        compute = m * sum(f + b for k, (f, b) in enumerate(zip(fwd, bwd)) if k % lay.pp == 0)
+        breakdown = {"pipeline": makespan, "compute_rank0": compute, "bubble_and_p2p": makespan - compute,
+                     "message": msg, **after}
+        return Estimate(lay, step, tflops, mem, fits, why, breakdown, simulate)
+
+
+def chunk_layers(layers: int, chunks: int) -> list[int]:
+    """Layers per chunk, as even as possible (the larger chunks first)."""
+    base, extra = divmod(layers, chunks)
+    return [base + (k < extra) for k in range(chunks)]
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline(name: str, pp: int, m: int, v: int, fwd: tuple, bwd: tuple, msg: float) -> tuple[float, tuple]:
+    """(makespan, peak in-flight chunk-microbatches per rank) from the C++ simulator.
+
+    Past m = 2pp a step's makespan grows linearly with m (the steady state repeats; checked
+    exactly for 1F1B and interleaved with unequal chunks and messages), so long pipelines are
+    simulated at pp and 2pp microbatches and extended: 512 microbatches on 64 stages cost two
+    short simulations instead of one of 130k actions."""
+    if m <= 2 * pp:
+        return _simulate(name, pp, m, v, fwd, bwd, msg)
+    t1, _ = _simulate(name, pp, pp, v, fwd, bwd, msg)
+    t2, peaks = _simulate(name, pp, 2 * pp, v, fwd, bwd, msg)
+    return t2 + (t2 - t1) * (m - 2 * pp) / pp, peaks
+
+
+def _simulate(name, pp, m, v, fwd, bwd, msg):
+    from autopart import _C
+    packed = _C.make_schedule(name, pp, m, v)
+    half = [b / 2 for b in bwd]
+    raw = _C.simulate(pp, m, v, packed, list(fwd), list(bwd), float(msg), math.inf, 0.0, half, half, name)
+    return raw.makespan, tuple(raw.peak_in_flight)
+
+
+def _pipeline_formula(lay: Layout, m: int, fwd, bwd, msg) -> tuple[float, tuple]:
+    """The bubble formula (pp-1)/(v m) on the slowest rank, for the first pass of the search;
+    in-flight counts as Megatron's warm-up gives them."""
+    pp, v = lay.pp, lay.virtual_stages
+    per_rank = [sum(f + b for k, (f, b) in enumerate(zip(fwd, bwd)) if k % pp == r) for r in range(pp)]
+    chunk = max(f + b for f, b in zip(fwd, bwd))
+    makespan = m * max(per_rank) + (pp - 1) * (chunk + 2 * msg) + 2 * m * v * msg * (pp > 1)
+    if v == 1:
+        flight = tuple(min(m, pp - r) for r in range(pp))
+    else:
+        flight = tuple(min(m * v, (pp - r - 1) * 2 + (v - 1) * pp + 1) for r in range(pp))
+    return makespan, flight
+
+
+__all__ = ["Layout", "Estimate", "CostModel", "chunk_layers", "pipeline", "PRECISIONS"]

@@ -1,0 +1,294 @@
+"""Capture ONE repeated layer of a model and measure what the cost model needs, per tp.
+
+A transformer's layers are identical, so the planner never traces them all: it truncates the
+model's longest ``nn.ModuleList`` to its first layer (the forward loops over whatever the list
+holds), captures that with torch.export, runs ``split_tensor_parallel`` for each candidate tp and
+the cost analysis (autopart/analysis.py), and splits the nodes into ``first`` (before the layer:
+embeddings), ``layer`` and ``last`` (after it: final norm, head, loss). Every quantity is linear in
+the microbatch size b at the model's sequence length, so it is stored at b=1 and b=2.
+
+The result is plain numbers (JSON), cached under ~/.cache/autopart/layers keyed by the model file's
+text, the class/function name and the config, so a second plan of the same model skips the capture.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopart.errors import AutopartError
+from autopart.planner.cluster import LOCAL_PATH
+
+CACHE = LOCAL_PATH.parent / "layers"
+TP_CANDIDATES = (1, 2, 4, 8, 16)
+_VERSION = 6          # bump when the profile's contents change
+
+
+@dataclass(frozen=True)
+class Lin:
+    """A value linear in the microbatch size: at b=1 and at b=2."""
+    at1: float
+    at2: float
+
+    def __call__(self, b: float) -> float:
+        return self.at1 + (self.at2 - self.at1) * (b - 1)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part (first / layer / last) of the model on one tensor-parallel rank, fp32 capture."""
+    gemms: tuple            # (flops Lin, M Lin, N, K): one per matmul, local to the rank
+    elementwise_bytes: Lin  # bytes moved by the memory-bound ops (forward)
+    allreduce_fwd: Lin      # bytes all-reduced over tp in forward (reduce_from_tp, embeddings)
+    allreduce_bwd: Lin      # bytes all-reduced over tp in backward (copy_to_tp)
+    saved_bytes: Lin        # outputs of every non-view op: what autograd may keep (upper bound)
+    out_bytes: Lin          # the part's output (a layer's: the hidden state it passes on)
+    params: float           # trainable elements on the rank
+
+    def flops(self, b: float) -> float:
+        return sum(g[0](b) for g in self.gemms)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the planner knows about a model: per tp, its three parts; sizes for the paper's formula."""
+    layers: int
+    seq: int
+    hidden: int
+    vocab: int
+    heads: int | None
+    parts: dict             # tp -> {"first": Part, "layer": Part, "last": Part, "shared_params": n}
+    invalid_tp: dict        # tp -> why split_tensor_parallel refused it
+    seconds: float = 0.0    # capture time
+    cached: bool = False    # read from ~/.cache/autopart/layers
+
+
+def load_profile(target: str, spec: str | None) -> Profile:
+    """The profile of FILE.py:NAME built with `spec`, from the cache or by capturing one layer."""
+    from autopart.compile_cli import _load
+    import time
+    file = Path(target.rpartition(":")[0])
+    module, name = _load(target)
+    key = hashlib.sha256(f"{_VERSION}\n{file.read_text() if file.is_file() else ''}\n{name}\n{spec}".encode()).hexdigest()[:20]
+    path = CACHE / f"{file.stem}-{name}-{key}.json"
+    if path.is_file():
+        try:
+            return _from_json(json.loads(path.read_text()), cached=True)
+        except (ValueError, KeyError, TypeError):
+            pass                  # a stale or broken cache entry: capture again
+    start = time.perf_counter()
+    data = _capture_profile(module, name, spec)
+    data["seconds"] = time.perf_counter() - start
+    try:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data))
+    except OSError:
+        pass                      # a read-only home: plan anyway, without the cache
+    return _from_json(data)
+
+
+def _capture_profile(module, name: str, spec: str | None) -> dict:
+    import torch
+    from autopart.capture import capture
+    from autopart.compile_cli import _build
+    built = _build(module, name, spec, 2, meta=True)
+    layers, layer_path = _truncate(built.model)
+    inputs = tuple(t[:2] if isinstance(t, torch.Tensor) else t for t in built.inputs)
+    program = capture(built.model, inputs, loss_fn=built.loss_fn,
+                      target=None if built.target is None else built.target[:2])
+    seq = int(inputs[0].shape[1]) if inputs[0].dim() > 1 else 1
+    parts, invalid = {}, {}
+    for tp in TP_CANDIDATES:
+        try:
+            parts[str(tp)] = _parts(program, tp, seq, layer_path)
+        except AutopartError as e:
+            invalid[str(tp)] = str(e).splitlines()[0]
+    if "1" not in parts:
+        raise AutopartError(f"the cost analysis failed on {name}: {invalid.get('1')}")
+    hidden, vocab = _sizes(built.model)
+    heads = getattr(getattr(built.model, "config", None), "n_head", None)
+    return {"layers": layers, "seq": seq, "hidden": hidden, "vocab": vocab, "heads": heads,
+            "parts": parts, "invalid_tp": invalid}
+
+
+def _truncate(model) -> int:
+    """Keep the first block of the model's longest ModuleList; returns how many it had."""
+    import torch.nn as nn
+    lists = [(len(m), path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise AutopartError("the planner needs the model's repeated layers in an nn.ModuleList "
+                            "(as nanoGPT's transformer.h or HF's model.layers); this model has none")
+    n, path, blocks = max(lists, key=operator.itemgetter(0))
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, nn.ModuleList([blocks[0]]))
+    return n, f"{path}.0"
+
+
+def _parts(program, tp: int, seq: int, layer_path: str) -> dict:
+    from autopart.analysis import analyze, layer_of
+    from autopart.passes.split_tensor_parallel import split_tensor_parallel
+    local, _ = split_tensor_parallel(program, tp=tp)
+    costs = analyze(local)
+    layer_nodes = {n.name for n in local.gm.graph.nodes if layer_of(n, {layer_path})}
+    if not layer_nodes:
+        raise AutopartError(f"found no node of the layer {layer_path} in the captured graph")
+    groups = {"first": [], "layer": [], "last": []}
+    seen_layer = False
+    for n in local.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.name in layer_nodes:
+            seen_layer = True
+            groups["layer"].append(n)
+        else:
+            groups["last" if seen_layer else "first"].append(n)
+    shards = local.tp.params if tp > 1 else {}
+    parts = {k: _part(nodes, costs, local, shards, tp, seq, k) for k, nodes in groups.items()}
+    # tied weights (GPT's embedding = head): one tensor when first and last share a rank
+    shared = _param_names(groups["first"], local) & _param_names(groups["last"], local)
+    parts["shared_params"] = sum(_numel(local.params[n].shape) / (tp if n in shards else 1) for n in shared)
+    return parts
+
+
+def _param_names(nodes, program) -> set:
+    return {a.target for n in nodes for a in n.all_input_nodes
+            if a.op == "get_attr" and a.target in program.params}
+
+
+def _numel(shape) -> float:
+    total = 1
+    for d in shape:
+        total *= int(d)
+    return float(total)
+
+
+def _part(nodes, costs, program, shards, tp, seq, which) -> dict:
+    from autopart.analysis import _VIEWS, evaluate
+    from autopart.ops import op_info
+
+    def lin(expr):
+        return [evaluate(expr, 1, seq), evaluate(expr, 2, seq)]
+
+    def nbytes(node):
+        v = node.meta.get("val")
+        return _numel_expr(v, program) * (v.element_size() if hasattr(v, "element_size") else 4)
+
+    gemms, elt, ar_f, ar_b, saved = [], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    for n in nodes:
+        info = op_info(n.target)
+        if info is not None and info.communicates:
+            name = info.name
+            size = lin(nbytes(n)) if hasattr(n.meta.get("val"), "shape") else [0.0, 0.0]
+            if name.startswith("copy_to"):
+                ar_b = _add(ar_b, size)
+            elif name.startswith(("reduce_from", "vocab_parallel_embedding")):
+                ar_f = _add(ar_f, size)
+            continue
+        c = costs.get(n.name)
+        if c is None or n.target in _VIEWS:
+            continue
+        g = _gemm(n, c, program, tp, seq)
+        if g is not None:
+            gemms.append(g)
+        else:
+            elt = _add(elt, lin(c.bytes_moved))
+        saved = _add(saved, lin(c.out_bytes))
+    out = lin(costs[nodes[-1].name].out_bytes) if nodes and nodes[-1].name in costs else [0.0, 0.0]
+    if which == "layer":
+        last = [n for n in nodes if n.name in costs and costs[n.name].out_bytes != 0]
+        out = lin(costs[last[-1].name].out_bytes) if last else out
+    return {"gemms": gemms, "elementwise_bytes": elt, "allreduce_fwd": ar_f, "allreduce_bwd": ar_b,
+            "saved_bytes": saved, "out_bytes": out, "params": _params(nodes, program, shards, tp)}
+
+
+def _numel_expr(val, program):
+    import sympy
+    from autopart.ir import sym_shape
+    if not hasattr(val, "shape"):
+        return sympy.Integer(0)
+    shape = sym_shape(val, program.symbols)
+    return sympy.prod(shape) if shape else sympy.Integer(1)
+
+
+def _gemm(node, cost, program, tp, seq):
+    """(flops, M, N, K) of a matmul on this rank, or None. The local dims follow the split:
+    a column-parallel linear has N/tp, a row-parallel one K/tp, attention splits its heads (a
+    batch dimension, so M, N and K stay whole)."""
+    import sympy
+    from autopart.analysis import _matmul_flops, _shape, evaluate
+    whole = _matmul_flops(node, program.symbols)
+    if whole is None:
+        return None
+    flops = [evaluate(cost.flops, 1, seq), evaluate(cost.flops, 2, seq)]
+    name = getattr(node.target, "__name__", str(node.target))
+    out = _shape(node, program.symbols)
+    a0 = _shape(node.args[0], program.symbols)
+    if "scaled_dot_product" in name:
+        k = _shape(node.args[1], program.symbols)
+        dims = [a0[-2], k[-2], a0[-1]]            # s x s x head_dim (and P V: s x head_dim x s)
+        return [flops, [float(evaluate(dims[0], 1, seq))] * 2, float(evaluate(dims[1], 1, seq)),
+                float(evaluate(dims[2], 1, seq))]
+    n_dim, k_dim = out[-1], a0[-1]
+    m_dim = sympy.prod(out[:-1]) if len(out) > 1 else sympy.Integer(1)
+    if tp > 1 and program.tp is not None:
+        if node.name in program.tp.column:
+            n_dim = n_dim / tp
+        elif node.name in program.tp.row:
+            k_dim = k_dim / tp
+        elif _is_split(node):
+            n_dim = n_dim / tp            # a vocab-parallel head: its output columns split
+    return [flops, [evaluate(m_dim, 1, seq), evaluate(m_dim, 2, seq)], float(evaluate(n_dim, 1, seq)),
+            float(evaluate(k_dim, 1, seq))]
+
+
+def _is_split(node) -> bool:
+    from autopart.analysis import _split_over_tp
+    return _split_over_tp(node)
+
+
+def _params(nodes, program, shards, tp) -> float:
+    """Trainable elements read by the part's nodes (get_attr inputs), each once, 1/tp if split."""
+    seen, total = set(), 0.0
+    attrs = {n.target: n for n in program.gm.graph.nodes if n.op == "get_attr"}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.op == "get_attr" and a.target in program.params and a.target not in seen:
+                seen.add(a.target)
+                info = program.params[a.target]
+                numel = 1
+                for d in info.shape:
+                    numel *= int(d)
+                total += numel / tp if a.target in shards else numel
+    del attrs
+    return total
+
+
+def _sizes(model) -> tuple[int, int]:
+    """Hidden size and vocabulary, for the paper's FLOPs formula: the largest nn.Embedding's."""
+    import torch.nn as nn
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return 0, 0
+    e = max(embeddings, key=lambda m: m.num_embeddings)
+    return e.embedding_dim, e.num_embeddings
+
+
+def _add(a, b):
+    return [a[0] + b[0], a[1] + b[1]]
+
+
+def _from_json(data: dict, cached: bool = False) -> Profile:
+    def part(d):
+        return Part(tuple((Lin(*g[0]), Lin(*g[1]), g[2], g[3]) for g in d["gemms"]),
+                    Lin(*d["elementwise_bytes"]), Lin(*d["allreduce_fwd"]), Lin(*d["allreduce_bwd"]),
+                    Lin(*d["saved_bytes"]), Lin(*d["out_bytes"]), d["params"])
+    parts = {int(tp): {k: (part(v) if isinstance(v, dict) else v) for k, v in ps.items()}
+             for tp, ps in data["parts"].items()}
+    return Profile(data["layers"], data["seq"], data["hidden"], data["vocab"], data["heads"], parts,
+                   {int(k): v for k, v in data["invalid_tp"].items()}, data.get("seconds", 0.0), cached)
+
+
+__all__ = ["Lin", "Part", "Profile", "load_profile", "TP_CANDIDATES"]
