@@ -155,7 +155,7 @@ class ParallelModel:
         return load(self, path, optimizer=optimizer, **kwargs)
 
 
-def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
+def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                 loss_fn: Callable | None = None, target: torch.Tensor | None = None,
                 microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
                 sequence_parallel: bool = False, recompute: str = "none",
@@ -166,7 +166,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
-    train_step will get.
+    train_step will get. `mesh="auto"`: the planner chooses the mesh, microbatches, schedule and
+    recomputation for the world size on the `local` cluster (`autopart calibrate`) and says which.
 
         mesh = autopart.Mesh(pp=2, dp=2)
         pm = autopart.parallelize(model, mesh, (tokens,), loss_fn=lm_loss, target=targets,
@@ -180,6 +181,12 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: tuple, *,
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
                             "first (or use autopart.compile to inspect without processes)")
+    if isinstance(mesh, str) and mesh == "auto":   # the planner chooses (autopart/planner/auto.py)
+        from autopart.planner.auto import choose
+        chosen = choose(model, example_inputs, loss_fn, target, dist.get_world_size(), rank=dist.get_rank(),
+                        broadcast=lambda objs: dist.broadcast_object_list(objs, src=0))
+        mesh, microbatches, schedule = chosen["mesh"], chosen["microbatches"], chosen["schedule"]
+        virtual_stages, recompute = chosen["virtual_stages"], chosen["recompute"]
     # before compiling: a rank outside a smaller mesh would otherwise fail on its own, differently
     meta = is_meta(model)
     if meta:   # a meta-device model compiles on meta inputs; each rank allocates only its shards

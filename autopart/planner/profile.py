@@ -12,6 +12,7 @@ text, the class/function name and the config, so a second plan of the same model
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import operator
@@ -90,14 +91,22 @@ def load_profile(target: str, spec: str | None) -> Profile:
 
 
 def _capture_profile(module, name: str, spec: str | None) -> dict:
-    import torch
-    from autopart.capture import capture
     from autopart.compile_cli import _build
     built = _build(module, name, spec, 2, meta=True)
-    layers, layer_path = _truncate(built.model)
-    inputs = tuple(t[:2] if isinstance(t, torch.Tensor) else t for t in built.inputs)
-    program = capture(built.model, inputs, loss_fn=built.loss_fn,
-                      target=None if built.target is None else built.target[:2])
+    return profile_data(built.model, built.inputs, built.loss_fn, built.target)
+
+
+def profile_model(model, inputs: tuple, loss_fn=None, target=None) -> Profile:
+    """The profile of an in-memory model (not cached); the model is left as it was."""
+    return _from_json(profile_data(model, inputs, loss_fn, target))
+
+
+def profile_data(model, inputs: tuple, loss_fn, target) -> dict:
+    import torch
+    from autopart.capture import capture
+    inputs = tuple(t[:2] if isinstance(t, torch.Tensor) else t for t in inputs)
+    with _one_layer(model) as (layers, layer_path):
+        program = capture(model, inputs, loss_fn=loss_fn, target=None if target is None else target[:2])
     seq = int(inputs[0].shape[1]) if inputs[0].dim() > 1 else 1
     parts, invalid = {}, {}
     for tp in TP_CANDIDATES:
@@ -106,15 +115,17 @@ def _capture_profile(module, name: str, spec: str | None) -> dict:
         except AutopartError as e:
             invalid[str(tp)] = str(e).splitlines()[0]
     if "1" not in parts:
-        raise AutopartError(f"the cost analysis failed on {name}: {invalid.get('1')}")
-    hidden, vocab = _sizes(built.model)
-    heads = getattr(getattr(built.model, "config", None), "n_head", None)
+        raise AutopartError(f"the cost analysis failed: {invalid.get('1')}")
+    hidden, vocab = _sizes(model)
+    heads = getattr(getattr(model, "config", None), "n_head", None)
     return {"layers": layers, "seq": seq, "hidden": hidden, "vocab": vocab, "heads": heads,
             "parts": parts, "invalid_tp": invalid}
 
 
-def _truncate(model) -> int:
-    """Keep the first block of the model's longest ModuleList; returns how many it had."""
+@contextlib.contextmanager
+def _one_layer(model):
+    """Within: the model's longest ModuleList holds only its first block; yields (how many it
+    had, the block's path). Restored after, so a user's model is left as it was."""
     import torch.nn as nn
     lists = [(len(m), path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if not lists:
@@ -124,7 +135,10 @@ def _truncate(model) -> int:
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, attr, nn.ModuleList([blocks[0]]))
-    return n, f"{path}.0"
+    try:
+        yield n, f"{path}.0"
+    finally:
+        setattr(parent, attr, blocks)
 
 
 def _parts(program, tp: int, seq: int, layer_path: str) -> dict:
