@@ -40,12 +40,13 @@ def test_matches_plain_model(case: Case, spawn_cache):
     assert_all_ranks_equal_plain(case, run_family_group(spawn_cache, key, GROUPS[key])[case.name])
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(FAMILIES) + ["gpt4", "hf", "renamed"])
 def test_no_replicated_linear_warnings_beyond_the_table(name):
-    """Compiling each family for tp=2 warns only about the replicated linears the README lists,
-    in one grouped warning."""
+    """Compiling each family (and the suite's other dense models) for tp=2 warns only about the
+    replicated linears the README's families table lists, in one grouped warning."""
     import autopart
-    model, loss_fn, inputs, target = build_family(Case(name, model=name))
+    from tests._workers import build
+    model, loss_fn, inputs, target = build(Case(name, model=name))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = autopart.compile(model, autopart.Mesh(tp=2), inputs, loss_fn=loss_fn,
