@@ -48,10 +48,10 @@ def _as_tuple(example_inputs) -> tuple:
                             "of tensors whose dim 0 is the global batch")
     for i, a in enumerate(example_inputs):
         if not isinstance(a, torch.Tensor):
-            raise AutopartError(f"example input {i} is a {type(a).__name__}, not a tensor: "
-                                "autopart takes tensors whose dim 0 is the batch (fix other "
-                                "arguments inside the model, e.g. with functools.partial or a "
-                                "wrapper module)")
+            raise AutopartError(f"example_inputs must hold at least one tensor whose dim 0 is the "
+                                f"batch, and only tensors: example input {i} is a "
+                                f"{type(a).__name__} (fix other arguments inside the model, e.g. "
+                                "with functools.partial or a wrapper module)")
     return tuple(example_inputs)
 
 

@@ -85,7 +85,7 @@ API_CASES = {
         ["example_inputs is a dict", "tuple of tensors"]),
     "an int among the example inputs": (
         lambda m: autopart.compile(m, autopart.Mesh(), (ids(2, 64), 3)),
-        ["example input 1 is a int"]),
+        ["example input 1 is a int", "only tensors"]),
     "loss_fn without target": (
         lambda m: autopart.compile(m, autopart.Mesh(), (ids(2, 64),), loss_fn=lm_loss),
         ["no target was given", "target=..."]),
