@@ -1,7 +1,8 @@
 """`autopart calibrate`: measure this machine into the `local` cluster (a few seconds).
 
-Matmuls of a few shapes give the peak and the GEMM half-dimension (the same efficiency curve the
-cost model uses for GPUs, fitted here on this machine); an in-place add gives memory bandwidth; a
+Matmuls of a few shapes give the peak and a per-op overhead (time = overhead + flops / peak: on a
+CPU each op runs synchronously, so a tiny model pays it per op); an in-place add gives memory
+bandwidth; a
 Gloo all-reduce and a send/recv between two local processes give link bandwidth and latency.
 Efficiencies are 1: what was measured is already what runs.
 """
@@ -39,15 +40,25 @@ def measure_gemms() -> list[tuple[tuple[int, int, int], float]]:
 
 
 def fit_gemms(rates) -> tuple[float, float]:
-    """(peak, half_dim) minimizing the squared log error of rate = peak * prod(d / (d + d0))."""
-    best = None
-    for d0 in [0.0] + [2 ** (i / 4) for i in range(0, 41)]:
-        logs = [math.log(r) - sum(math.log(d / (d + d0)) for d in dims) for dims, r in rates]
-        peak = sum(logs) / len(logs)
-        err = sum((x - peak) ** 2 for x in logs)
-        if best is None or err < best[0]:
-            best = (err, math.exp(peak), d0)
-    return best[1], best[2]
+    """(peak, per-op overhead) minimizing the relative error of time = overhead + flops / peak
+    (weighted least squares: the small shapes, whose time is mostly overhead, count as much)."""
+    rows = [(1 / t, x / t) for x, t in ((2 * m * n * k, 2 * m * n * k / r) for (m, n, k), r in rates)]
+    s11 = sum(a * a for a, _ in rows)
+    s12 = sum(a * b for a, b in rows)
+    s22 = sum(b * b for _, b in rows)
+    r1, r2 = sum(a for a, _ in rows), sum(b for _, b in rows)
+    det = s11 * s22 - s12 * s12
+    overhead, inverse_peak = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
+    if overhead < 0 or inverse_peak <= 0:        # noise: fall back to the best rate, no overhead
+        return max(r for _, r in rates), 0.0
+    return 1 / inverse_peak, overhead
+
+
+def measure_op_overhead() -> float:
+    """Seconds of one tiny op (dispatch, no work): what each op of a tiny model pays at least."""
+    import torch
+    x = torch.zeros(8)
+    return _best_time(lambda: [x.add_(1.0) for _ in range(1000)]) / 1000
 
 
 def measure_memory_bandwidth() -> float:
@@ -103,7 +114,8 @@ def measure_links() -> dict:
 
 
 def calibrate() -> Cluster:
-    peak, d0 = fit_gemms(measure_gemms())
+    peak, _ = fit_gemms(measure_gemms())
+    overhead = measure_op_overhead()
     hbm = measure_memory_bandwidth()
     links = measure_links()
     try:
@@ -111,8 +123,9 @@ def calibrate() -> Cluster:
     except (ValueError, OSError):
         memory = 8e9
     return Cluster("local", max(2, os.cpu_count() or 2), peak, hbm, float(memory), links["allreduce_bw"],
-                   links["p2p_bw"], gemm_efficiency=1.0, gemm_half_dim=d0, memory_efficiency=1.0,
-                   link_efficiency=1.0, latency_s=links["latency_s"])
+                   links["p2p_bw"], gemm_efficiency=1.0, gemm_half_dim=0.0, attention_score_bytes=0.0,
+                   intra_efficiency=1.0, inter_efficiency=1.0, memory_efficiency=1.0,
+                   latency_s=links["latency_s"], op_overhead_s=overhead)
 
 
 __all__ = ["calibrate", "measure_gemms", "fit_gemms"]

@@ -24,11 +24,14 @@ LOCAL_PATH = Path(os.environ.get("AUTOPART_CACHE", Path.home() / ".cache" / "aut
 class Cluster:
     """One kind of node, repeated. Bandwidths are bytes/s per device and per direction.
 
-    The last five fields are the calibration constants of the cost model (autopart/planner/cost.py),
-    global to a cluster (never per model): a GEMM of dimensions M, N, K runs at
-    ``peak_flops * gemm_efficiency * prod(d / (d + gemm_half_dim))``; memory-bound ops move bytes
-    at ``hbm_bw * memory_efficiency``; collectives and p2p at ``link_efficiency`` of the link's
-    bandwidth plus ``latency_s`` per message step.
+    The last seven fields are the calibration constants of the cost model (autopart/planner/cost.py),
+    global to a cluster and its software (never per model): a GEMM of dimensions M, N, K runs at
+    ``peak_flops * gemm_efficiency * prod(d / (d + gemm_half_dim))``; attention that materializes
+    its scores (Megatron-LM in 2021: scale, mask, softmax, dropout as separate kernels; 0 for a
+    fused flash attention) moves ``attention_score_bytes`` per score element in forward (twice that
+    in backward); memory-bound ops move bytes at ``hbm_bw * memory_efficiency``; collectives and p2p
+    reach ``intra_efficiency`` / ``inter_efficiency`` of the link's bandwidth, plus ``latency_s``
+    per message step.
     """
     name: str
     gpus_per_node: int
@@ -39,11 +42,15 @@ class Cluster:
     inter_bw: float            # across nodes (InfiniBand), per device, one direction
     gemm_efficiency: float = 0.8
     gemm_half_dim: float = 32.0
-    memory_efficiency: float = 0.7
-    link_efficiency: float = 0.8
+    attention_score_bytes: float = 0.0
+    intra_efficiency: float = 0.8
+    inter_efficiency: float = 0.8
+    memory_efficiency: float = 0.8
     latency_s: float = 1e-5
+    op_overhead_s: float = 0.0     # per op: 0 on GPUs (launches are async, hidden behind the work)
 
-    CONSTANTS = ("gemm_efficiency", "gemm_half_dim", "memory_efficiency", "link_efficiency", "latency_s")
+    CONSTANTS = ("gemm_efficiency", "gemm_half_dim", "attention_score_bytes", "intra_efficiency",
+                 "inter_efficiency", "memory_efficiency", "latency_s", "op_overhead_s")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -78,7 +85,8 @@ class Cluster:
         lines = [f"cluster {self.name}: {self.gpus_per_node} devices/node, peak {self.peak_flops / 1e12:g} TFLOP/s, "
                  f"HBM {self.hbm_bw / 1e9:g} GB/s, memory {self.memory_bytes / 1e9:g} GB, intra-node "
                  f"{self.intra_bw / 1e9:g} GB/s, inter-node {self.inter_bw / 1e9:g} GB/s per device (one direction)",
-                 "calibration constants (global to the cluster; fitted on megatron_table1_given.json for A100):"]
+                 "calibration constants (global to the cluster; " + ("measured by `autopart calibrate`)" if self.name == "local"
+                 else "fitted on megatron_table1_given.json, A100):")]
         lines += [f"  {k} = {getattr(self, k):g}" for k in self.CONSTANTS]
         return "\n".join(lines)
 
@@ -86,7 +94,8 @@ class Cluster:
 # The constants below were fitted by autopart/planner/fit.py on the five rows of
 # ../shared/reference/megatron_table1_given.json only (A100). H100 and H200 reuse them: no
 # measurements of ours to fit them on, so those presets are the A100's efficiencies at their specs.
-_FITTED = dict(gemm_efficiency=0.8, gemm_half_dim=32.0, memory_efficiency=0.7, link_efficiency=0.8, latency_s=1e-5)
+_FITTED = dict(gemm_efficiency=0.8, gemm_half_dim=32.0, attention_score_bytes=8.0, intra_efficiency=0.8,
+               inter_efficiency=0.8, memory_efficiency=0.8, latency_s=1e-5)
 
 PRESETS: dict[str, Cluster] = {
     # Selene (Narayanan et al. 2021): DGX A100 80GB, NVSwitch 600 GB/s bidirectional per GPU,

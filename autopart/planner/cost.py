@@ -89,20 +89,34 @@ class CostModel:
         eff = c.gemm_efficiency * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
         return flops / (c.peak_flops * eff)
 
-    def allreduce_time(self, nbytes: float, ranks: int, bandwidth: float) -> float:
+    def allreduce_time(self, nbytes: float, ranks: int, intra: bool) -> float:
         """Ring all-reduce: 2(n-1)/n of the bytes over each link, 2(n-1) steps of latency."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         c = self.cluster
-        return 2 * (ranks - 1) / ranks * nbytes / (bandwidth * c.link_efficiency) + 2 * (ranks - 1) * c.latency_s
+        return 2 * (ranks - 1) / ranks * nbytes / self.link(intra) + 2 * (ranks - 1) * c.latency_s
+
+    def link(self, intra: bool) -> float:
+        """Bytes/s one device reaches over a link in one direction."""
+        c = self.cluster
+        return c.intra_bw * c.intra_efficiency if intra else c.inter_bw * c.inter_efficiency
+
+    def attention_scores_time(self, flops: float, head_dim: float) -> float:
+        """Memory-bound work on materialized scores: flops = 4 * scores * head_dim."""
+        c = self.cluster
+        scores = flops / (4 * head_dim)
+        return scores * c.attention_score_bytes * self._act_scale * 2 / (c.hbm_bw * c.memory_efficiency)
 
     def part_times(self, part: Part, tp: int, b: int) -> tuple[float, float, float]:
         """(forward, backward, tp communication in forward) of one part for one microbatch."""
         c = self.cluster
-        gemm = sum(self.gemm_time(f(b), mm(b), n, k) for f, mm, n, k in part.gemms)
+        gemm = sum(self.gemm_time(f(b), mm(b), n, k) for f, mm, n, k, _ in part.gemms)
+        # the score_bytes constant is per fp16 element; _act_scale*2 turns it back for fp32 runs
+        gemm += sum(self.attention_scores_time(f(b), k) for f, _, _, k, att in part.gemms if att)
         mem = part.elementwise_bytes(b) * self._act_scale / (c.hbm_bw * c.memory_efficiency)
-        ar_f = self.allreduce_time(part.allreduce_fwd(b) * self._act_scale, tp, c.intra_bw)
-        ar_b = self.allreduce_time(part.allreduce_bwd(b) * self._act_scale, tp, c.intra_bw)
+        mem += part.ops * c.op_overhead_s
+        ar_f = self.allreduce_time(part.allreduce_fwd(b) * self._act_scale, tp, True)
+        ar_b = self.allreduce_time(part.allreduce_bwd(b) * self._act_scale, tp, True)
         return gemm + mem + ar_f, 2 * (gemm + mem) + ar_b, ar_f + ar_b
 
     def chunk_costs(self, lay: Layout) -> tuple[list[float], list[float], list[int]]:
@@ -130,10 +144,10 @@ class CostModel:
         c = self.cluster
         nbytes = self.profile.parts[lay.tp]["layer"].out_bytes(lay.microbatch_size) * self._act_scale
         if lay.tp * lay.dp < c.gpus_per_node:          # neighbours in one node (tp, then dp, then pp)
-            return c.latency_s + nbytes / (c.intra_bw * c.link_efficiency)
+            return c.latency_s + nbytes / self.link(True)
         # scatter/gather: each of the tp ranks sends 1/tp over its own link, then an all-gather
-        gather = (lay.tp - 1) / lay.tp * nbytes / (c.intra_bw * c.link_efficiency) if lay.tp > 1 else 0.0
-        return 2 * c.latency_s + nbytes / lay.tp / (c.inter_bw * c.link_efficiency) + gather
+        gather = (lay.tp - 1) / lay.tp * nbytes / self.link(True) if lay.tp > 1 else 0.0
+        return 2 * c.latency_s + nbytes / lay.tp / self.link(False) + gather
 
     def microbatches(self, lay: Layout) -> int:
         return self.batch // (lay.dp * lay.microbatch_size)
@@ -156,10 +170,9 @@ class CostModel:
         """Gradient all-reduce over dp, tied-embedding all-reduce, optimizer step (seconds)."""
         c = self.cluster
         params = max(self.params_on(lay, 0), self.params_on(lay, lay.pp - 1))
-        dp_bw = c.intra_bw if lay.tp * lay.dp <= c.gpus_per_node else c.inter_bw
-        grads = self.allreduce_time(params * self.bytes[4], lay.dp, dp_bw)
+        grads = self.allreduce_time(params * self.bytes[4], lay.dp, lay.tp * lay.dp <= c.gpus_per_node)
         shared = self.profile.parts[lay.tp].get("shared_params", 0.0)
-        tied = self.allreduce_time(shared * self.bytes[4], 2, c.inter_bw) if lay.pp > 1 else 0.0
+        tied = self.allreduce_time(shared * self.bytes[4], 2, False) if lay.pp > 1 else 0.0
         step = params * STEP_BYTES[self.optimizer] / (c.hbm_bw * c.memory_efficiency)
         return {"dp_allreduce": grads, "tied_allreduce": tied, "optimizer": step}
 

@@ -24,7 +24,7 @@ from autopart.planner.cluster import LOCAL_PATH
 
 CACHE = LOCAL_PATH.parent / "layers"
 TP_CANDIDATES = (1, 2, 4, 8, 16)
-_VERSION = 6          # bump when the profile's contents change
+_VERSION = 8          # bump when the profile's contents change
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,14 @@ class Lin:
 @dataclass(frozen=True)
 class Part:
     """One part (first / layer / last) of the model on one tensor-parallel rank, fp32 capture."""
-    gemms: tuple            # (flops Lin, M Lin, N, K): one per matmul, local to the rank
+    gemms: tuple            # (flops Lin, M Lin, N, K, is_attention): one per matmul, local to the rank
     elementwise_bytes: Lin  # bytes moved by the memory-bound ops (forward)
     allreduce_fwd: Lin      # bytes all-reduced over tp in forward (reduce_from_tp, embeddings)
     allreduce_bwd: Lin      # bytes all-reduced over tp in backward (copy_to_tp)
     saved_bytes: Lin        # outputs of every non-view op: what autograd may keep (upper bound)
     out_bytes: Lin          # the part's output (a layer's: the hidden state it passes on)
     params: float           # trainable elements on the rank
+    ops: int = 0            # compute ops (kernels) in forward
 
     def flops(self, b: float) -> float:
         return sum(g[0](b) for g in self.gemms)
@@ -190,7 +191,7 @@ def _part(nodes, costs, program, shards, tp, seq, which) -> dict:
         v = node.meta.get("val")
         return _numel_expr(v, program) * (v.element_size() if hasattr(v, "element_size") else 4)
 
-    gemms, elt, ar_f, ar_b, saved = [], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    gemms, elt, ar_f, ar_b, saved, ops = [], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], 0
     for n in nodes:
         info = op_info(n.target)
         if info is not None and info.communicates:
@@ -205,6 +206,7 @@ def _part(nodes, costs, program, shards, tp, seq, which) -> dict:
         if c is None or n.target in _VIEWS:
             continue
         g = _gemm(n, c, program, tp, seq)
+        ops += 1
         if g is not None:
             gemms.append(g)
         else:
@@ -215,7 +217,7 @@ def _part(nodes, costs, program, shards, tp, seq, which) -> dict:
         last = [n for n in nodes if n.name in costs and costs[n.name].out_bytes != 0]
         out = lin(costs[last[-1].name].out_bytes) if last else out
     return {"gemms": gemms, "elementwise_bytes": elt, "allreduce_fwd": ar_f, "allreduce_bwd": ar_b,
-            "saved_bytes": saved, "out_bytes": out, "params": _params(nodes, program, shards, tp)}
+            "saved_bytes": saved, "out_bytes": out, "params": _params(nodes, program, shards, tp), "ops": ops}
 
 
 def _numel_expr(val, program):
@@ -244,7 +246,7 @@ def _gemm(node, cost, program, tp, seq):
         k = _shape(node.args[1], program.symbols)
         dims = [a0[-2], k[-2], a0[-1]]            # s x s x head_dim (and P V: s x head_dim x s)
         return [flops, [float(evaluate(dims[0], 1, seq))] * 2, float(evaluate(dims[1], 1, seq)),
-                float(evaluate(dims[2], 1, seq))]
+                float(evaluate(dims[2], 1, seq)), True]
     n_dim, k_dim = out[-1], a0[-1]
     m_dim = sympy.prod(out[:-1]) if len(out) > 1 else sympy.Integer(1)
     if tp > 1 and program.tp is not None:
@@ -255,7 +257,7 @@ def _gemm(node, cost, program, tp, seq):
         elif _is_split(node):
             n_dim = n_dim / tp            # a vocab-parallel head: its output columns split
     return [flops, [evaluate(m_dim, 1, seq), evaluate(m_dim, 2, seq)], float(evaluate(n_dim, 1, seq)),
-            float(evaluate(k_dim, 1, seq))]
+            float(evaluate(k_dim, 1, seq)), False]
 
 
 def _is_split(node) -> bool:
@@ -296,9 +298,9 @@ def _add(a, b):
 
 def _from_json(data: dict, cached: bool = False) -> Profile:
     def part(d):
-        return Part(tuple((Lin(*g[0]), Lin(*g[1]), g[2], g[3]) for g in d["gemms"]),
+        return Part(tuple((Lin(*g[0]), Lin(*g[1]), g[2], g[3], g[4]) for g in d["gemms"]),
                     Lin(*d["elementwise_bytes"]), Lin(*d["allreduce_fwd"]), Lin(*d["allreduce_bwd"]),
-                    Lin(*d["saved_bytes"]), Lin(*d["out_bytes"]), d["params"])
+                    Lin(*d["saved_bytes"]), Lin(*d["out_bytes"]), d["params"], d["ops"])
     parts = {int(tp): {k: (part(v) if isinstance(v, dict) else v) for k, v in ps.items()}
              for tp, ps in data["parts"].items()}
     return Profile(data["layers"], data["seq"], data["hidden"], data["vocab"], data["heads"], parts,

@@ -1,0 +1,48 @@
+"""Wall time of the whole `autopart plan` process for megatron-1t on 3072 GPUs (the issue's < 10 s).
+
+    python bench/plan_time.py [--repeat 3]
+
+Runs the command as a user would (a fresh process each time: imports, capture of one layer, the
+search with the C++ simulator), first with the layer-profile cache cleared (cold), then warm.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = [sys.executable, "-m", "autopart", "plan", "examples/gpt.py:GPT", "--config", "megatron-1t",
+           "--gpus", "3072", "--batch", "3072", "--cluster", "a100-80gb-selene", "--json"]
+
+
+def run(env) -> float:
+    start = time.perf_counter()
+    subprocess.run(COMMAND, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    cache = Path(tempfile.mkdtemp(prefix="autopart-plan-bench-"))
+    env = dict(os.environ, AUTOPART_CACHE=str(cache))
+    try:
+        for i in range(args.repeat):
+            shutil.rmtree(cache / "layers", ignore_errors=True)
+            cold = run(env)
+            warm = run(env)
+            print(f"run {i + 1}: cold (one layer captured) {cold:.1f} s, warm (profile cached) {warm:.1f} s")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The planner against published measurements: Table 1 of Narayanan et al. 2021 (the given half,
+the only rows the cluster's constants were fitted on) and Figure 12 (interleaving, GPT-3 175B on
+96 GPUs, never fitted). Plus the CLI's JSON and errors, and the one-layer profile against a
+capture of every layer.
+
+Run with -s to see the comparison table.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopart.errors import AutopartError
+from autopart.planner.cluster import PRESETS, Cluster, cluster
+from autopart.planner.cost import CostModel, Layout
+from autopart.planner.fit import GPT, predict_row, reference_rows
+from autopart.planner.profile import load_profile
+from autopart.planner.search import search
+
+ROOT = Path(__file__).resolve().parent.parent
+SELENE = PRESETS["a100-80gb-selene"]
+TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return reference_rows()
+
+
+def test_table1_within_5_percent_and_the_planner_does_at_least_as_well(rows):
+    lines = [f"{'model':>8} {'tp':>3} {'pp':>3} {'dp':>3} {'GPUs':>5} {'batch':>5} {'predicted':>9} "
+             f"{'measured':>8} {'error':>7}   paper layout's search | planner's own choice"]
+    worst = 0.0
+    failures = []
+    for r in rows:
+        e = predict_row(r, SELENE)
+        assert e is not None, f"{r['params_billion']}B: the paper's own layout does not fit"
+        err = e.tflops_per_device / r["tflops_per_gpu"] - 1
+        worst = max(worst, abs(err))
+        own = _own_choice(r)
+        lay = e.layout
+        lines.append(f"{r['params_billion']:>7}B {lay.tp:>3} {lay.pp:>3} {lay.dp:>3} {r['num_gpus']:>5} "
+                     f"{r['batch_size']:>5} {e.tflops_per_device:>9.1f} {r['tflops_per_gpu']:>8} {err:>+7.1%}   "
+                     f"b={lay.microbatch_size} v={lay.virtual_stages} {lay.schedule} | {own.layout.mesh} "
+                     f"b={own.layout.microbatch_size} v={own.layout.virtual_stages} {own.layout.recompute}: "
+                     f"{own.step_time:.2f} s vs {e.step_time:.2f} s, {own.memory['total'] / 1e9:.1f} GB")
+        if abs(err) > TOLERANCE:
+            failures.append(f"{r['params_billion']}B: predicted {e.tflops_per_device:.1f}, measured "
+                            f"{r['tflops_per_gpu']} ({err:+.1%})")
+        assert own.fits and own.memory["total"] <= 80e9
+        assert own.step_time <= e.step_time * (1 + 1e-9), "the planner's choice is slower than the paper's layout"
+    lines.append(f"largest error {worst:.1%}")
+    print("\n" + "\n".join(lines))
+    assert not failures, "past 5%:\n" + "\n".join(failures)
+
+
+def _own_choice(row):
+    model = CostModel(load_profile(GPT, row["config"]), SELENE, row["batch_size"], precision="fp16")
+    ranked = search(model, row["num_gpus"])
+    return next(e for e in ranked if e.fits)
+
+
+def figure12(batch: int) -> tuple[float, float]:
+    """(interleaved, 1F1B) TFLOP/s per GPU, GPT-3 175B on 96 GPUs, tp=8, pp=12, microbatch 1."""
+    model = CostModel(load_profile(GPT, "gpt3-175b"), SELENE, batch, precision="fp16")
+    best = {}
+    for name in ("interleaved-1f1b", "1f1b"):
+        ranked = search(model, 96, tp=8, pp=12, dp=1, microbatch_size=1, schedule=name, recompute="full")
+        best[name] = next(e for e in ranked if e.fits).tflops_per_device
+    return best["interleaved-1f1b"], best["1f1b"]
+
+
+def test_figure12_interleaving_gain_and_its_shrinking_with_the_batch():
+    paper = 119 / 81
+    gains = []
+    for batch in (12, 24, 36, 48, 60):
+        inter, plain = figure12(batch)
+        gains.append(inter / plain)
+        print(f"batch {batch}: interleaved {inter:.1f}, 1F1B {plain:.1f} TFLOP/s per GPU, ratio {inter / plain:.3f}")
+    print(f"paper at batch 12: 119 / 81 = {paper:.3f}; predicted {gains[0]:.3f} ({gains[0] / paper - 1:+.1%})")
+    assert abs(gains[0] / paper - 1) <= 0.15
+    assert all(a > b for a, b in zip(gains, gains[1:])), f"the gain does not shrink with the batch: {gains}"
+
+
+def test_one_layer_profile_matches_every_layer_captured():
+    """The profile (one layer captured, scaled) gives the FLOPs of the whole model's capture."""
+    import torch
+    from autopart.analysis import analyze, evaluate
+    from autopart.capture import capture
+    from examples.gpt import GPT as Model, lm_loss
+    profile = load_profile(GPT, "tiny,n_layer=3")
+    parts = profile.parts[1]
+    model = Model("tiny,n_layer=3")
+    x = torch.zeros(2, 64, dtype=torch.long)
+    program = capture(model, (x,), loss_fn=lm_loss, target=x)
+    whole = sum(evaluate(c.flops, 2, 64) for n, c in analyze(program).items()
+                if any(k in n for k in ("linear", "scaled_dot", "addmm", "mm")))
+    reused = parts["first"].flops(2) + 3 * parts["layer"].flops(2) + parts["last"].flops(2)
+    assert profile.layers == 3
+    assert reused == pytest.approx(whole, rel=1e-9)
+
+
+def test_memory_rejects_the_1t_model_on_few_devices():
+    model = CostModel(load_profile(GPT, "megatron-1t"), SELENE, 3072)
+    e = model.estimate(Layout(8, 16, 24, 1, 1, "1f1b", "full"))
+    assert not e.fits and "GB per rank" in e.rejected_because
+
+
+def _cli(*args, check=True):
+    return subprocess.run([sys.executable, "-m", "autopart", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_cli_json_one_layout():
+    out = _cli("plan", "examples/gpt.py:GPT", "--config", "megatron-1t", "--gpus", "3072", "--batch", "3072",
+               "--cluster", "a100-80gb-selene", "--mesh", "tp=8,pp=64,dp=6", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    keys = {"mesh", "microbatch_size", "virtual_stages", "schedule", "recompute", "step_time_s",
+            "tflops_per_device", "memory_per_rank_gb", "fits", "rejected_because"}
+    assert set(data["best"]) == keys and data["best"]["mesh"] == "tp=8,pp=64,dp=6"
+    assert all(set(r) == keys for r in data["layouts"])
+    assert data["layouts"][0] == data["best"]
+    assert all(r["rejected_because"] is None for r in data["layouts"] if r["fits"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--cluster", "tpu-v9"), "unknown cluster 'tpu-v9'"),
+    (("--mesh", "tp=8,pp=64,dp=5"), "does not equal --gpus 3072"),
+    (("--mesh", "tp=7"), "does not divide --gpus 3072"),
+    (("--mesh", "tp8"), "write axis=size"),
+])
+def test_cli_errors(args, message):
+    out = _cli("plan", "examples/gpt.py:GPT", "--config", "megatron-1t", "--gpus", "3072", "--batch", "3072",
+               *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_cluster_json_round_trip(tmp_path):
+    path = SELENE.save(tmp_path / "c.json")
+    assert cluster(str(path)) == SELENE
+    (tmp_path / "bad.json").write_text(json.dumps({**SELENE.to_dict(), "warp_drive": 1}))
+    with pytest.raises(AutopartError, match="unknown keys"):
+        Cluster.from_json(tmp_path / "bad.json")
