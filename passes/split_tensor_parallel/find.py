@@ -1,37 +1,17 @@
-"""split_tensor_parallel: Megatron-style tensor parallelism found from ops and dataflow.
-
-For each linear whose input is replicated, the pass tries a *region*: shard the linear's output
-features (column-parallel) and carry the shard forward op by op (activations, head splits,
-attention per head, views rewritten to local sizes) until every path ends in a linear that
-contracts over the sharded features (row-parallel: partial sums, one all-reduce) or in a
-cross-entropy over a sharded vocabulary (vocabulary-parallel loss). A region that cannot close
-that way is left replicated. Attention inputs a region needs sharded are pulled in from their own
-linears (separate q/k/v projections) or, when they cannot be (grouped-query k/v with fewer heads
-than tp), sliced locally from the replicated tensor. Embedding tables tied to a vocabulary-parallel
-head, or large ones, become vocabulary-parallel (masked local lookup + all-reduce).
-
-With sequence_parallel, the reductions become reduce-scatters along the sequence, the residual
-stream between regions runs on sequence shards, and each column-parallel linear all-gathers its
-input inside a fused op that re-gathers it in backward instead of keeping the gathered copy.
-"""
+"""Deciding: the linears, the regions grown from them op by op, the sequence-parallel stream
+and the vocabulary-parallel embeddings. Plain data out: a TensorParallelPlan."""
 from __future__ import annotations
 
 import heapq
-import operator
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from autopart.ir import META_TP, SEQ, ParamShard, Program, TensorParallelPlan, sym_shape
-from autopart.ops import tp as tp_ops
-from autopart.errors import AutopartError, module_path, node_error, user_source_line
+from autopart.ir import SEQ, ParamShard, Program, TensorParallelPlan, sym_shape
 from autopart.placement import (NoRule, Need, P, R, Shard, SplitOnShard, carry, ndim, shape_of)
-from autopart.localize import attribute
 
 aten = torch.ops.aten
-COMM = "tp_comm"
 
 
 @dataclass(frozen=True)
@@ -259,8 +239,7 @@ def _terminal(node, region, linears) -> bool:
     if use is not None:
         x = node.args[1] if node.target is aten.addmm.default else node.args[0]
         s = region.pl.get(x)
-        if isinstance(s, Shard) and s.dim == ndim(x) - 1 and not isinstance(region.pl.get(
-                node.all_input_nodes[0] if False else x), tuple):
+        if isinstance(s, Shard) and s.dim == ndim(x) - 1:
             region.rows.add(node.name)
             region.pl[node] = P
             return True
@@ -394,8 +373,6 @@ def _commit(region, plan, committed, linears) -> None:
     for node, p in region.pl.items():
         if isinstance(node, fx.Node) and (isinstance(p, (Shard, tuple)) or p is P):
             committed[node] = R if p is P else p
-    for name in region.ces:
-        pass
 
 
 def _decide_embeddings(gm, plan, program, tp) -> None:
@@ -410,268 +387,3 @@ def _decide_embeddings(gm, plan, program, tp) -> None:
         elif rows % tp == 0 and rows * width >= 4 * width * width:
             plan.vocab_embedding.add(n.name)
             plan.params[w] = ParamShard(0, (rows,))
-
-
-# ---------------------------------------------------------------------------------------------
-# The pass: decide, then rewrite
-
-
-def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool = False):
-    """Return (program rewritten for one tensor-parallel rank, report)."""
-    if tp == 1:
-        return program.replace(tp=TensorParallelPlan(1, sequence_parallel)), {"tp": 1}
-    plan = decide(program, tp, sequence_parallel)
-    _check_heads(program, plan, tp)
-    _check_share(program, plan, tp)
-    if sequence_parallel:
-        _check_sequence(program, plan, tp)
-    gm = _rewrite(program, plan)
-    report = {"tp": tp, "column": sorted(plan.column), "row": sorted(plan.row),
-              "vocab_parallel": sorted(plan.vocab_embedding | plan.vocab_loss),
-              "replicated_linears": plan.skipped, "sequence_parallel": sequence_parallel}
-    return program.replace(gm=gm, tp=plan), report
-
-
-def _check_heads(program, plan, tp) -> None:
-    """Heads and large projections must divide by tp: name the node, the numbers, a remedy."""
-    gm = program.gm
-    for n in gm.graph.nodes:
-        if n.target is aten.scaled_dot_product_attention.default:
-            heads = int(shape_of(n.args[0])[1])
-            if heads % tp:
-                ok = [t for t in range(1, heads + 1) if heads % t == 0]
-                raise node_error(n, f"{heads} attention heads do not divide by tp={tp}",
-                                 f"use tp in {ok}")
-    nodes = {n.name: n for n in gm.graph.nodes}
-    linears = find_linears(gm, program.params)
-    size = {name: program.params[u.weight].numel for name, u in linears.items()}
-    largest = max(size.values(), default=0)
-    for name, reason in plan.skipped:
-        feats = int(shape_of(nodes[name])[-1])
-        if feats % tp and size[name] * 4 >= largest:
-            ok = [t for t in range(1, min(feats, 64) + 1) if feats % t == 0]
-            padded = -(-feats // tp) * tp
-            raise node_error(nodes[name], f"linear {name} has {feats} output features, not "
-                             f"divisible by tp={tp}", f"use tp in {ok}, or pad that dimension to "
-                             f"a multiple of {tp} (e.g. {feats} -> {padded}, as Megatron pads "
-                             "its vocabulary)")
-
-
-def _check_share(program, plan, tp) -> None:
-    """Replicating whole layers is not tensor parallelism: fail, naming what blocked the split."""
-    total = sum(p.numel for p in program.params.values())
-    ep_plan = program.ep       # experts sharded over ep (shard_experts ran)
-    experts, ep = (ep_plan.params, ep_plan.ep) if ep_plan is not None else ({}, 1)
-    local = sum(p.numel // tp if name in plan.params else p.numel // ep if name in experts
-                else p.numel for name, p in program.params.items())
-    if total and local / total > 1.5 / tp:
-        nodes = {n.name: n for n in program.gm.graph.nodes}
-        linears = find_linears(program.gm, program.params)
-        worst = max(plan.skipped, key=lambda s: program.params[linears[s[0]].weight].numel,
-                    default=None)
-        why = f"; the largest replicated linear is {worst[0]} ({worst[1]})" if worst else ""
-        raise node_error(nodes[worst[0]] if worst else None,
-                         f"tensor parallelism leaves each rank {local / total:.0%} of the "
-                         f"parameters, more than 1.5/tp = {1.5 / tp:.0%}{why}",
-                         "rewrite the op named above with standard ATen ops, or use pipeline "
-                         "parallelism for this model")
-    _warn_replicated(program, plan, total)
-
-
-def _warn_replicated(program, plan, total: int) -> None:
-    """One warning for all linears left replicated, grouped by the op that stopped each split,
-    with its source line and the share of the model every rank holds whole because of it."""
-    linears = find_linears(program.gm, program.params)
-    nodes = {n.name: n for n in program.gm.graph.nodes}
-    groups: dict = {}
-    for name, reason in plan.skipped:
-        stopper, _, why = reason.partition(": ")
-        op = nodes.get(stopper)
-        key = (str(op.target) if op is not None else stopper, why)
-        groups.setdefault(key, []).append((name, op))
-    if not groups:
-        return
-    share = sum(program.params[linears[n].weight].numel for n, _ in plan.skipped) / max(total, 1)
-    lines = []
-    for (target, why), members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        name, op = members[0]
-        more = f" and {len(members) - 1} more like it" if len(members) > 1 else ""
-        lines.append(f"  - {target}: {why}\n      stops {name} ({module_path(nodes[name]) or 'top'})"
-                     f"{more}\n      at {user_source_line(op)}")
-    warnings.warn(f"autopart: {len(plan.skipped)} linear(s) stay replicated over tp={plan.tp}, "
-                  f"{share:.1%} of the parameters held whole on every rank; what stopped them:\n"
-                  + "\n".join(lines) + "\n  remedy: write the op with one that has a "
-                  "tensor-parallel rule (autopart/placement.py RULES), or accept the replication",
-                  stacklevel=2)
-
-
-def _check_sequence(program, plan, tp) -> None:
-    """The sequence the reductions scatter is the activations' (a ViT's patches + class
-    token), not necessarily the first input's dim 1 (its channels)."""
-    nodes = {n.name: n for n in program.gm.graph.nodes}
-    for name, dim in plan.seq_shards.items():
-        shape = shape_of(nodes[name])
-        size = shape[dim] if dim < len(shape) else None
-        if isinstance(size, int) and size % tp:
-            raise node_error(nodes[name], f"sequence parallelism splits the sequence ({int(size)} "
-                             f"tokens) over tp={tp} ranks", f"a sequence length divisible by {tp}"
-                             ", or sequence_parallel=False")
-    if program.seq_len is not None and program.seq_len % tp and SEQ in program.symbols.values():
-        raise AutopartError(f"sequence parallelism splits the sequence ({program.seq_len} tokens) "
-                            f"over tp={tp} ranks.\n  remedy: a sequence length divisible by {tp}")
-
-
-def _rewrite(program: Program, plan: TensorParallelPlan) -> fx.GraphModule:
-    old = program.gm
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    comm = g.get_attr(COMM)
-    cache: dict = {}
-    for node in old.graph.nodes:
-        local = _redistributed_inputs(g, node, plan, env, cache, comm)
-
-        def mapped(n, local=local):
-            return local.get(n, env[n])
-
-        if node.name in plan.column:
-            env[node] = _column(g, node, mapped, comm, cache, plan)
-        elif node.name in plan.row:
-            env[node] = _row(g, node, mapped, comm, plan.seq_shards.get(node.name))
-        elif node.name in plan.vocab_loss:
-            args = list(node.args) + [None] * (5 - len(node.args))
-            ignore = node.kwargs.get("ignore_index", -100 if args[4] is None else args[4])
-            env[node] = _call(g, tp_ops.vocab_parallel_cross_entropy,
-                              (mapped(node.args[0]), mapped(node.args[1]), comm, ignore), node, R)
-        elif node.name in plan.vocab_embedding:
-            part = _call(g, tp_ops.vocab_parallel_embedding,
-                         (mapped(node.args[0]), mapped(node.args[1]), comm,
-                          *_padding_idx(node)), node, P)
-            env[node] = _reduce(g, part, comm, plan.seq_shards.get(node.name), node)
-        else:
-            new = g.node_copy(node, mapped)
-            _localize_args(new, node, plan)
-            env[node] = new
-    g.lint()
-    root = {name: attribute(old, name) for name in _attr_targets(old)}
-    root[COMM] = tp_ops.TPComm(plan.tp)
-    return fx.GraphModule(root, g)
-
-
-def _padding_idx(embedding: fx.Node) -> tuple:
-    """(padding_idx,) of an aten.embedding that has one (its row gets no gradient), else ()."""
-    pad = embedding.args[2] if len(embedding.args) > 2 else embedding.kwargs.get("padding_idx", -1)
-    if pad is None or pad < 0:
-        return ()
-    return (pad,)
-
-
-def _redistributed_inputs(g, node, plan, env, cache, comm) -> dict:
-    """Inputs `node` reads through a local slice (R -> Shard) or an all-gather (Shard -> R)."""
-    local = {}
-    for a in node.all_input_nodes:
-        dim = plan.scatters.get((node.name, a.name))
-        if dim is not None:
-            key = ("scatter", a.name, dim)
-            if key not in cache:
-                cache[key] = _call(g, tp_ops.scatter_to_tp, (env[a], dim, comm), a, Shard(dim))
-            local[a] = cache[key]
-        dim = plan.gathers.get((node.name, a.name))
-        if dim is not None:
-            key = ("gather", a.name, dim)
-            if key not in cache:
-                cache[key] = _call(g, tp_ops.gather_from_tp, (env[a], dim, comm), a, R)
-            local[a] = cache[key]
-    return local
-
-
-def _reduce(g, partial, comm, seq_dim, like):
-    """Partial sums made whole: all-reduce, or reduce-scatter along the sequence (SP)."""
-    if seq_dim is None:
-        return _call(g, tp_ops.reduce_from_tp, (partial, comm), like, R)
-    return _call(g, tp_ops.reduce_scatter_tp, (partial, seq_dim, comm), like, Shard(seq_dim))
-
-
-def _call(g, fn, args, like: fx.Node, placement, name: str | None = None) -> fx.Node:
-    out = g.create_node("call_function", fn, tuple(args), {}, name=name)
-    out.meta = {k: like.meta[k] for k in ("val", "stack_trace", "nn_module_stack") if k in like.meta}
-    out.meta[META_TP] = placement
-    return out
-
-
-def _column(g, node, mapped, comm, cache, plan) -> fx.Node:
-    xi = 1 if node.target is aten.addmm.default else 0
-    x = node.args[xi]
-    seq_dim = plan.seq_shards.get(x.name)
-    if seq_dim is not None and (node.name, x.name) not in plan.gathers:
-        w, b = node.args[1], node.args[2] if len(node.args) > 2 else None
-        new = _call(g, tp_ops.gather_linear_sp, (mapped(x), mapped(w), mapped(b) if b is not None
-                                                 else None, seq_dim, comm), node, None, node.name)
-    else:
-        key = ("copy", x.name)
-        if key not in cache:
-            cache[key] = _call(g, tp_ops.copy_to_tp, (mapped(x), comm), x, R)
-        args = [cache[key] if i == xi else mapped(a) if isinstance(a, fx.Node) else a
-                for i, a in enumerate(node.args)]
-        new = g.create_node("call_function", node.target, tuple(args), dict(node.kwargs),
-                            name=node.name)
-        new.meta = dict(node.meta)
-    new.meta[META_TP] = Shard(ndim(node) - 1, node.name)
-    return new
-
-
-def _row(g, node, mapped, comm, seq_dim) -> fx.Node:
-    if node.target is aten.addmm.default:
-        bias, x, w = node.args[:3]
-        partial = _call(g, aten.mm.default, (mapped(x), mapped(w)), node, P, node.name)
-    else:
-        x, w = node.args[:2]
-        bias = node.args[2] if len(node.args) > 2 else None
-        partial = _call(g, node.target, (mapped(x), mapped(w)), node, P, node.name)
-    reduced = _reduce(g, partial, comm, seq_dim, node)
-    if isinstance(bias, fx.Node):    # added once, after the reduction
-        reduced = _call(g, aten.add.Tensor, (reduced, mapped(bias)), node, reduced.meta[META_TP])
-    return reduced
-
-
-def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None:
-    """Rewrite a view's / split's / expand's global sizes along the sharded dim to local ones."""
-    s = plan.placements.get(old)
-    if old.name in plan.seq_shards:
-        s = Shard(plan.seq_shards[old.name])
-    tp = plan.tp
-    new.meta[META_TP] = s if s is not None else R
-    if not isinstance(s, (Shard, tuple)):
-        return
-    t = old.target
-    if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
-        sizes = list(new.args[1])
-        d = s.dim
-        if isinstance(sizes[d], int) and sizes[d] != -1:
-            if sizes[d] % tp:
-                raise node_error(old, f"view size {sizes[d]} along the sharded dim does not "
-                                 f"divide by tp={tp}", f"use a tp that divides {sizes[d]}")
-            sizes[d] //= tp
-        elif isinstance(sizes[d], fx.Node):     # a run-time size (the sequence length, SP)
-            with new.graph.inserting_before(new):
-                sizes[d] = new.graph.call_function(operator.floordiv, (sizes[d], tp))
-        new.args = (new.args[0], sizes, *new.args[2:])
-    elif t is aten.split.Tensor:
-        src = plan.placements.get(old.args[0])
-        dim = old.args[2] if len(old.args) > 2 else 0
-        dim = dim + ndim(old.args[0]) if dim < 0 else dim
-        if isinstance(src, Shard) and src.dim == dim:
-            new.args = (new.args[0], old.args[1] // tp, *new.args[2:])
-    elif t is aten.split_with_sizes.default:
-        src = plan.placements.get(old.args[0])
-        dim = old.args[2] if len(old.args) > 2 else 0
-        dim = dim + ndim(old.args[0]) if dim < 0 else dim
-        if isinstance(src, Shard) and src.dim == dim:
-            new.args = (new.args[0], [v // tp for v in old.args[1]], *new.args[2:])
-
-
-def _attr_targets(gm) -> list[str]:
-    return [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target != COMM]
-
-
-
-__all__ = ["split_tensor_parallel", "decide", "find_linears"]
