@@ -90,9 +90,9 @@ def layout(name: str, shape: tuple, plan, coords: dict, mesh, ep_rank: int | Non
     split_dim, pieces = None, [(offsets, sizes)]
     experts = plan.ep_shards.get(name) if mesh.ep > 1 else None
     tp_spec = plan.tp_shards.get(name) if mesh.tp > 1 else None
-    if experts is not None:         # dim 0 over the ep ranks; ep rank = dp index mod ep
+    if experts is not None:         # dim 0 over the ep ranks (the Mesh says which is ours)
         start, size = _ranges(shape[0], mesh.ep,
-                              coords["dp"] % mesh.ep if ep_rank is None else ep_rank)
+                              mesh.ep_rank(mesh.rank(**coords)) if ep_rank is None else ep_rank)
         offsets, sizes = [start] + offsets[1:], [size] + sizes[1:]
         pieces, split_dim = [(offsets, sizes)], 0
     if tp_spec is not None:         # the same 1/tp slice of every section of `dim`
