@@ -4,8 +4,9 @@
                                             # cluster.py's _FITTED
 
 For each row the prediction is the paper's own layout (tp, pp, dp; full recomputation; fp16 with
-Adam), microbatch size, virtual stages and schedule searched; the constants minimize the squared
-relative error of TFLOP/s per GPU over the rows (Nelder-Mead, pure Python).
+Adam), microbatch size, virtual stages and schedule searched; the constants minimize the
+relative error of TFLOP/s per GPU over the rows in the 8-norm (close to the largest error,
+which the 5% bound is on; Nelder-Mead, pure Python).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def fit(base, rows, *, iterations: int = 80, simulate_top: int = 2):
         c = make(x)
         if max(c.gemm_efficiency, c.intra_efficiency, c.inter_efficiency, c.memory_efficiency) > 1:
             return 1e9
-        return sum(e * e for e in errors(c, rows, simulate_top))
+        # ~ the largest error (the 5% bound is on each row), smooth for Nelder-Mead
+        return sum(e ** 8 for e in errors(c, rows, simulate_top)) ** (1 / 8)
 
     x0 = [math.log(getattr(base, k)) for k in FREE]
     return make(_nelder_mead(loss, x0, iterations))
@@ -122,8 +124,9 @@ def main() -> None:
     from autopart.planner.cluster import PRESETS
     rows = reference_rows()
     import dataclasses as dc
-    start = dc.replace(PRESETS["a100-80gb-selene"], gemm_efficiency=0.6677, gemm_half_dim=27.94,
-                       attention_score_bytes=6.13, intra_efficiency=0.98, inter_efficiency=0.98)
+    start = dc.replace(PRESETS["a100-80gb-selene"], gemm_efficiency=0.6616, gemm_half_dim=30.89,
+                       attention_score_bytes=7.08, intra_efficiency=0.95, inter_efficiency=0.95,
+                       memory_efficiency=0.93)
     fitted = fit(start, rows)
     print({k: round(getattr(fitted, k), 4) for k in FREE})
     print(table(fitted, rows))
