@@ -146,3 +146,34 @@ def test_cluster_json_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({**SELENE.to_dict(), "warp_drive": 1}))
     with pytest.raises(AutopartError, match="unknown keys"):
         Cluster.from_json(tmp_path / "bad.json")
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    """The local profile, measured once if this machine has none (`autopart calibrate`)."""
+    from autopart.planner.calibrate import calibrate
+    from autopart.planner.cluster import LOCAL_PATH
+    if not LOCAL_PATH.is_file():
+        calibrate().save(LOCAL_PATH)
+    return cluster("local")
+
+
+@pytest.mark.full
+def test_local_profile_against_real_processes(local_cluster):
+    """Predicted against measured step time of tiny layouts on this (shared, loaded) machine:
+    printed, not bounded."""
+    from autopart.planner.validate_local import compare
+    for r in compare():
+        print(f"{r['mesh']:<16} predicted {r['predicted_s']:.4f} s, measured {r['measured_s']:.4f} s, "
+              f"error {r['error']:+.0%}")
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0
+
+
+@pytest.mark.full
+def test_parallelize_auto_chooses_a_mesh_and_trains(local_cluster):
+    from autopart.planner.validate_local import _auto
+    from autopart.runtime.launch import spawn
+    ranks = spawn(_auto, 2, timeout=600)
+    assert ranks[0]["mesh"] == ranks[1]["mesh"]
+    assert all(r["loss"] == r["loss"] for r in ranks)     # finite, not NaN
+    print("mesh=\"auto\" chose", ranks[0]["mesh"])

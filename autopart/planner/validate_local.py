@@ -69,3 +69,17 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _auto(rank: int, world: int) -> dict:
+    """Rank function: parallelize(mesh="auto") on a tiny GPT and one train step."""
+    import torch
+    import autopart
+    sys.path.insert(0, str(ROOT))
+    from examples.gpt import GPT, lm_loss
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    tokens = torch.randint(0, model.config.vocab_size, (BATCH, model.config.block_size))
+    pm = autopart.parallelize(model, "auto", (tokens,), loss_fn=lm_loss, target=tokens)
+    loss = pm.train_step(tokens, target=tokens)
+    return {"mesh": str(pm.mesh), "loss": float(loss)}
