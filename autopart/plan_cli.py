@@ -32,7 +32,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, required=True, help="global batch (sequences per step)")
     p.add_argument("--cluster", default="a100-80gb-selene",
                    help="a100-80gb-selene (default), h100-sxm, h200, local, or a cluster .json file")
-    p.add_argument("--mesh", default=None, help="fix some axes, e.g. tp=8,pp=64,dp=6 (the rest searched)")
+    p.add_argument("--mesh", default=None, help="fix some axes, e.g. tp=8,pp=64,dp=6 or dp=8,ep=8 (the rest searched)")
     p.add_argument("--microbatch-size", type=int, default=None)
     p.add_argument("--virtual-stages", type=int, default=None)
     p.add_argument("--schedule", default=None, choices=("1f1b", "interleaved-1f1b"))
@@ -77,14 +77,13 @@ def parse_mesh(text: str | None, gpus: int) -> dict:
             raise AutopartError(f"--mesh {text!r}: {key}={value!r} is not an integer") from None
         if axes[key] < 1:
             raise AutopartError(f"--mesh {text!r}: {key} must be at least 1")
-    if axes.pop("ep", 1) != 1:
-        raise AutopartError("--mesh: ep > 1 is not planned yet (the cost model has no expert all-to-all)")
     size = 1
-    for v in axes.values():
-        size *= v
-    if gpus % size or (len(axes) == 3 and size != gpus):
+    for k, v in axes.items():
+        size *= v if k != "ep" else 1          # ep shards experts over dp ranks: no ranks of its own
+    full = {"tp", "pp", "dp"} <= set(axes)
+    if gpus % size or (full and size != gpus):
         raise AutopartError(f"--mesh {text!r} uses {size} devices, which does not "
-                            f"{'equal' if len(axes) == 3 else 'divide'} --gpus {gpus}")
+                            f"{'equal' if full else 'divide'} --gpus {gpus}")
     return axes
 
 
@@ -114,7 +113,7 @@ def _plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.target, args.config)
     model = CostModel(profile, c, args.batch, precision=args.precision or default_precision(c),
                       optimizer=args.optimizer)
-    ranked = search(model, args.gpus, tp=axes.get("tp"), pp=axes.get("pp"), dp=axes.get("dp"),
+    ranked = search(model, args.gpus, tp=axes.get("tp"), pp=axes.get("pp"), dp=axes.get("dp"), ep=axes.get("ep"),
                     microbatch_size=args.microbatch_size, virtual_stages=args.virtual_stages,
                     schedule=args.schedule, recompute=args.recompute)
     best = next((e for e in ranked if e.fits), None)
@@ -169,7 +168,7 @@ def explain(model, best) -> str:
     lines = [model.cluster.explain()]
     if best is not None:
         lay = best.layout
-        f, b, _ = model.part_times(model.profile.parts[lay.tp]["layer"], lay.tp, lay.microbatch_size)
+        f, b, _ = model.part_times(model.parts(lay)["layer"], lay.tp, lay.microbatch_size, lay.ep)
         lines.append(f"chosen layout {lay.mesh}: one layer, one microbatch of {lay.microbatch_size}: forward "
                      f"{f * 1e3:.2f} ms, backward {b * 1e3:.2f} ms (+ forward again with full recompute)")
         lines += [f"  {k}: {v:.4f} s" for k, v in best.breakdown.items()]

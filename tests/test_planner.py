@@ -93,7 +93,7 @@ def test_one_layer_profile_matches_every_layer_captured():
     from autopart.capture import capture
     from examples.gpt import GPT as Model, lm_loss
     profile = load_profile(GPT, "tiny,n_layer=3")
-    parts = profile.parts[1]
+    parts = profile.parts[(1, 1)]
     model = Model("tiny,n_layer=3")
     x = torch.zeros(2, 64, dtype=torch.long)
     program = capture(model, (x,), loss_fn=lm_loss, target=x)
@@ -177,3 +177,16 @@ def test_parallelize_auto_chooses_a_mesh_and_trains(local_cluster):
     assert ranks[0]["mesh"] == ranks[1]["mesh"]
     assert all(r["loss"] == r["loss"] for r in ranks)     # finite, not NaN
     print("mesh=\"auto\" chose", ranks[0]["mesh"])
+
+
+def test_moe_model_searches_ep_and_pays_the_all_to_all():
+    profile = load_profile(str(ROOT / "examples" / "switch.py") + ":SwitchGPT", "tiny")
+    dense, sharded = profile.parts[(1, 1)]["layer"], profile.parts[(1, 2)]["layer"]
+    assert sharded.alltoall(1) > 0 and dense.alltoall(1) == 0
+    assert sharded.params < dense.params and sharded.expert_params > 0
+    model = CostModel(profile, SELENE, 16)
+    assert model.part_times(sharded, 1, 1, 2)[2] > 0           # communication in the layer's time
+    ranked = search(model, 4)
+    assert any(e.layout.ep > 1 for e in ranked)
+    assert all(e.layout.dp % e.layout.ep == 0 for e in ranked)
+    assert any(",ep=" in e.row()["mesh"] for e in ranked)

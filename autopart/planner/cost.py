@@ -44,10 +44,11 @@ class Layout:
     virtual_stages: int = 1
     schedule: str = "1f1b"
     recompute: str = "full"
+    ep: int = 1                 # experts sharded over ep of the dp ranks (adds no ranks)
 
     @property
     def mesh(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep > 1 else "")
 
 
 @dataclass
@@ -107,7 +108,13 @@ class CostModel:
         scores = flops / (4 * head_dim)
         return scores * c.attention_score_bytes * self._act_scale * 2 / (c.hbm_bw * c.memory_efficiency)
 
-    def part_times(self, part: Part, tp: int, b: int) -> tuple[float, float, float]:
+    def alltoall_time(self, nbytes: float, ranks: int, intra: bool) -> float:
+        """Each rank keeps 1/n of its rows and sends the rest, one message to each other rank."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        return (ranks - 1) / ranks * nbytes / self.link(intra) + (ranks - 1) * self.cluster.latency_s
+
+    def part_times(self, part: Part, tp: int, b: int, ep: int = 1) -> tuple[float, float, float]:
         """(forward, backward, tp communication in forward) of one part for one microbatch."""
         c = self.cluster
         gemm = sum(self.gemm_time(f(b), mm(b), n, k) for f, mm, n, k, _ in part.gemms)
@@ -117,17 +124,19 @@ class CostModel:
         mem += part.ops * c.op_overhead_s
         ar_f = self.allreduce_time(part.allreduce_fwd(b) * self._act_scale, tp, True)
         ar_b = self.allreduce_time(part.allreduce_bwd(b) * self._act_scale, tp, True)
-        return gemm + mem + ar_f, 2 * (gemm + mem) + ar_b, ar_f + ar_b
+        # expert all-to-alls: ep ranks are dp ranks, tp apart; the backward mirrors the forward's
+        a2a = self.alltoall_time(part.alltoall(b) * self._act_scale, ep, tp * ep <= c.gpus_per_node)
+        return gemm + mem + ar_f + a2a, 2 * (gemm + mem) + ar_b + a2a, ar_f + ar_b + 2 * a2a
 
     def chunk_costs(self, lay: Layout) -> tuple[list[float], list[float], list[int]]:
         """Per chunk (model order): forward, backward (with recomputation) and layer counts."""
-        parts = self.profile.parts[lay.tp]
+        parts = self.parts(lay)
         b = lay.microbatch_size
-        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b)
+        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep)
         if lay.recompute == "full":
             lb += lf                      # the layer's forward once more before its backward
-        ff, fb, _ = self.part_times(parts["first"], lay.tp, b)
-        tf, tb, _ = self.part_times(parts["last"], lay.tp, b)
+        ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep)
+        tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep)
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
         fwd = [n * lf for n in counts]
         bwd = [n * lb for n in counts]
@@ -137,12 +146,15 @@ class CostModel:
         bwd[-1] += tb
         return fwd, bwd, counts
 
+    def parts(self, lay: Layout) -> dict:
+        return self.profile.parts[(lay.tp, lay.ep)]
+
     def message_time(self, lay: Layout) -> float:
         """One microbatch's activation (or gradient) between neighbouring stages."""
         if lay.pp == 1:
             return 0.0
         c = self.cluster
-        nbytes = self.profile.parts[lay.tp]["layer"].out_bytes(lay.microbatch_size) * self._act_scale
+        nbytes = self.parts(lay)["layer"].out_bytes(lay.microbatch_size) * self._act_scale
         if lay.tp * lay.dp < c.gpus_per_node:          # neighbours in one node (tp, then dp, then pp)
             return c.latency_s + nbytes / self.link(True)
         # scatter/gather: each of the tp ranks sends 1/tp over its own link, then an all-gather
@@ -152,17 +164,18 @@ class CostModel:
     def microbatches(self, lay: Layout) -> int:
         return self.batch // (lay.dp * lay.microbatch_size)
 
-    def params_on(self, lay: Layout, rank: int) -> float:
+    def params_on(self, lay: Layout, rank: int, experts_only: bool = False) -> float:
         """Trainable elements held by pipeline rank `rank` (first/last parts on the end ranks)."""
-        parts = self.profile.parts[lay.tp]
+        parts = self.parts(lay)
+        count = (lambda part: part.expert_params) if experts_only else (lambda part: part.params)
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
         layers = sum(n for k, n in enumerate(counts) if k % lay.pp == rank)
-        total = layers * parts["layer"].params
+        total = layers * count(parts["layer"])
         if rank == 0:
-            total += parts["first"].params
+            total += count(parts["first"])
         if rank == lay.pp - 1:
-            total += parts["last"].params
-            if lay.pp == 1:
+            total += count(parts["last"])
+            if lay.pp == 1 and not experts_only:
                 total -= parts.get("shared_params", 0.0)
         return total
 
@@ -170,15 +183,19 @@ class CostModel:
         """Gradient all-reduce over dp, tied-embedding all-reduce, optimizer step (seconds)."""
         c = self.cluster
         params = max(self.params_on(lay, 0), self.params_on(lay, lay.pp - 1))
-        grads = self.allreduce_time(params * self.bytes[4], lay.dp, lay.tp * lay.dp <= c.gpus_per_node)
-        shared = self.profile.parts[lay.tp].get("shared_params", 0.0)
+        experts = max(self.params_on(lay, 0, True), self.params_on(lay, lay.pp - 1, True))
+        intra = lay.tp * lay.dp <= c.gpus_per_node
+        # expert weights are reduced only over the dp / ep ranks holding the same experts
+        grads = (self.allreduce_time((params - experts) * self.bytes[4], lay.dp, intra)
+                 + self.allreduce_time(experts * self.bytes[4], lay.dp // lay.ep, intra))
+        shared = self.parts(lay).get("shared_params", 0.0)
         tied = self.allreduce_time(shared * self.bytes[4], 2, False) if lay.pp > 1 else 0.0
         step = params * STEP_BYTES[self.optimizer] / (c.hbm_bw * c.memory_efficiency)
         return {"dp_allreduce": grads, "tied_allreduce": tied, "optimizer": step}
 
     def memory(self, lay: Layout, in_flight: tuple) -> dict:
         """Bytes on the fullest pipeline rank (first or last); `in_flight[r]` chunk-microbatches."""
-        parts = self.profile.parts[lay.tp]
+        parts = self.parts(lay)
         b, scale = lay.microbatch_size, self._act_scale
         pb, gb, mb, _, _ = self.bytes
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
@@ -208,7 +225,7 @@ class CostModel:
     def model_flops(self, lay: Layout) -> float:
         """The paper's count: 96 (72 without recomputation) B s l h^2 (1 + s/6h + V/16lh)."""
         p = self.profile
-        B, s, l, h, V = self.batch, p.seq, p.layers, p.hidden, p.vocab
+        B, s, l, h, V = self.batch, p.seq, p.blocks or p.layers, p.hidden, p.vocab
         k = 96 if lay.recompute == "full" else 72
         return k * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
@@ -217,8 +234,10 @@ class CostModel:
     def check(self, lay: Layout) -> str | None:
         """Why the layout cannot run at all (not memory), or None."""
         p = self.profile
-        if lay.tp not in p.parts:
-            return p.invalid_tp.get(lay.tp, f"tp={lay.tp} was not analysed")
+        if (lay.tp, lay.ep) not in p.parts:
+            return p.invalid_tp.get((lay.tp, lay.ep), f"tp={lay.tp}, ep={lay.ep} was not analysed")
+        if lay.dp % lay.ep:
+            return f"ep={lay.ep} must divide dp={lay.dp} (experts are sharded over data-parallel ranks)"
         if self.batch % (lay.dp * lay.microbatch_size):
             return f"batch {self.batch} is not a multiple of dp*microbatch_size = {lay.dp * lay.microbatch_size}"
         m = self.microbatches(lay)

@@ -24,7 +24,7 @@ from autopart.planner.cluster import LOCAL_PATH
 
 CACHE = LOCAL_PATH.parent / "layers"
 TP_CANDIDATES = (1, 2, 4, 8, 16)
-_VERSION = 8          # bump when the profile's contents change
+_VERSION = 10          # bump when the profile's contents change
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Part:
     out_bytes: Lin          # the part's output (a layer's: the hidden state it passes on)
     params: float           # trainable elements on the rank
     ops: int = 0            # compute ops (kernels) in forward
+    alltoall: Lin = Lin(0.0, 0.0)   # bytes the expert all-to-alls move in forward (dispatch + combine)
+    expert_params: float = 0.0      # of `params`, the expert weights (reduced over dp / ep only)
 
     def flops(self, b: float) -> float:
         return sum(g[0](b) for g in self.gemms)
@@ -61,10 +63,11 @@ class Profile:
     hidden: int
     vocab: int
     heads: int | None
-    parts: dict             # tp -> {"first": Part, "layer": Part, "last": Part, "shared_params": n}
-    invalid_tp: dict        # tp -> why split_tensor_parallel refused it
+    parts: dict             # (tp, ep) -> {"first": Part, "layer": Part, "last": Part, "shared_params": n}
+    invalid_tp: dict        # (tp, ep) -> why split_tensor_parallel or shard_experts refused it
     seconds: float = 0.0    # capture time
     cached: bool = False    # read from ~/.cache/autopart/layers
+    blocks: int = 0         # the model's blocks (layers = units of blocks that repeat)
 
 
 def load_profile(target: str, spec: str | None) -> Profile:
@@ -106,50 +109,70 @@ def profile_data(model, inputs: tuple, loss_fn, target) -> dict:
     import torch
     from autopart.capture import capture
     inputs = tuple(t[:2] if isinstance(t, torch.Tensor) else t for t in inputs)
-    with _one_layer(model) as (layers, layer_path):
+    with _one_layer(model) as (units, unit_paths, period):
         program = capture(model, inputs, loss_fn=loss_fn, target=None if target is None else target[:2])
     seq = int(inputs[0].shape[1]) if inputs[0].dim() > 1 else 1
     parts, invalid = {}, {}
-    for tp in TP_CANDIDATES:
-        try:
-            parts[str(tp)] = _parts(program, tp, seq, layer_path)
-        except AutopartError as e:
-            invalid[str(tp)] = str(e).splitlines()[0]
-    if "1" not in parts:
-        raise AutopartError(f"the cost analysis failed: {invalid.get('1')}")
+    for ep in _expert_candidates(program):
+        for tp in TP_CANDIDATES:
+            key = f"{tp},{ep}"
+            try:
+                parts[key] = _parts(program, tp, ep, seq, set(unit_paths))
+            except AutopartError as e:
+                invalid[key] = str(e).splitlines()[0]
+    if "1,1" not in parts:
+        raise AutopartError(f"the cost analysis failed: {invalid.get('1,1')}")
     hidden, vocab = _sizes(model)
     heads = getattr(getattr(model, "config", None), "n_head", None)
-    return {"layers": layers, "seq": seq, "hidden": hidden, "vocab": vocab, "heads": heads,
-            "parts": parts, "invalid_tp": invalid}
+    return {"layers": units, "blocks": units * period, "seq": seq, "hidden": hidden, "vocab": vocab,
+            "heads": heads, "parts": parts, "invalid_tp": invalid}
+
+
+def _expert_candidates(program) -> list[int]:
+    """1, and for a mixture-of-experts model the powers of two dividing its expert count."""
+    from autopart.passes.shard_experts import shard_experts
+    try:
+        sharded, _ = shard_experts(program, ep=1)
+        experts = min((layer.num_experts for layer in sharded.ep.layers), default=1)
+    except AutopartError:
+        experts = 1
+    return [e for e in (2 ** i for i in range(0, 16)) if e <= experts and experts % e == 0]
 
 
 @contextlib.contextmanager
 def _one_layer(model):
-    """Within: the model's longest ModuleList holds only its first block; yields (how many it
-    had, the block's path). Restored after, so a user's model is left as it was."""
+    """Within: the model's longest ModuleList holds only its first repeating unit (one block, or
+    `p` blocks when blocks differ with period p, as dense and MoE feed-forwards alternating);
+    yields (units in the model, the unit's block paths, blocks per unit). Restored after, so a
+    user's model is left as it was."""
     import torch.nn as nn
     lists = [(len(m), path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise AutopartError("the planner needs the model's repeated layers in an nn.ModuleList "
                             "(as nanoGPT's transformer.h or HF's model.layers); this model has none")
     n, path, blocks = max(lists, key=operator.itemgetter(0))
+    keys = [repr(b) for b in blocks]        # the module tree with its sizes: equal = same block
+    period = next(p for p in range(1, n + 1) if n % p == 0 and all(keys[i] == keys[i % p] for i in range(n)))
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, attr, nn.ModuleList([blocks[0]]))
+    setattr(parent, attr, nn.ModuleList(list(blocks)[:period]))
     try:
-        yield n, f"{path}.0"
+        yield n // period, [f"{path}.{i}" for i in range(period)], period
     finally:
         setattr(parent, attr, blocks)
 
 
-def _parts(program, tp: int, seq: int, layer_path: str) -> dict:
+def _parts(program, tp: int, ep: int, seq: int, unit_paths: set) -> dict:
     from autopart.analysis import analyze, layer_of
     from autopart.passes.split_tensor_parallel import split_tensor_parallel
+    if ep > 1:
+        from autopart.passes.shard_experts import shard_experts
+        program, _ = shard_experts(program, ep=ep)
     local, _ = split_tensor_parallel(program, tp=tp)
     costs = analyze(local)
-    layer_nodes = {n.name for n in local.gm.graph.nodes if layer_of(n, {layer_path})}
+    layer_nodes = {n.name for n in local.gm.graph.nodes if layer_of(n, unit_paths)}
     if not layer_nodes:
-        raise AutopartError(f"found no node of the layer {layer_path} in the captured graph")
+        raise AutopartError(f"found no node of the layers {sorted(unit_paths)} in the captured graph")
     groups = {"first": [], "layer": [], "last": []}
     seen_layer = False
     for n in local.gm.graph.nodes:
@@ -161,7 +184,8 @@ def _parts(program, tp: int, seq: int, layer_path: str) -> dict:
         else:
             groups["last" if seen_layer else "first"].append(n)
     shards = local.tp.params if tp > 1 else {}
-    parts = {k: _part(nodes, costs, local, shards, tp, seq, k) for k, nodes in groups.items()}
+    experts = local.ep.params if local.ep is not None and ep > 1 else {}
+    parts = {k: _part(nodes, costs, local, shards, tp, seq, k, experts, ep) for k, nodes in groups.items()}
     # tied weights (GPT's embedding = head): one tensor when first and last share a rank
     shared = _param_names(groups["first"], local) & _param_names(groups["last"], local)
     parts["shared_params"] = sum(_numel(local.params[n].shape) / (tp if n in shards else 1) for n in shared)
@@ -180,7 +204,7 @@ def _numel(shape) -> float:
     return float(total)
 
 
-def _part(nodes, costs, program, shards, tp, seq, which) -> dict:
+def _part(nodes, costs, program, shards, tp, seq, which, experts, ep) -> dict:
     from autopart.analysis import _VIEWS, evaluate
     from autopart.ops import op_info
 
@@ -192,12 +216,15 @@ def _part(nodes, costs, program, shards, tp, seq, which) -> dict:
         return _numel_expr(v, program) * (v.element_size() if hasattr(v, "element_size") else 4)
 
     gemms, elt, ar_f, ar_b, saved, ops = [], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], 0
+    a2a = [0.0, 0.0]
     for n in nodes:
         info = op_info(n.target)
         if info is not None and info.communicates:
             name = info.name
             size = lin(nbytes(n)) if hasattr(n.meta.get("val"), "shape") else [0.0, 0.0]
-            if name.startswith("copy_to"):
+            if info.axis == "ep":
+                a2a = _add(a2a, size)       # dispatch and combine; backward mirrors them
+            elif name.startswith("copy_to"):
                 ar_b = _add(ar_b, size)
             elif name.startswith(("reduce_from", "vocab_parallel_embedding")):
                 ar_f = _add(ar_f, size)
@@ -217,7 +244,9 @@ def _part(nodes, costs, program, shards, tp, seq, which) -> dict:
         last = [n for n in nodes if n.name in costs and costs[n.name].out_bytes != 0]
         out = lin(costs[last[-1].name].out_bytes) if last else out
     return {"gemms": gemms, "elementwise_bytes": elt, "allreduce_fwd": ar_f, "allreduce_bwd": ar_b,
-            "saved_bytes": saved, "out_bytes": out, "params": _params(nodes, program, shards, tp), "ops": ops}
+            "saved_bytes": saved, "out_bytes": out, "params": _params(nodes, program, shards, tp, experts, ep),
+            "ops": ops, "alltoall": a2a,
+            "expert_params": _params(nodes, program, shards, tp, experts, ep, only=set(experts))}
 
 
 def _numel_expr(val, program):
@@ -265,19 +294,22 @@ def _is_split(node) -> bool:
     return _split_over_tp(node)
 
 
-def _params(nodes, program, shards, tp) -> float:
-    """Trainable elements read by the part's nodes (get_attr inputs), each once, 1/tp if split."""
+def _params(nodes, program, shards, tp, experts, ep, only: set | None = None) -> float:
+    """Trainable elements read by the part's nodes (get_attr inputs), each once, 1/tp if split
+    over tp, 1/ep if experts; `only`: those names."""
     seen, total = set(), 0.0
     attrs = {n.target: n for n in program.gm.graph.nodes if n.op == "get_attr"}
     for n in nodes:
         for a in n.all_input_nodes:
+            if only is not None and a.target not in only:
+                continue
             if a.op == "get_attr" and a.target in program.params and a.target not in seen:
                 seen.add(a.target)
                 info = program.params[a.target]
                 numel = 1
                 for d in info.shape:
                     numel *= int(d)
-                total += numel / tp if a.target in shards else numel
+                total += numel / (tp if a.target in shards else 1) / (ep if a.target in experts else 1)
     del attrs
     return total
 
@@ -300,11 +332,13 @@ def _from_json(data: dict, cached: bool = False) -> Profile:
     def part(d):
         return Part(tuple((Lin(*g[0]), Lin(*g[1]), g[2], g[3], g[4]) for g in d["gemms"]),
                     Lin(*d["elementwise_bytes"]), Lin(*d["allreduce_fwd"]), Lin(*d["allreduce_bwd"]),
-                    Lin(*d["saved_bytes"]), Lin(*d["out_bytes"]), d["params"], d["ops"])
-    parts = {int(tp): {k: (part(v) if isinstance(v, dict) else v) for k, v in ps.items()}
-             for tp, ps in data["parts"].items()}
+                    Lin(*d["saved_bytes"]), Lin(*d["out_bytes"]), d["params"], d["ops"],
+                    Lin(*d["alltoall"]), d["expert_params"])
+    parts = {tuple(map(int, key.split(","))): {k: (part(v) if isinstance(v, dict) else v) for k, v in ps.items()}
+             for key, ps in data["parts"].items()}
+    invalid = {tuple(map(int, k.split(","))): v for k, v in data["invalid_tp"].items()}
     return Profile(data["layers"], data["seq"], data["hidden"], data["vocab"], data["heads"], parts,
-                   {int(k): v for k, v in data["invalid_tp"].items()}, data.get("seconds", 0.0), cached)
+                   invalid, data.get("seconds", 0.0), cached, data["blocks"])
 
 
 __all__ = ["Lin", "Part", "Profile", "load_profile", "TP_CANDIDATES"]

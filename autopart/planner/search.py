@@ -3,7 +3,8 @@
 Every candidate is first priced with the bubble formula (microseconds each), then the best
 `simulate_top` (fitting or not) are priced again with the C++ simulator and re-ranked; the table
 says which rows were simulated. Layouts that do not fit the memory model stay in the table, with
-their prediction and why they were rejected. (ep: the models planned so far are dense, ep = 1.)
+their prediction and why they were rejected. ep is searched for mixture-of-experts models (powers
+of two dividing the expert count and dp); dense models have ep = 1.
 
 >>> from autopart.planner.search import divisors
 >>> divisors(12)
@@ -22,31 +23,32 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(model: CostModel, gpus: int, tp=None, pp=None, dp=None) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) with tp * pp * dp = gpus: tp inside a node and analysed, pp at most the layers."""
+def meshes(model: CostModel, gpus: int, tp=None, pp=None, dp=None, ep=None) -> list[tuple[int, int, int, int]]:
+    """(tp, pp, dp, ep) with tp * pp * dp = gpus: tp inside a node and analysed, pp at most the
+    layers, ep (expert shards, over dp ranks) dividing dp."""
     c, p = model.cluster, model.profile
     out = []
-    for t in divisors(gpus):
-        if t > c.gpus_per_node or t not in p.parts or (tp and t != tp):
+    for t, e in sorted(p.parts):
+        if t > c.gpus_per_node or gpus % t or (tp and t != tp) or (ep and e != ep):
             continue
         for q in divisors(gpus // t):
             d = gpus // (t * q)
-            if q > p.layers or (pp and q != pp) or (dp and d != dp) or model.batch % d:
+            if q > p.layers or (pp and q != pp) or (dp and d != dp) or model.batch % d or d % e:
                 continue
-            out.append((t, q, d))
+            out.append((t, q, d, e))
     return out
 
 
 def candidates(model: CostModel, gpus: int, *, tp=None, pp=None, dp=None, microbatch_size=None,
-               virtual_stages=None, schedule=None, recompute=None) -> list[Layout]:
+               virtual_stages=None, schedule=None, recompute=None, ep=None) -> list[Layout]:
     """Every layout the knobs allow; a knob given is fixed, the others are searched."""
     layers = model.profile.layers
     out = []
-    for t, q, d in meshes(model, gpus, tp, pp, dp):
+    for t, q, d, e in meshes(model, gpus, tp, pp, dp, ep):
         for b in ([microbatch_size] if microbatch_size else MICROBATCH_SIZES):
             for name, v in _schedules(q, layers, virtual_stages, schedule):
                 for r in ([recompute] if recompute else ("full", "none")):
-                    lay = Layout(t, q, d, b, v, name, r)
+                    lay = Layout(t, q, d, b, v, name, r, e)
                     if model.check(lay) is None:
                         out.append(lay)
     return out
@@ -88,7 +90,7 @@ def _nothing(model: CostModel, gpus: int, knobs: dict) -> str:
     p, c = model.profile, model.cluster
     given = ", ".join(f"{k}={v}" for k, v in knobs.items() if v) or "no fixed knobs"
     return (f"no layout of {gpus} devices runs this model ({p.layers} layers, global batch {model.batch}) "
-            f"with {given}: tp must divide {gpus} and be at most {c.gpus_per_node} (analysed: "
+            f"with {given}: tp must divide {gpus} and be at most {c.gpus_per_node} (analysed (tp, ep): "
             f"{sorted(p.parts)}; refused: {p.invalid_tp or 'none'}), pp at most {p.layers}, and the "
             f"batch a multiple of dp * microbatch size")
 
