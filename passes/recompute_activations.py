@@ -207,24 +207,22 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _descendants(start: fx.Node, mine: set) -> set:
-    seen, stack = set(), [start]
-    while stack:
-        n = stack.pop()
-        if n in seen or n not in mine:
-            continue
-        seen.add(n)
-        stack.extend(n.users)
-    return seen
+    return _reach(start, mine, lambda n: n.users)
 
 
 def _ancestors(start: fx.Node, mine: set) -> set:
+    return _reach(start, mine, lambda n: n.all_input_nodes)
+
+
+def _reach(start: fx.Node, mine: set, step) -> set:
+    """The nodes of `mine` reachable from `start` along `step` (users or inputs), start included."""
     seen, stack = set(), [start]
     while stack:
         n = stack.pop()
         if n in seen or n not in mine:
             continue
         seen.add(n)
-        stack.extend(n.all_input_nodes)
+        stack.extend(step(n))
     return seen
 
 

@@ -474,8 +474,10 @@ def assert_all_ranks_equal_plain(case: Case, ranks: list[dict]) -> None:
     assert not problems, f"{case}\n" + "\n".join(problems)
 
 
-def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT) -> dict:
-    """Run `cases` (same world size) in one spawn, once per session; {case name: [rank dicts]}."""
+def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT,
+              rank_fn=None) -> dict:
+    """Run `cases` (same world size) in one spawn, once per session; {case name: [rank dicts]}.
+    `rank_fn(rank, world, cases)` runs them on each rank (default: run_cases)."""
     from autopart.runtime.launch import spawn
 
     if key not in cache:
@@ -483,7 +485,8 @@ def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT) -> 
         assert all(c.world == world for c in cases), key
         start = time.monotonic()
         try:
-            per_rank = spawn(run_cases, world, list(cases), timeout=timeout, pg_timeout=PG_TIMEOUT)
+            per_rank = spawn(rank_fn or run_cases, world, list(cases), timeout=timeout,
+                             pg_timeout=PG_TIMEOUT)
         except Exception as e:  # noqa: BLE001  (every test of the group reports it)
             cache[key] = e
         else:

@@ -126,25 +126,4 @@ def run_family_cases(rank: int, world: int, cases: list) -> list[dict]:
 
 def run_family_group(cache: dict, key, cases: list) -> dict:
     """tests._workers.run_group for family cases: one spawn per world size, once per session."""
-    import sys
-    import time
-    from autopart.runtime.launch import spawn
-
-    if key not in cache:
-        start = time.monotonic()
-        try:
-            per_rank = spawn(run_family_cases, cases[0].world, list(cases),
-                             timeout=_workers.SPAWN_TIMEOUT, pg_timeout=_workers.PG_TIMEOUT)
-        except Exception as e:  # noqa: BLE001  (every test of the group reports it)
-            cache[key] = e
-        else:
-            results: dict = {c.name: [] for c in cases}
-            for rank_results in per_rank:
-                for r in rank_results:
-                    results[r["case"]].append(r)
-            cache[key] = results
-        print(f"[spawn {key}: {cases[0].world} ranks, {len(cases)} cases, "
-              f"{time.monotonic() - start:.1f} s]", file=sys.stderr)
-    if isinstance(cache[key], Exception):
-        raise cache[key]
-    return cache[key]
+    return _workers.run_group(cache, key, cases, rank_fn=run_family_cases)
