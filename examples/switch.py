@@ -197,6 +197,12 @@ class MoE(nn.Module):
         self.c_proj = nn.Parameter(torch.empty(E, Fd, C))
         self.dropout = nn.Dropout(cfg.dropout)
 
+    def reset_parameters(self) -> None:
+        """The experts' own initialisation (as SwitchGPT's constructor gives them), so a model
+        built on the meta device can be initialised module by module (autopart.materialize)."""
+        torch.nn.init.normal_(self.c_fc, mean=0.0, std=0.02)
+        torch.nn.init.normal_(self.c_proj, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+
     def route(self, logits: torch.Tensor):
         """Router logits (G, S, E) -> dispatch, combine (G, S, E, capacity), per-choice masks.
 

@@ -133,10 +133,10 @@ def test_meta_pp2_and_zero_dp2(tmp_path):
 
 @pytest.mark.full
 def test_zero_sgd_momentum_pp2xdp2_and_experts(tmp_path):
-    """zero=1 with AdamW on pp=2 x dp=2 (GPT) and SGD momentum on dp=2 x ep=2 (Switch: experts shard
+    """zero=1 with AdamW on pp=2 x dp=2 (GPT) and SGD momentum on dp=4 x ep=2 (Switch: experts shard
     over their own replica group, here of one rank, the dense part over dp)."""
     ranks = _run(tmp_path, [MetaCase("gpt-pp2xdp2-zero", pp=2, dp=2, zero=1, optim="adamw"),
-                            MetaCase("switch-dp2xep2-zero", model="switch", dp=2, ep=2, zero=1)],
+                            MetaCase("switch-dp4xep2-zero", model="switch", dp=4, ep=2, zero=1)],
                  ["", ""], 4)
     for results in ranks:
         assert results[0]["state_bytes"] < 0.55 * 2 * results[0]["held"]   # two moments, 1/2
@@ -155,7 +155,8 @@ def test_meta_hf_llama_directory(tmp_path):
 
 @pytest.mark.full
 def test_meta_four_ranks(tmp_path):
-    """pp=2 x dp=2 (GPT) and dp=2 x ep=2 (Switch: each rank holds half the experts)."""
+    """pp=2 x dp=2 (GPT) and dp=4 x ep=2 (Switch: each rank holds half the experts; both groups
+    run on the same four ranks)."""
     _run(tmp_path, [MetaCase("gpt-pp2xdp2", pp=2, dp=2),
-                    MetaCase("switch-dp2xep2", model="switch", dp=2, ep=2)],
+                    MetaCase("switch-dp4xep2", model="switch", dp=4, ep=2)],
          ["safetensors", "safetensors"], 4)
