@@ -184,18 +184,6 @@ std::vector<std::vector<Action>> lower_lockstep(const Schedule& s, const std::ve
   return ranks;
 }
 
-// Within a batch: sends before receives, forward activations before gradients. Two ranks that
-// exchange several messages in one batch then post them in the same order, which NCCL needs
-// (it matches point-to-point messages between a pair of ranks by posting order, not by tag).
-int order_in_batch(Kind kind) {
-  switch (kind) {
-    case Kind::SEND_F: return 0;
-    case Kind::SEND_B: return 1;
-    case Kind::RECV_F: return 2;
-    default: return 3;
-  }
-}
-
 void sort_batches(std::vector<Action>& actions) {
   auto begin = actions.begin();
   while (begin != actions.end()) {
@@ -286,6 +274,15 @@ void check_arguments(const std::string& name, int pp, int microbatches, int virt
 }
 
 }  // namespace
+
+int order_in_batch(Kind kind) {
+  switch (kind) {
+    case Kind::SEND_F: return 0;
+    case Kind::SEND_B: return 1;
+    case Kind::RECV_F: return 2;
+    default: return 3;
+  }
+}
 
 const std::vector<std::string>& schedule_names() {
   static const std::vector<std::string> names{"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v"};

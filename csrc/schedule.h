@@ -38,6 +38,10 @@ const char* kind_name(Kind kind);
 bool is_compute(Kind kind);
 bool is_send(Kind kind);
 bool is_backward(Kind kind);  // B or I: what produces the gradient sent to the previous chunk
+// Within a batch (the position of a transfer in one batch_isend_irecv): sends before receives, forward activations before gradients. Two ranks that
+// exchange several messages in one batch then post them in the same order, which NCCL needs
+// (it matches point-to-point messages between a pair of ranks by posting order, not by tag).
+int order_in_batch(Kind kind);
 std::string to_string(const Action& action);
 
 struct Schedule {

@@ -275,15 +275,6 @@ class TableBuilder {
   Table table_;
 };
 
-int order_in_batch(Kind kind) {
-  switch (kind) {
-    case Kind::SEND_F: return 0;
-    case Kind::SEND_B: return 1;
-    case Kind::RECV_F: return 2;
-    default: return 3;
-  }
-}
-
 // A message end tagged with the table time both sides meet. Both ends sort their messages by
 // (time, direction, sending chunk, microbatch), so between two ranks the n-th send is the n-th
 // receive, as NCCL's by-order matching needs.
