@@ -71,6 +71,33 @@ class FlatLayout:
         flat[self.lo:self.hi] = mine
         self.scatter_back(flat, [p.grad for p in self.params])
 
+    def spans(self):
+        """(name, parameter, first, last, at) for each parameter with elements in this rank's
+        slice: elements [first, last) of its flattened tensor are slice[at:at + last - first]."""
+        offset = 0
+        for name, p in zip(self.names, self.params):
+            a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
+            if a < b:
+                yield name, p, a - offset, b - offset, a - self.lo
+            offset += p.numel()
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The whole flat buffer `flat` (padded length) as one view per parameter, by name."""
+        out, offset = {}, 0
+        for name, p in zip(self.names, self.params):
+            out[name] = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        return out
+
+    def gather(self, mine: torch.Tensor) -> torch.Tensor | None:
+        """Every replica's slice, concatenated, on the group's first rank; None on the others."""
+        if self.group is None:
+            return mine.clone()
+        first = dist.get_global_rank(self.group, 0)
+        parts = [torch.empty_like(mine) for _ in range(self.size)] if self.index == 0 else None
+        dist.gather(mine.contiguous(), parts, dst=first, group=self.group)
+        return torch.cat(parts) if parts is not None else None
+
     def slice_of(self, tensors) -> torch.Tensor:
         return self.flat(tensors)[self.lo:self.hi].clone()
 
@@ -143,6 +170,44 @@ class ZeroOptimizer:
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
+
+    # -- per-parameter state, the plain optimizer's form (checkpoints: runtime/checkpoint.py) --
+    def gather_state_by_parameter(self) -> dict[str, dict]:
+        """{parameter name: its state as `cls` over pm.parameters() would hold it}. Collective
+        over each replica group: a tensor state the size of the slice (momentum, Adam's moments)
+        is gathered onto the group's first rank only, whose entries are then views of one
+        full-length buffer per key (the plain optimizer's footprint, for this rank's parameters
+        only); the other ranks get only the scalar state (Adam's `step`), which every replica
+        has whole."""
+        out: dict[str, dict] = {}
+        for lay, shard in zip(self.layouts, self.shards):
+            state = self.inner.state.get(shard, {})
+            per_name: dict[str, dict] = {n: {} for n in lay.names}
+            for key in sorted(state):     # the same order on every replica: gathers pair up
+                v = state[key]
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == lay.shard:
+                    full = lay.gather(v.detach())
+                    if full is not None:
+                        for name, view in lay.views(full).items():
+                            per_name[name][key] = view
+                else:
+                    for name in lay.names:
+                        per_name[name][key] = v
+            out.update(per_name)
+        return out
+
+    def load_slices(self, states: list[dict]) -> None:
+        """Replace the state: per flat layout, {key: this rank's slice of it, or a scalar}; and
+        take the slices of the parameters as they are now (after a checkpoint loaded them)."""
+        if len(states) != len(self.shards):
+            raise AutopartError(f"ZeroOptimizer.load_slices: {len(states)} states for "
+                                f"{len(self.shards)} flat layouts")
+        for lay, shard, state in zip(self.layouts, self.shards, states):
+            self.inner.state.pop(shard, None)
+            if state:
+                self.inner.state[shard] = dict(state)
+            with torch.no_grad():
+                shard.copy_(lay.slice_of([p.detach() for p in lay.params]))
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)

@@ -39,14 +39,20 @@ class Phase:
     save_at: int | None = None          # save after this step (default: after the last) and go on
     return_params: bool = False         # return this rank's parameters (bitwise comparisons)
     random_batches: bool = False        # batches drawn from the global RNG (exact resume)
+    zero: int = 0                       # 1: parallelize(zero=1), pm.optimizer (ZeroOptimizer)
+
+
+def optimizer_spec(kind: str) -> tuple[type, dict]:
+    if kind == "sgd":
+        return torch.optim.SGD, dict(lr=0.05, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam, dict(lr=1e-3)
+    return torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)
 
 
 def optimizer(kind: str, params):
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=1e-3)
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    cls, kwargs = optimizer_spec(kind)
+    return cls(params, **kwargs)
 
 
 def batch(phase: Phase, step: int, vocab: int, inputs, target):
@@ -80,9 +86,13 @@ def run_phase(phase: Phase, rank: int, pg_timeout: float = 60.0) -> dict:
     mesh = autopart.Mesh(**phase.mesh)
     pm = autopart.parallelize(model, mesh, inputs, loss_fn=loss_fn, target=target,
                               microbatches=phase.microbatches, schedule=phase.schedule,
-                              virtual_stages=phase.virtual_stages,
+                              virtual_stages=phase.virtual_stages, zero=phase.zero,
                               timeout=timedelta(seconds=pg_timeout))
-    opt = optimizer(phase.optim, pm.parameters())
+    if phase.zero:
+        cls, kwargs = optimizer_spec(phase.optim)
+        opt = pm.optimizer(cls, **kwargs)
+    else:
+        opt = optimizer(phase.optim, pm.parameters())
     mine = _local_view(pm, rank)
     problems: list[str] = []
     done = 0
@@ -148,6 +158,8 @@ def _compare_state(pm, opt, ref_params, ref_opt, mine, what: str, atol: float,
     for name, p in pm.named_parameters():
         ref = ref_params[name]
         _compare(f"{what}: parameter {name}", p, mine(name, ref), RTOL, atol, problems)
+        if pm.zero:
+            continue
         ref_state, state = ref_opt.state.get(ref, {}), opt.state.get(p, {})
         if set(ref_state) != set(state):
             problems.append(f"{what}: optimizer state keys of {name}: {sorted(state)} != plain "
@@ -160,10 +172,40 @@ def _compare_state(pm, opt, ref_params, ref_opt, mine, what: str, atol: float,
             # Adam's second moment is ~grad^2: its round-off scales with it, tiny in absolute
             _compare(f"{what}: optimizer {key} of {name}", state[key], local, 1e-4,
                      atol if key != "exp_avg_sq" else 1e-9, problems)
+    if pm.zero:
+        _compare_zero_state(opt, ref_params, ref_opt, mine, what, atol, problems)
     for g, rg in zip(opt.param_groups, ref_opt.param_groups):
         for k, v in rg.items():
             if k != "params" and g.get(k) != v:
                 problems.append(f"{what}: param group {k} = {g.get(k)} != plain {v}")
+
+
+def _compare_zero_state(opt, ref_params, ref_opt, mine, what: str, atol: float,
+                        problems: list[str]) -> None:
+    """zero=1: each flat state tensor against this rank's slice of the plain optimizer's state,
+    cut here from the layout's names and replica index: the plain state of those parameters
+    (sorted by name) flattened end to end, zero-padded to a multiple of the replica count, and
+    the index-th of that many equal parts."""
+    for lay, shard in zip(opt.layouts, opt.shards):
+        state = opt.inner.state.get(shard, {})
+        ref_states = [ref_opt.state.get(ref_params[n], {}) for n in lay.names]
+        keys = set().union(*ref_states) if ref_states else set()
+        if set(state) != keys:
+            problems.append(f"{what}: flat optimizer state keys {sorted(state)} != plain "
+                            f"{sorted(keys)}")
+            continue
+        for key in sorted(keys):
+            ref = [st[key] for st in ref_states]
+            if ref[0].dim() == 0:
+                for name, v in zip(lay.names, ref):
+                    _compare(f"{what}: optimizer {key} (of {name})", state[key], v, 0, 0, problems)
+                continue
+            flat = torch.cat([mine(n, v).reshape(-1) for n, v in zip(lay.names, ref)])
+            size = -(-flat.numel() // lay.size)
+            flat = torch.cat([flat, flat.new_zeros(size * lay.size - flat.numel())])
+            expected = flat[lay.index * size:(lay.index + 1) * size]
+            _compare(f"{what}: flat optimizer {key} (replica {lay.index} of {lay.size})",
+                     state[key], expected, 1e-4, atol if key != "exp_avg_sq" else 1e-9, problems)
 
 
 def run_chain(rank: int, world: int, phases: list[Phase], pg_timeout: float = 60.0) -> list[dict]:
@@ -201,4 +243,5 @@ def killed_mid_save(rank: int, world: int, path: str, victim: int) -> None:
               pg_timeout=15.0)
 
 
-__all__ = ["Phase", "run_chain", "run_phase", "killed_mid_save", "optimizer", "batch"]
+__all__ = ["Phase", "run_chain", "run_phase", "killed_mid_save", "optimizer", "optimizer_spec",
+           "batch"]
