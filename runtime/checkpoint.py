@@ -15,7 +15,9 @@ overlap them, so a checkpoint saved on one mesh loads on any other.
 
 Keys: `model/<name>`, `optim/state/<name>/<key>` (sharded like the parameter when it has the
 parameter's shape: momentum, Adam moments; else stored whole: `step`), `optim/param_groups`
-(hyperparameters), `rng/<rank>/cpu` (and `/cuda`), `extra`.
+(hyperparameters), `rng/<rank>/cpu` (and `/cuda`), `extra`. A zero=1 ZeroOptimizer's flat slices
+are saved in this same per-parameter form (gathered per replica group) and loaded by cutting each
+rank's slice out of it, so a checkpoint loads across a change of zero level too.
 
 A save writes into a temporary directory beside `path`; after every rank finished (DCP's final
 collective, then a gather of each rank's file checksums) rank 0 writes the completion marker

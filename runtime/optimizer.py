@@ -14,7 +14,9 @@ reduced gradient in the elements of this rank's slice and zeros elsewhere (clipp
 accumulation act on it as usual). `step` runs the user's optimizer class on one fp32 tensor
 per flat buffer holding this rank's slice (its state, Adam's two moments, is 1/d of the plain
 optimizer's), then all-gathers the updated slices into the parameters: a reduce-scatter plus an
-all-gather move the same bytes as the all-reduce they replace.
+all-gather move the same bytes as the all-reduce they replace. Checkpoints store the state per
+parameter, as the plain optimizer holds it (gather_state_by_parameter, load_slices; the mapping
+is in runtime/checkpoint.py), so they load at any zero level.
 
 Why not torch.distributed.optim.ZeroRedundancyOptimizer: it assigns whole parameters to ranks
 (a sorted-greedy partition), so a rank's share is uneven (one 50k x 1k embedding outweighs a

@@ -156,8 +156,11 @@ def _phases(phases: list[Phase]) -> dict[str, dict]:
 def test_zero_level_change_in_one_process(tmp_path, single_process_group, optim):
     """zero=1 -> zero=0 -> zero=1 on one rank (its flat buffer is the whole model), AdamW and
     momentum SGD: after each load and after training on, equal to the plain model trained the
-    same steps without interruption; `autopart export` of a zero=1 checkpoint reads the model
-    only. (The slicing over replicas: the full-tier tests below.)"""
+    same steps without interruption; `autopart export` of a zero=1 checkpoint writes the model.
+    (The slicing over replicas: the full-tier tests below.)"""
+    from safetensors.torch import load_file
+
+    from autopart.cli import main
     from autopart.runtime import checkpoint
 
     d = tmp_path
@@ -167,9 +170,12 @@ def test_zero_level_change_in_one_process(tmp_path, single_process_group, optim)
         Phase("zero1-again", {}, steps=1, zero=1, load=f"{d}/b", optim=optim),
     ])
     assert checkpoint.read_marker(d / "a")["optimizer"] == {"adamw": "AdamW", "sgd": "SGD"}[optim]
-    state, _ = checkpoint.read_full_state_dict(d / "a")
-    for k, v in out["zero1"]["full_state_dict"].items():
-        assert torch.equal(state[k], v), k
+    assert main(["export", str(d / "a"), str(d / "a.safetensors")]) == 0
+    exported = load_file(str(d / "a.safetensors"))
+    full = out["zero1"]["full_state_dict"]
+    assert exported.keys() == full.keys()
+    for k, v in full.items():
+        assert torch.equal(exported[k], v), k
 
 
 def _saved(tmp_path):
@@ -326,9 +332,37 @@ def test_export_hugging_face_gpt2(tmp_path, single_process_group):
 # -- full tier ---------------------------------------------------------------------------------
 
 @pytest.mark.full
+def test_reshard_across_zero_levels(tmp_path):
+    """zero=1 optimizer state (flat slices over the dp replicas, a parameter often split between
+    two replicas' slices) saved per parameter and loaded as another mesh's slices: zero=0 ->
+    zero=1 -> zero=1 on other dp/pp/tp -> zero=0, with AdamW, and a momentum-SGD chain starting
+    from zero=1; every phase against the plain model trained the same steps uninterrupted."""
+    d = tmp_path
+    sgd = dict(optim="sgd")
+    _chain(4, [
+        Phase("adamw-z0-pp2xtp2", {"pp": 2, "tp": 2}, steps=2, save=f"{d}/a"),
+        Phase("adamw-z1-pp2xdp2", {"pp": 2, "dp": 2}, steps=1, zero=1, load=f"{d}/a",
+              save=f"{d}/b"),
+        Phase("adamw-z1-dp4", {"dp": 4}, steps=1, zero=1, load=f"{d}/b", save=f"{d}/c",
+              microbatches=1),
+        Phase("adamw-z1-tp2xdp2", {"tp": 2, "dp": 2}, steps=1, zero=1, load=f"{d}/c",
+              save=f"{d}/d"),
+        Phase("adamw-z0-pp4", {"pp": 4}, steps=1, load=f"{d}/d"),
+        Phase("sgd-z1-pp2xdp2", {"pp": 2, "dp": 2}, steps=2, zero=1, save=f"{d}/e", **sgd),
+        Phase("sgd-z1-tp2xdp2", {"tp": 2, "dp": 2}, steps=1, zero=1, load=f"{d}/e",
+              save=f"{d}/f", **sgd),
+        Phase("sgd-z0-dp2xtp2", {"dp": 2, "tp": 2}, steps=1, load=f"{d}/f", save=f"{d}/g", **sgd),
+        Phase("sgd-z1-dp4", {"dp": 4}, steps=1, zero=1, load=f"{d}/g", microbatches=1, **sgd),
+    ])
+    for ck in "bcef":     # the gathered state was written once: chunks tile each tensor
+        _assert_each_chunk_once(d / ck)
+
+
+@pytest.mark.full
 def test_reshard_experts_sgd_momentum(tmp_path):
     """examples/switch.py (experts over ep) with momentum SGD: ep=2 -> ep=4 -> pp x dp x ep ->
-    ep x tp -> no ep at all, each against the plain model."""
+    ep x tp -> no ep at all -> zero=1 (expert state sliced over the ranks holding the same
+    experts) -> zero=1 on ep=4, each against the plain model."""
     d = tmp_path
     sw = dict(model="switch", optim="sgd")
     _chain(4, [
@@ -339,7 +373,11 @@ def test_reshard_experts_sgd_momentum(tmp_path):
               **sw),
         Phase("dp2-ep2xtp2", {"dp": 2, "ep": 2, "tp": 2}, steps=1, load=f"{d}/c", save=f"{d}/d",
               **sw),
-        Phase("pp4", {"pp": 4}, steps=1, load=f"{d}/d", **sw),
+        Phase("pp4", {"pp": 4}, steps=1, load=f"{d}/d", save=f"{d}/e", **sw),
+        Phase("dp4-ep2-zero1", {"dp": 4, "ep": 2}, steps=1, zero=1, load=f"{d}/e", save=f"{d}/f",
+              microbatches=1, **sw),
+        Phase("dp4-ep4-zero1", {"dp": 4, "ep": 4}, steps=1, zero=1, load=f"{d}/f",
+              microbatches=1, **sw),
     ])
 
 
