@@ -1,9 +1,12 @@
 """The memory model: per rank, bytes of state and activations as sympy formulas in b and s.
 
-    state        params (parameters and buffers the rank holds, its shards only), grads (one per
-                 trainable element), master weights (0 in fp32 training: the parameters are the
-                 masters) and optimizer state (sgd 0, sgd-momentum 1, adam 2 fp32 tensors per
-                 parameter plus Adam's one-element `step` tensor per parameter tensor);
+    state        what the runtime holds after a step (see `state_bytes`): params (parameters
+                 and buffers the rank holds, its shards only), grads (one per trainable element,
+                 full-shaped also with ZeRO), master weights (without ZeRO none: the fp32
+                 parameters are the masters; with zero=1 the distributed optimizer's fp32 copy of
+                 this rank's 1/dp slice) and optimizer state (sgd 0, sgd-momentum 1, adam 2 fp32
+                 tensors per parameter, or per element of the 1/dp slice with zero=1, plus Adam's
+                 one-element `step` tensor per tensor it steps);
     activations  what autograd saves for backward per microbatch per chunk, measured from the
                  graph itself: each chunk program runs forward on fake tensors (nothing allocated)
                  under torch.autograd.graph.saved_tensors_hooks, and every storage a backward
@@ -18,8 +21,8 @@
     buffers      pipeline p2p buffers: a chunk's sent outputs, held until its backward, and one
                  set of received gradients.
 
-Only fp32 without ZeRO exists so far: `PRECISIONS` and `zero` are where mixed precision (bf16
-params, fp32 masters) and optimizer/gradient sharding over dp plug in.
+Precision changes no state byte: bf16 (autopart.compiler.PRECISIONS) runs forward and backward under autocast
+with fp32 parameters, which are the master weights, and fp32 gradients.
 """
 from __future__ import annotations
 
@@ -41,15 +44,20 @@ from autopart.ops.comm import GroupComm
 
 KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total")
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}   # param-sized tensors per parameter
-# precision -> (bytes per param element relative to its dtype, master bytes per element)
-PRECISIONS = {"fp32": (1.0, 0)}
-ZERO = 0
+ZERO_LEVELS = (0, 1)        # 1: optimizer state and fp32 master slice sharded over dp (ZeRO-1)
+ADAM_STEP = 4               # torch.optim.Adam's `step`: one fp32 scalar per tensor it steps
 
 
 def check_optimizer(optimizer: str) -> None:
     if optimizer not in OPTIMIZER_STATES:
         raise AutopartError(f"optimizer={optimizer!r} is not one of "
                             f"{', '.join(OPTIMIZER_STATES)}")
+
+
+def check_zero(zero: int) -> None:
+    if zero not in ZERO_LEVELS:
+        raise AutopartError(f"zero={zero!r}: autopart implements ZeRO stage 1 (optimizer state "
+                            "sharded over data-parallel replicas).\n  remedy: zero=0 or zero=1")
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -249,10 +257,18 @@ def _estimate(chunk, program, sends) -> ChunkActivations:
 # -- per rank --------------------------------------------------------------------------------
 
 def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str = "fp32",
-                zero: int = ZERO) -> dict[str, int]:
-    """params / grads / master / optimizer bytes of one rank holding `chunks` (localized)."""
-    if precision not in PRECISIONS or zero != 0:
-        raise AutopartError(f"precision={precision!r}, zero={zero}: only fp32 without ZeRO exists")
+                zero: int = 0) -> dict[str, int]:
+    """params / grads / master / optimizer bytes of one rank holding `chunks` (localized):
+
+        params     every parameter and buffer element at its dtype (fp32: 4 bytes)
+        grads      every trainable element at its dtype (full-shaped .grad, also with zero=1)
+        zero=0     master 0 (the parameters are the masters); optimizer 4 * states per element
+        zero=1     runtime/optimizer.py lays the trainable parameters end to end per replica
+                   group (dense over dp, experts over dp/ep), padded to the group size d; this
+                   rank keeps an fp32 copy of its ceil(n/d) elements (master 4 bytes each) and
+                   the optimizer's state for them (4 * states bytes each)
+    plus, for Adam, one 4-byte `step` per tensor stepped (each parameter, or each flat slice)."""
+    check_zero(zero)        # precision changes no state byte (see the module docstring)
     held: dict = {}
     for c in chunks:
         for name, t in list(c.gm.named_parameters()) + list(c.gm.named_buffers()):
@@ -260,15 +276,29 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
                 continue
             held.setdefault(name, t)
     params = sum(t.numel() * t.element_size() for t in held.values())
-    trainable = [t for n, t in held.items() if n in program.params and t.requires_grad]
-    grads = sum(t.numel() * t.element_size() for t in trainable)
-    scale, master_per = PRECISIONS[precision]
-    master = sum(t.numel() for t in trainable) * master_per
+    trainable = {n: t for n, t in held.items() if n in program.params and t.requires_grad}
+    grads = sum(t.numel() * t.element_size() for t in trainable.values())
     per = OPTIMIZER_STATES[optimizer]
-    opt = per * sum(t.numel() * 4 for t in trainable)
-    if optimizer == "adam":
-        opt += 4 * len(trainable)           # torch.optim.Adam's step: one fp32 scalar per tensor
-    return {"params": int(params * scale), "grads": grads, "master": master, "optimizer": opt}
+    step = ADAM_STEP if optimizer == "adam" else 0
+    if not zero:
+        numel = sum(t.numel() for t in trainable.values())
+        return {"params": params, "grads": grads, "master": 0,
+                "optimizer": per * 4 * numel + step * len(trainable)}
+    slices = _zero_slices(trainable, program, mesh)
+    return {"params": params, "grads": grads, "master": 4 * sum(slices),
+            "optimizer": per * 4 * sum(slices) + step * len(slices)}
+
+
+def _zero_slices(trainable: dict, program: Program, mesh) -> list[int]:
+    """Elements of this rank's slice of each ZeRO-1 flat buffer (runtime/optimizer.FlatLayout):
+    the dense parameters over the dp replicas, the experts over the dp/ep ranks holding them."""
+    experts = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
+    out = []
+    for names, d in (([n for n in trainable if n not in experts], mesh.dp),
+                     ([n for n in trainable if n in experts], mesh.dp // mesh.ep)):
+        if names:
+            out.append(-(-sum(trainable[n].numel() for n in names) // d))
+    return out
 
 
 def activation_peak(actions, acts: dict[int, ChunkActivations], b: int, s: int | None):
@@ -310,6 +340,8 @@ class MemoryTable(Mapping):
         self.compiled = compiled
         self.mesh = compiled.plan.mesh
         self.optimizer = compiled.plan.optimizer
+        self.precision = getattr(compiled.plan, "precision", "fp32")
+        self.zero = getattr(compiled, "zero", 0)
         self._acts: dict = {}
         self._cache: dict = {}
 
@@ -345,7 +377,7 @@ class MemoryTable(Mapping):
         b, s = plan.microbatch_size, program.seq_len
         pp = self.mesh.coords(rank)["pp"]
         chunks = compiled.programs[rank].chunks
-        out = state_bytes(program, chunks, self.mesh, self.optimizer)
+        out = state_bytes(program, chunks, self.mesh, self.optimizer, self.precision, self.zero)
         acts = self.activations(rank)
         peak, in_flight = activation_peak(compiled.schedule.ranks[pp], acts, b, s)
         out["activations"] = int(peak)
@@ -412,8 +444,8 @@ def budget_error(pp: int, mem: dict, budget: int, mode: str, mesh) -> AutopartEr
     state = mem["params"] + mem["grads"] + mem["master"] + mem["optimizer"]
     hint = [f"pp={2 * mesh.pp} (about half the layers and weights on each rank)"]
     hint.append(f"tp={2 * mesh.tp} (about half the weights and layer activations)")
-    hint.append(f"ZeRO (not in autopart yet) would shard the {fmt_bytes(mem['optimizer'])} of "
-                "optimizer state over dp")
+    hint.append(f"dp > 1 with zero=1 (shards the {fmt_bytes(mem['optimizer'])} of optimizer "
+                "state over dp)")
     if mode != "full":
         hint.insert(0, "recompute='full' or 'auto'")
     return AutopartError(
@@ -494,5 +526,6 @@ def _best_step(current, variants, flops, b, s):
     return best
 
 
-__all__ = ["KEYS", "OPTIMIZER_STATES", "ChunkActivations", "MemoryTable", "chunk_activations",
+__all__ = ["KEYS", "OPTIMIZER_STATES", "ZERO_LEVELS", "check_zero",
+           "ChunkActivations", "MemoryTable", "chunk_activations",
            "activation_peak", "state_bytes", "parse_bytes", "check_budget", "choose_recompute"]

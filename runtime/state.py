@@ -2,9 +2,13 @@
 
 The global loss and statistics of a step (computed on the last pipeline rank's tp rank 0) and
 the plain model's state dict (tensor shards reassembled, expert shards concatenated, tied names
-restored) from every rank's share.
+restored) from every rank's share: on every rank (all_gather_object of each share: for small
+models), or onto one rank one tensor at a time (full_state_dict_iter: for models no rank can
+hold twice, or at all when the caller writes each tensor out).
 """
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,13 +57,95 @@ class StateGatherer:
         return self.assemble(gathered)
 
     def _my_part(self) -> dict[str, torch.Tensor]:
+        return {n: t.cpu() for n, t in self._held().items()}
+
+    def _held(self) -> dict[str, torch.Tensor]:
         """What this rank contributes: replica 0 sends its dense state, the first ep ranks (one
-        per expert slice) their experts."""
+        per expert slice) their experts (this rank's own tensors, detached)."""
         dp = self.mine.coords["dp"]
         if dp >= self.plan.mesh.ep:
             return {}
-        return {n: t.detach().cpu() for c in self.mine.chunks for n, t in c.gm.state_dict().items()
+        return {n: t.detach() for c in self.mine.chunks for n, t in c.gm.state_dict().items()
                 if dp == 0 or n in self.plan.ep_shards}
+
+    # -- onto one rank, one tensor at a time ----------------------------------------------------
+    def full_state_dict_iter(self, dst: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, full tensor) of the plain model's state dict, in its key order, on global rank
+        `dst`; the other ranks yield nothing. Each tensor's pieces are sent to `dst` point to
+        point when it is reached, so `dst` holds one full tensor (plus its pieces) beyond what
+        the caller keeps and no other rank ever holds a full tensor it does not own. Collective:
+        every rank must exhaust the iterator, in step."""
+        pieces, held = self._pieces(), self._held()
+        me, keys = self.mine.rank, self._key_names(pieces)
+        left = {}                   # canonical name -> keys still to yield (a tie: one tensor)
+        for name in keys.values():
+            left[name] = left.get(name, 0) + 1
+        cache: dict[str, torch.Tensor | None] = {}   # gathered once, kept until its last key
+        for key, name in keys.items():
+            if name is None:        # state no chunk holds: every rank has it as it was built
+                if me == dst:
+                    yield key, self.extra_state[key]
+                continue
+            if name not in cache:
+                cache[name] = self._gather_one(name, pieces[name], held, dst)
+            full = cache[name]
+            left[name] -= 1
+            if not left[name]:
+                cache[name] = None
+            if me == dst:
+                yield key, full
+
+    def _pieces(self) -> dict[str, dict[tuple, tuple]]:
+        """name -> {(ep index, tp index): (global rank, shape, dtype)}: the rank sending each
+        piece of each tensor (the lowest holding it), the same on every rank (metadata only)."""
+        mesh, plan = self.plan.mesh, self.plan
+        mine = {n: (tuple(t.shape), t.dtype) for n, t in self._held().items()}
+        every: list = [None] * mesh.world_size
+        dist.all_gather_object(every, mine, group=self.groups.world)
+        out: dict = {}
+        for rank, part in enumerate(every):
+            for name, meta in part.items():
+                at = (mesh.ep_rank(rank) if name in plan.ep_shards else 0,
+                      mesh.coords(rank)["tp"] if name in plan.tp_shards else 0)
+                out.setdefault(name, {}).setdefault(at, (rank, *meta))
+        return out
+
+    def _key_names(self, pieces: dict) -> dict[str, str | None]:
+        """State dict key -> canonical name of the tensor gathered for it (None: extra state),
+        in the plain model's key order, the keys `assemble` would return."""
+        out: dict = {}
+        for info in list(self.program.params.values()) + list(self.program.buffers.values()):
+            if info.persistent and info.name in pieces:
+                out.update({key: info.name for key in (info.name, *info.aliases)})
+        out.update({k: None for k in self.extra_state if k not in out})
+        return {k: out[k] for k in self.key_order if k in out}
+
+    def _gather_one(self, name: str, where: dict, held: dict, dst: int) -> torch.Tensor | None:
+        """The full tensor `name` on `dst` (None elsewhere): each piece's rank sends it."""
+        me, group = self.mine.rank, self.groups.world
+        parts = {}
+        for at in sorted(where):
+            src, shape, dtype = where[at]
+            if src == me == dst:    # a whole tensor held here is copied: the result must not
+                # alias a parameter the next optimizer step changes
+                parts[at] = held[name] if len(where) > 1 else held[name].clone()
+            elif me == dst:
+                parts[at] = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(parts[at], src=src, group=group)
+            elif me == src:
+                dist.send(held[name].contiguous(), dst=dst, group=group)
+        return self._join(name, parts).cpu() if me == dst else None
+
+    def _join(self, name: str, parts: dict) -> torch.Tensor:
+        """Pieces keyed (ep index, tp index) -> the full tensor: localize cuts experts (dim 0)
+        first, then tensor-parallel shards within them; undone in the reverse order."""
+        plan, mesh = self.plan, self.plan.mesh
+        spec = plan.tp_shards.get(name)
+        by_ep = {e: (unshard_tensor([parts[e, t] for t in range(mesh.tp)], spec.dim, spec.sections)
+                     if spec is not None else parts[e, 0]) for e in sorted({e for e, _ in parts})}
+        if name in plan.ep_shards:
+            return torch.cat([by_ep[e] for e in range(mesh.ep)], dim=0)
+        return by_ep[0]
 
     def assemble(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every rank's part (in global rank order) -> the plain model's state dict."""

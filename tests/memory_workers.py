@@ -18,7 +18,6 @@ bitwise-equal losses, gradients and parameters (dropout on: torch's checkpoint r
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -43,6 +42,8 @@ class MemCase:
     n_layer: int = 4
     dropout: float = 0.0
     sequence_parallel: bool = False
+    zero: int = 0
+    precision: str = "fp32"
 
     @property
     def world(self) -> int:
@@ -82,7 +83,8 @@ def _parallelize(case: MemCase, recompute: str | None = None):
                               virtual_stages=case.virtual_stages,
                               sequence_parallel=case.sequence_parallel,
                               recompute=recompute or case.recompute, optimizer=case.optimizer,
-                              timeout=timedelta(seconds=120))
+                              timeout=timedelta(seconds=120), zero=case.zero,
+                              **({"precision": case.precision} if case.precision != "fp32" else {}))
     return pm, x, y
 
 
@@ -214,11 +216,7 @@ def _instrument_reruns(pm, live: _Live) -> None:
 
 
 def _storages(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel():
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    return sum(_storage_map(tensors).values())
 
 
 def measure_memory(rank: int, world: int, cases: list) -> list[dict]:
@@ -243,6 +241,36 @@ def measure_memory(rank: int, world: int, cases: list) -> list[dict]:
                     "coords": pm.coords})
         opt.step(), opt.zero_grad(set_to_none=True)
     return out
+
+
+def measure_state(rank: int, world: int, cases: list) -> list[dict]:
+    """After a step: the bytes of the distinct storages of this rank's parameters and buffers,
+    their .grad, the tensors the optimizer steps that are not parameters (master copies) and
+    every tensor in its state (pm.optimizer(torch.optim.Adam): with zero=1 the distributed
+    optimizer), beside compiled.memory[rank]'s prediction of each."""
+    out = []
+    for case in cases:
+        pm, x, y = _parallelize(case)
+        opt = pm.optimizer(torch.optim.Adam, lr=1e-3)
+        pm.train_step(x, target=y)                 # step 1 makes the optimizer's state
+        opt.step(), opt.zero_grad()
+        pm.train_step(x, target=y)
+        held = _storage_map(t for c in pm.program.chunks
+                            for t in list(c.gm.parameters()) + list(c.gm.buffers()))
+        stepped = _storage_map(p for g in opt.param_groups for p in g["params"])
+        measured = {"params": sum(held.values()),
+                    "grads": _storages(p.grad for p in pm.parameters()),
+                    "master": sum(v for k, v in stepped.items() if k not in held),
+                    "optimizer": _storages(v for st in opt.state.values() for v in st.values())}
+        out.append({"case": case.name, "rank": rank, "measured": measured,
+                    "predicted": {k: pm.compiled.memory[rank][k] for k in measured}})
+        opt.step(), opt.zero_grad()
+    return out
+
+
+def _storage_map(tensors) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+            if isinstance(t, torch.Tensor) and t.numel()}
 
 
 def saved_per_layer(rank: int, world: int, n_layer: int = 4, seq: int = 64, batch: int = 2,

@@ -8,12 +8,15 @@ bytes) and the test process asserts on it.
 """
 from __future__ import annotations
 
-import copy
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests._workers import ATOL, RTOL, SWITCH_SPECS, _compare, gpt_config, hf_loss
 
@@ -31,6 +34,8 @@ class MetaCase:
     steps: int = 3
     optim: str = "sgd"           # sgd (momentum) | adamw
     zero: int = 0
+    gather_to: int = -1          # >= 0: after training, full_state_dict(rank=gather_to) checked
+    count_allocs: bool = False   # record the largest tensor allocated in parallelize / training
 
     @property
     def world(self) -> int:
@@ -39,10 +44,12 @@ class MetaCase:
 
 def construct(case: MetaCase) -> tuple[nn.Module, object]:
     """(model, loss_fn) built under the current device context (meta or real)."""
-    if case.model == "gpt":
+    if case.model in ("gpt", "gpt-wide"):
         import dataclasses
         from examples.gpt import GPT, lm_loss
         cfg = gpt_config(4)
+        if case.model == "gpt-wide":   # weights larger than any activation of the test batch
+            cfg = dataclasses.replace(cfg, n_layer=2, n_embd=256)
         if case.optim == "adamw":
             # Key biases have exactly-zero true gradients (softmax ignores a shift of the scores),
             # so Adam turns their round-off into updates of up to +-lr in any two runs that sum
@@ -121,9 +128,11 @@ def run(rank: int, world: int, case: MetaCase) -> dict:
     mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep)
     init_fn = meta_model._init_weights if case.model == "llama" else None
     kw = dict(zero=case.zero) if case.zero else {}
-    pm = autopart.parallelize(meta_model, mesh, inputs, loss_fn=loss_fn, target=target,
-                              microbatches=case.microbatches, seed=3, init_fn=init_fn,
-                              timeout=timedelta(seconds=120), **kw)
+    allocs = {"parallelize": LargestAlloc(), "train": LargestAlloc()}
+    with allocs["parallelize"] if case.count_allocs else contextlib.nullcontext():
+        pm = autopart.parallelize(meta_model, mesh, inputs, loss_fn=loss_fn, target=target,
+                                  microbatches=case.microbatches, seed=3, init_fn=init_fn,
+                                  timeout=timedelta(seconds=120), **kw)
     mine = _local_view(pm, rank)
     if any(t.device.type != "meta" for t in meta_model.state_dict().values()):
         problems.append("parallelize materialized tensors of the user's meta model")
@@ -141,20 +150,24 @@ def run(rank: int, world: int, case: MetaCase) -> dict:
     if measured != expected:
         problems.append(f"rank {rank} holds {measured} bytes of tensors, its share is {expected}")
     ref = scratch
+    cls, kw = _optimizer(case, None)
+    with allocs["train"] if case.count_allocs else contextlib.nullcontext():
+        if case.source:
+            pm.load_pretrained(case.source)
+        opt = pm.optimizer(cls, **kw)
+        losses = []
+        for _ in range(case.steps):
+            losses.append(pm.train_step(*inputs, target=target))
+            opt.step(), opt.zero_grad()
     if case.source:
-        pm.load_pretrained(case.source)
         ref = plain(case)
     ref_params = {n: p for n, p in ref.named_parameters()}
-    cls, kw = _optimizer(case, None)
-    opt = pm.optimizer(cls, **kw) if hasattr(pm, "optimizer") else cls(pm.parameters(), **kw)
     ref_opt = cls(ref.parameters(), **kw)
-    for step in range(1, case.steps + 1):
-        loss = pm.train_step(*inputs, target=target)
+    for step, loss in enumerate(losses, 1):
         out = ref(*inputs)
         ref_loss = loss_fn(out, target) if loss_fn is not None else out
         ref_loss.backward()
         _compare(f"step {step} loss", loss, ref_loss, RTOL, ATOL, problems)
-        opt.step(), opt.zero_grad()
         ref_opt.step(), ref_opt.zero_grad()
     if case.zero:      # a torch optimizer over pm.parameters() would step with slices of .grad
         from autopart.errors import AutopartError
@@ -173,8 +186,67 @@ def run(rank: int, world: int, case: MetaCase) -> dict:
     for name, p in pm.named_parameters():
         _compare(f"{name} after {case.steps} steps", p, mine(name, ref_params[name]), RTOL, atol,
                  problems)
-    return {"problems": problems, "held": measured, "expected": expected,
-            "state_bytes": _optimizer_state_bytes(opt)}
+    out = {"problems": problems, "held": measured, "expected": expected,
+           "state_bytes": _optimizer_state_bytes(opt),
+           "largest_alloc": {k: a.largest for k, a in allocs.items()},
+           "full_bytes": {n: p.numel() * p.element_size() for n, p in ref.named_parameters()},
+           "tp_sharded": sorted(pm.compiled.plan.tp_shards)}
+    if case.gather_to >= 0:
+        out.update(_check_gather(pm, ref, case.gather_to, atol, problems))
+    return out
+
+
+def _check_gather(pm, ref: nn.Module, dst: int, atol: float, problems: list) -> dict:
+    """full_state_dict(rank=dst) and full_state_dict_iter(dst) against the plain model's state
+    dict; the largest tensor each allocated on this rank (measured by LargestAlloc)."""
+    expected = ref.state_dict()
+    as_dict, streamed = LargestAlloc(), LargestAlloc()
+    with as_dict:
+        full = pm.full_state_dict(rank=dst)
+    keys, largest_yielded, it = [], 0, pm.full_state_dict_iter(dst)
+    while True:
+        with streamed:          # counting what the iterator allocates, not the comparison
+            item = next(it, None)
+        if item is None:
+            break
+        key, t = item
+        _compare(f"streamed {key}", t, expected[key], RTOL, atol, problems)
+        keys.append(key)
+        largest_yielded = max(largest_yielded, t.numel() * t.element_size())
+    if pm.rank == dst:
+        if list(full) != list(expected) or keys != list(expected):
+            problems.append(f"gathered keys {list(full)} / streamed {keys} are not the plain "
+                            f"model's {list(expected)}")
+        for key, t in full.items():
+            _compare(f"gathered {key}", t, expected[key], RTOL, atol, problems)
+    elif full or keys:
+        problems.append(f"rank {pm.rank} is not rank {dst} but got {len(full)} + {len(keys)} "
+                        "tensors")
+    return {"gather_alloc": as_dict.largest, "stream_alloc": streamed.largest,
+            "largest_yielded": largest_yielded}
+
+
+class LargestAlloc(TorchDispatchMode):
+    """The bytes of the largest storage any aten op created while active (an op's output whose
+    storage none of its inputs has: views and in-place results allocate nothing). Counted by the
+    dispatcher, below autopart's code; fake and meta tensors (compilation) are not memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_ptr(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not is_fake(t) and t.device.type != "meta" \
+                    and _ptr(t) not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return 0 if is_fake(t) or t.device.type == "meta" else t.untyped_storage().data_ptr()
 
 
 def _rank_state(pm, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -120,3 +120,55 @@ def test_1f1b_pp4_keeps_four_microbatches_on_rank0_and_one_on_rank3():
 def test_parse_bytes():
     assert parse_bytes("20GB") == 20 * 10**9 and parse_bytes("1GiB") == 2**30
     assert parse_bytes(123) == 123
+
+
+# -- state under precision and zero ----------------------------------------------------------
+
+STATE_CASES = [MemCase("gpt-pp2-adam", pp=2, microbatches=2, n_layer=2),
+               MemCase("gpt-dp2-zero1-adam", dp=2, zero=1, microbatches=2, n_layer=2),
+               MemCase("gpt-dp2-zero1-bf16", dp=2, zero=1, precision="bf16", microbatches=2,
+                       n_layer=2)]
+
+
+@pytest.mark.full
+def test_state_bytes_equal_the_tensors_the_rank_holds():
+    """params, grads, master and optimizer of compiled.memory[rank] equal, byte for byte, the
+    storages the rank process holds after a step (tests/memory_workers.measure_state), for
+    fp32 and bf16, zero 0 and 1, with Adam."""
+    from autopart.runtime.launch import spawn
+    from tests.memory_workers import measure_state
+    rows = [r for per in spawn(measure_state, 2, STATE_CASES, timeout=600) for r in per]
+    assert len(rows) == 2 * len(STATE_CASES)
+    for r in rows:
+        print(r["case"], "rank", r["rank"], "measured", r["measured"], "predicted", r["predicted"])
+    assert all(r["measured"] == r["predicted"] for r in rows), rows
+    zero = [r for r in rows if "zero1" in r["case"]]
+    assert all(r["measured"]["master"] > 0 for r in zero)
+
+
+def test_explain_counts_zero1_state_per_rank():
+    """pp=2 x dp=2, zero=1, Adam: a stage holds params 4 and grads 4 bytes per element, and the
+    8 bytes of Adam state and a 4-byte fp32 master copy for 1/dp of them (ceil(n/2): the flat
+    buffer padded to dp). n counted from the plain model's parameters."""
+    import torch
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=128, block_size=16))
+    x = torch.randint(0, 128, (4, 16))
+    mesh = autopart.Mesh(pp=2, dp=2)
+    c = autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=1)
+    # pipeline rank 1 holds layer 1, ln_f and the tied lm_head (a copy of wte)
+    params = dict(model.named_parameters())
+    stage1 = [n for n in params if n.startswith(("transformer.h.1.", "transformer.ln_f."))]
+    n = sum(params[k].numel() for k in stage1) + params["transformer.wte.weight"].numel()
+    rank = mesh.rank(pp=1, dp=1)
+    mem = c.memory[rank]
+    assert mem["params"] == mem["grads"] == 4 * n
+    assert mem["master"] == 4 * -(-n // 2)
+    assert mem["optimizer"] == 8 * -(-n // 2) + 4       # one flat slice: one Adam step
+    text = c.explain()
+    assert "zero=1" in text and "precision=fp32" in text
+    assert c.to_json()["memory"][1]["master"] == 4 * -(-n // 2) and c.to_json()["zero"] == 1
+    with pytest.raises(autopart.AutopartError, match=r"(?s)zero=2.*remedy: zero=0 or zero=1"):
+        autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=2)
+

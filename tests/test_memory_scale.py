@@ -160,3 +160,29 @@ def test_meta_four_ranks(tmp_path):
     _run(tmp_path, [MetaCase("gpt-pp2xdp2", pp=2, dp=2),
                     MetaCase("switch-dp4xep2", model="switch", dp=4, ep=2)],
          ["safetensors", "safetensors"], 4)
+
+
+def test_gather_onto_one_rank_tp2_builds_no_full_sharded_tensor(tmp_path):
+    """A meta-built tp=2 GPT whose weights outsize its activations, loaded from safetensors and
+    trained 2 Adam... (SGD-momentum) steps: full_state_dict(rank=1) and full_state_dict_iter(1)
+    equal the plain model's state dict on rank 1 and are empty on rank 0. The largest tensor any
+    op allocated (tests/meta_workers.LargestAlloc, counted by the dispatcher): on rank 0 while
+    gathering, less than the smallest tp-sharded weight's full size; on rank 1, one full tensor;
+    during load_pretrained + train_step + optimizer step, less than the full size of the largest
+    tp-sharded weight on both ranks (no rank ever builds one)."""
+    ranks = _run(tmp_path, [MetaCase("gpt-wide-tp2", model="gpt-wide", tp=2, steps=2,
+                                     gather_to=1, count_allocs=True)], ["safetensors"], 2)
+    (r0,), (r1,) = ranks
+    full = r0["full_bytes"]
+    sharded = [full[n] for n in r0["tp_sharded"] if n in full]
+    biggest = max(full.values())
+    assert max(sharded) == biggest        # the case tests what it claims: sharded weights dominate
+    for r in (r0, r1):
+        assert r["largest_alloc"]["train"] < max(sharded), r["largest_alloc"]
+    assert r0["gather_alloc"] < min(s for s in sharded if s >= 4096), r0
+    assert r0["stream_alloc"] < min(s for s in sharded if s >= 4096), r0
+    assert r1["largest_yielded"] == biggest
+    assert r1["gather_alloc"] <= biggest and r1["stream_alloc"] <= biggest, r1
+    print("largest allocation (bytes):", {r["case"] + f" rank {i}": {
+        **r["largest_alloc"], "gather": r["gather_alloc"], "stream": r["stream_alloc"]}
+        for i, r in enumerate((r0, r1))}, "largest full weight", biggest)
