@@ -288,6 +288,7 @@ class Plan:
     sp_grad_reduce: frozenset = frozenset()  # replicated params whose grads sum over tp (SP)
     stats: tuple[str, ...] = ()             # names of the statistics outputs, summed per step
     optimizer: str = "adam"                 # whose state the memory model counts
+    precision: str = "fp32"                 # "bf16": compute and transfers in bf16 (step.py)
 
     @property
     def loss_scale(self) -> float:

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autopart.ops import is_autopart_op
+
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
@@ -43,6 +45,8 @@ class StepContext:
     group: object = None            # the pipeline's process group: its timeout bounds every wait
     trace: object = None            # a runtime.trace.Recorder, or None
     step: int = 0                   # which train_step this is (errors name it)
+    reduced: torch.dtype | None = None  # precision="bf16": the dtype of compute (autocast) and of
+                                        # floating transfers; None for fp32
     acts: dict = field(default_factory=dict)       # (chunk, mb) -> received forward inputs
     outs: dict = field(default_factory=dict)       # (chunk, mb) -> forward outputs
     grads_in: dict = field(default_factory=dict)   # (chunk, mb) -> grads received for outputs
@@ -149,22 +153,22 @@ def _communicate(batch, ctx: StepContext) -> list:
         chunk = ctx.chunks[a.chunk]
         if a.kind == "SEND_F":
             for spec, t in zip(chunk.sends, ctx.outs[key]):
-                ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), ctx.peer(spec.peer_rank),
-                                      ctx.group))
+                ops.append(dist.P2POp(dist.isend, _on_wire(t.detach(), ctx).contiguous(),
+                                      ctx.peer(spec.peer_rank), ctx.group))
         elif a.kind == "SEND_B":
             for spec, g in zip(chunk.recvs, ctx.grads_out.pop(key)):
                 if spec.differentiable:
-                    ops.append(dist.P2POp(dist.isend, g.contiguous(), ctx.peer(spec.peer_rank),
-                                          ctx.group))
+                    ops.append(dist.P2POp(dist.isend, _on_wire(g, ctx).contiguous(),
+                                          ctx.peer(spec.peer_rank), ctx.group))
         elif a.kind == "RECV_F":
-            bufs = [_empty(spec, ctx) for spec in chunk.recvs]
-            landing.append((ctx.acts, key, bufs, a, len(ops)))
+            bufs = [_empty(spec, ctx, wire=True) for spec in chunk.recvs]
+            landing.append((ctx.acts, key, bufs, a, len(ops), chunk.recvs))
             ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank), ctx.group)
                     for s, b in zip(chunk.recvs, bufs)]
         else:  # RECV_B: gradients of this chunk's outputs, from the next chunk
             specs = [s for s in chunk.sends if s.differentiable]
-            bufs = [_empty(spec, ctx) for spec in specs]
-            landing.append((ctx.grads_in, key, bufs, a, len(ops)))
+            bufs = [_empty(spec, ctx, wire=True) for spec in specs]
+            landing.append((ctx.grads_in, key, bufs, a, len(ops), specs))
             ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank), ctx.group)
                     for s, b in zip(specs, bufs)]
     works = dist.batch_isend_irecv(ops) if ops else []
@@ -172,9 +176,9 @@ def _communicate(batch, ctx: StepContext) -> list:
     sent_by = [a for a in batch if a.kind in ("SEND_F", "SEND_B")
                for _ in range(_count_sends(a, ctx))]
     sends = [(a, w, _peer_of(a, ctx)) for a, w in zip(sent_by, sends)]
-    for store, key, bufs, a, first in landing:
+    for store, key, bufs, a, first, specs in landing:
         store[key] = bufs
-        ctx.posted.append((store, key, works[first:first + len(bufs)], a, start))
+        ctx.posted.append((store, key, works[first:first + len(bufs)], a, start, specs))
     if ctx.trace is not None:
         end = _now(ctx)
         for a in batch:
@@ -198,10 +202,12 @@ def _wait_received(ctx: StepContext, needed) -> None:
                                       for s, k, *_ in ctx.posted):
         return
     while ctx.posted:
-        store, key, works, action, posted = ctx.posted.pop(0)
+        store, key, works, action, posted, specs = ctx.posted.pop(0)
         start = _now(ctx)
         for w in works:
             _wait(w, f"was waiting for {action} from rank {_peer_of(action, ctx)}", ctx)
+        if ctx.reduced is not None:    # back to the dtype the receiving program was compiled for
+            store[key] = [b.to(s.dtype) for b, s in zip(store[key], specs)]
         if ctx.trace is not None:   # the slice is the time this rank waited for the data
             ctx.trace.record(action, start, _now(ctx), posted=posted)
         if needed is not None and store is needed[0] and key == needed[1]:
@@ -213,8 +219,16 @@ def _shape(spec, batch: int, seq: int | None) -> tuple[int, ...]:
     return spec.concrete_shape(batch, seq)      # sympy substitution: ~0.1 ms, once per boundary
 
 
-def _empty(spec, ctx: StepContext) -> torch.Tensor:
-    return torch.empty(_shape(spec, ctx.batch, ctx.seq), dtype=spec.dtype, device=ctx.device)
+def _empty(spec, ctx: StepContext, wire: bool = False) -> torch.Tensor:
+    dtype = ctx.reduced if wire and ctx.reduced is not None and spec.dtype.is_floating_point \
+        else spec.dtype
+    return torch.empty(_shape(spec, ctx.batch, ctx.seq), dtype=dtype, device=ctx.device)
+
+
+def _on_wire(t: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """A tensor to send, in the wire dtype if it is floating (integer and bool ones as they are:
+    indices and masks must not be rounded)."""
+    return t.to(ctx.reduced) if ctx.reduced is not None and t.is_floating_point() else t
 
 
 # -- fused backward, autograd -----------------------------------------------------------------------
@@ -226,7 +240,8 @@ def _forward(action, ctx: StepContext) -> None:
     received = [t.requires_grad_(True) if s.differentiable else t for s, t in zip(chunk.recvs, received)]
     ctx.acts[key] = received
     inputs = ctx.microbatch(action.microbatch)
-    out = executable(chunk.gm)(*received, *(inputs[name] for name in chunk.inputs))
+    out = executable(chunk.gm, autocast=ctx.reduced)(
+        *received, *(inputs[name] for name in chunk.inputs))
     if chunk.is_last:
         ctx.losses.append(out[0].detach())
         if len(out) > 1:
@@ -298,7 +313,10 @@ def _weight_grad_autograd(action, ctx: StepContext) -> None:
 def _split_graphs(chunk, ctx: StepContext):
     """The chunk's SplitBackward if it has programs for this microbatch shape, else None."""
     sb = chunk.backward
-    if sb is None or sb.fallback is not None or tuple(sb.shape) != (ctx.batch, ctx.seq):
+    # The split programs are traced fp32 joint graphs: under autocast their backward halves
+    # would mix bf16 saved values with fp32 weights and no casts. bf16 runs I and W by autograd.
+    if sb is None or sb.fallback is not None or tuple(sb.shape) != (ctx.batch, ctx.seq) \
+            or ctx.reduced is not None:
         return None
     return sb
 
@@ -443,30 +461,42 @@ _BINDINGS = {   # overload -> Python binding taking the same arguments (checked 
     _aten.dropout.default: torch.dropout,
     _aten.sym_size.int: torch.Tensor.size,
 }
-_EXECUTABLE: "weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule]" = weakref.WeakKeyDictionary()
+_EXECUTABLE: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+# tensor-parallel ops whose output only feeds a linear (Megatron's f; sequence parallelism's
+# gather-then-linear): under bf16 their input is cast before them
+_COMM_BEFORE_LINEAR = ("copy_to_tp", "gather_linear_sp")
 
 
-def executable(gm: fx.GraphModule, owner: fx.GraphModule | None = None) -> fx.GraphModule:
+def _cast_floating(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+
+
+def executable(gm: fx.GraphModule, owner: fx.GraphModule | None = None,
+               autocast: torch.dtype | None = None) -> fx.GraphModule:
     """The copy of `gm` the executor runs (built on first use, once per GraphModule). With
     `owner` (the chunk's forward program, as this rank holds it: its own shards, on its device),
     attributes are read from `owner` where it has them, so a split program uses the chunk's
-    very parameters."""
+    very parameters. `autocast` (bf16): the copy runs under autocast to it (precision="bf16"),
+    so export's dtype assertions, which hold for the traced fp32 dtypes only, check device and
+    layout only, and the tensor-parallel ops that feed a linear get its input already cast
+    (_COMM_BEFORE_LINEAR), so that their collectives carry bf16 too."""
     if owner is None:
-        fast = _EXECUTABLE.get(gm)
+        fast = _EXECUTABLE.setdefault(gm, {}).get(autocast)
         if fast is None:
-            fast = _EXECUTABLE[gm] = _fast_copy(gm, gm)
+            fast = _EXECUTABLE[gm][autocast] = _fast_copy(gm, gm, autocast)
         return fast
     per_owner = _EXECUTABLE_OF.setdefault(owner, {})
-    fast = per_owner.get(id(gm))
+    fast = per_owner.get((id(gm), autocast))
     if fast is None:
-        fast = per_owner[id(gm)] = _fast_copy(gm, owner)
+        fast = per_owner[(id(gm), autocast)] = _fast_copy(gm, owner, autocast)
     return fast
 
 
 _EXECUTABLE_OF: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
 
 
-def _fast_copy(gm: fx.GraphModule, owner: fx.GraphModule) -> fx.GraphModule:
+def _fast_copy(gm: fx.GraphModule, owner: fx.GraphModule,
+               autocast: torch.dtype | None = None) -> fx.GraphModule:
     root, graph, env, flat_of = torch.nn.Module(), fx.Graph(), {}, {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -481,11 +511,18 @@ def _fast_copy(gm: fx.GraphModule, owner: fx.GraphModule) -> fx.GraphModule:
                 elif isinstance(value, torch.Tensor):
                     root.register_buffer(flat, value)
                 elif isinstance(value, fx.GraphModule):   # a recomputed region: fast too
-                    setattr(root, flat, _fast_copy(value, value))
+                    setattr(root, flat, _fast_copy(value, value, autocast))
                 else:
                     setattr(root, flat, value)      # a submodule (higher-order op body)
             env[node] = graph.get_attr(flat)
         else:
+            if autocast is not None and getattr(node.target, "__name__", "") in _COMM_BEFORE_LINEAR \
+                    and is_autopart_op(node.target, axis="tp"):
+                # autocast would cast x to bf16 inside the linear, after the op: the op's
+                # collectives (copy_to_tp's backward all-reduce, the sequence-parallel gathers)
+                # would move fp32. Cast before it, to the value the linear reads anyway.
+                x = env[node.args[0]]
+                env[node.args[0]] = graph.call_function(_cast_floating, (x, autocast))
             env[node] = graph.node_copy(node, env.__getitem__)
             if owner is not gm and env[node].kwargs.get("device") == torch.device("meta"):
                 # a split program traced from a meta-device model: make its tensors where the
@@ -493,6 +530,8 @@ def _fast_copy(gm: fx.GraphModule, owner: fx.GraphModule) -> fx.GraphModule:
                 env[node].update_kwarg("device", _device_of(owner))
             if node.op == "call_function" and node.target in _BINDINGS:
                 env[node].target = _BINDINGS[node.target]
+            if autocast is not None and node.target is _aten._assert_tensor_metadata.default:
+                env[node].update_kwarg("dtype", None)
     graph.lint()
     return fx.GraphModule(root, graph, class_name=f"{type(gm).__name__}Executable")
 

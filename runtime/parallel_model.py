@@ -162,7 +162,8 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                 memory_budget: str | int | None = None, optimizer: str = "adam",
                 timeout: timedelta = DEFAULT_TIMEOUT, seed: int = 0,
                 init_fn: Callable | None = None, trace: str | None = None,
-                zero: int = 0, nonfinite: str = "raise") -> ParallelModel:
+                zero: int = 0, nonfinite: str = "raise",
+                precision: str = "fp32") -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
@@ -177,6 +178,10 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     `trace="t.json"` (or AUTOPART_TRACE=t.json on every rank) records every action each rank
     runs, with start and end times, into one Chrome / Perfetto trace written by rank 0 after
     each train_step (autopart/runtime/trace.py).
+
+    `precision="bf16"`: compute in bf16 under autocast, parameters (the master weights the
+    optimizer steps), gradients and the loss in fp32, pipeline transfers in bf16
+    (autopart/runtime/step.py).
     """
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
@@ -201,7 +206,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                              microbatches=microbatches, schedule=schedule,
                              virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
                              recompute=recompute, memory_budget=memory_budget,
-                             optimizer=optimizer)
+                             optimizer=optimizer, precision=precision)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
     # never changes in training; full_state_dict returns it as it is now.

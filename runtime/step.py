@@ -3,8 +3,17 @@
 It takes this data-parallel replica's rows of the global batch, cuts them into microbatches, and
 runs this rank's action list from the schedule (runtime/executor.py). Reducing gradients across
 ranks is the GradientReducer's job, not this one's.
+
+precision="bf16": the whole step runs under one torch.autocast(bf16) on the rank's device type.
+The rank's parameters stay fp32 (they are the master weights the user's optimizer steps), so
+autocast's casts give fp32 .grad: microbatch accumulation and every gradient reduction are fp32.
+One context for the step, not one per microbatch, because autocast caches each weight's bf16 copy
+until its outermost context exits: each weight is cast once per step. Backward runs inside it too,
+as the custom tp ops' backward (gather_linear_sp's matmuls) need their operands cast alike.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -35,8 +44,9 @@ class StepDriver:
             microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
             batch=mbs, seq=int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None,
             device=self.device, loss_scale=plan.loss_scale, group=self.group, trace=self.trace,
-            step=step)
-        run_actions(self.actions, ctx)
+            step=step, reduced=REDUCED_DTYPES[plan.precision])
+        with compute_precision(plan.precision, self.device):
+            run_actions(self.actions, ctx)
         return ctx
 
     def replica_rows(self, inputs: tuple, target) -> dict[str, torch.Tensor]:
@@ -55,3 +65,15 @@ class StepDriver:
                                     f"model was compiled for the global batch {plan.global_batch}")
             out[name] = v[dp * rows:(dp + 1) * rows].to(self.device)
         return out
+
+
+# precision -> the dtype of compute and of floating transfers (None: as compiled, fp32)
+REDUCED_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def compute_precision(precision: str, device: torch.device):
+    """The context one training step runs in: autocast to bf16 on `device`'s type (cpu, cuda),
+    or nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=REDUCED_DTYPES[precision])
