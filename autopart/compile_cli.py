@@ -70,6 +70,9 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
                    help="bytes per rank, e.g. 20GB or 512MiB (checked; auto chooses under it)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"),
                    help="the optimizer whose state the memory model counts (default adam)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: compute, pipeline transfers and tp collectives in bf16, fp32 master "
+                        "weights and gradients (default fp32)")
     p.add_argument("--emit", metavar="DIR", default=None,
                    help="write each distinct rank program to DIR/rank{pp_rank}.py")
     p.add_argument("--rank", type=int, default=None, help="print this global rank's program code")
@@ -119,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
                                 schedule=schedule, virtual_stages=args.virtual_stages,
                                 sequence_parallel=args.sequence_parallel,
                                 recompute=args.recompute, memory_budget=args.memory_budget,
-                                optimizer=args.optimizer)
+                                optimizer=args.optimizer, precision=args.precision)
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
     files = _emit(compiled, Path(args.emit)) if args.emit else []

@@ -119,7 +119,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
             target: torch.Tensor | None = None, microbatches: int = 1, schedule: str = "1f1b",
             virtual_stages: int = 1, sequence_parallel: bool = False,
             dump_dir: str | None = None, recompute: str = "none",
-            memory_budget: str | int | None = None, optimizer: str = "adam") -> Compiled:
+            memory_budget: str | int | None = None, optimizer: str = "adam",
+            precision: str = "fp32") -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
 
     >>> import torch, autopart
@@ -139,6 +140,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
     from autopart.memory import check_optimizer, parse_bytes
     check_optimizer(optimizer)
+    check_precision(precision)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     program = _capture(model, example_inputs, loss_fn, target, mbs)
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
@@ -154,7 +156,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                 stages.chunk_layers, stages.shared_params, sequence_parallel,
                 dict(program.tp.params) if mesh.tp > 1 else {},
                 dict(program.ep.params) if mesh.ep > 1 else {},
-                frozenset(program.tp.sp_grad_reduce), program.stats, optimizer)
+                frozenset(program.tp.sp_grad_reduce), program.stats, optimizer, precision)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
                         results, time.perf_counter() - start, program.costs)
@@ -164,6 +166,17 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     compiled.check = check_rank_programs(compiled)
     compiled.seconds = time.perf_counter() - start
     return compiled
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise AutopartError(
+            f"precision={precision!r} is not one autopart implements ({', '.join(PRECISIONS)}).\n"
+            "  remedy: precision=\"bf16\" (bf16 compute and transfers, fp32 master weights and "
+            "gradients) or \"fp32\"; fp16 would need loss scaling, which autopart does not do")
 
 
 class RankPrograms(Mapping):

@@ -27,8 +27,8 @@ def chunk_rows(compiled) -> list[dict]:
         flops = sum(evaluate(compiled.costs[n].fwd_bwd_flops, b, s) for n in names)
         act = sum(evaluate(compiled.costs[n].out_bytes, b, s) for n in names)
         nparams = sum(_local_numel(program, plan, p) for p in c.params)
-        recv = sum(_bytes(x, b, s) for x in c.recvs)
-        send = sum(_bytes(x, b, s) for x in c.sends)
+        recv = sum(_bytes(x, b, s, plan.precision) for x in c.recvs)
+        send = sum(_bytes(x, b, s, plan.precision) for x in c.sends)
         rows.append({"chunk": c.chunk, "pp_rank": c.rank,
                      "layers": _layer_span(c.layers), "params": nparams,
                      "flops_per_microbatch": flops, "activation_bytes_per_microbatch": act,
@@ -124,7 +124,7 @@ def tp_rows(compiled) -> list[dict]:
         size = 1.0
         for d in shape:
             size *= evaluate(d, b, s)
-        size *= tensor.meta["val"].element_size()
+        size *= _wire_itemsize(tensor, op, plan.precision)
         linear = next(iter(node.users)) if op == "copy_to_tp" else node if op == "gather_linear_sp" \
             else tensor
         split = "column" if linear.name in tp_plan.column else "row" if linear.name in tp_plan.row \
@@ -145,6 +145,7 @@ def _tp_lines(compiled) -> list[str]:
     shown = [r for r in rows if first and (r["module"] == first or r["module"].startswith(first + "."))]
     lines = [f"tensor parallelism over tp={plan.mesh.tp}"
              + (" with sequence parallelism" if plan.sequence_parallel else "")
+             + (" (bf16 where autocast computes in bf16)" if plan.precision == "bf16" else "")
              + (f"; collectives of one layer ({first}), bytes per rank per microbatch:" if shown else ":")]
     for r in shown:
         lines.append(f"  {r['module']:<28} {r['split']:<7} fwd {r['forward']:<15} "
@@ -158,11 +159,39 @@ def _tp_lines(compiled) -> list[str]:
     return lines
 
 
-def _bytes(boundary, b, s) -> float:
+def _bytes(boundary, b, s, precision: str = "fp32") -> float:
     n = 1
     for d in boundary.concrete_shape(b, s):
         n *= d
-    return float(n * boundary.dtype.itemsize)
+    bf16 = precision == "bf16" and boundary.dtype.is_floating_point   # the runtime sends bf16
+    return float(n * (2 if bf16 else boundary.dtype.itemsize))
+
+
+# Under precision="bf16" (autocast), what a tensor-parallel collective carries is bf16 when its
+# tensor comes out of an op autocast runs in bf16, or when the runtime casts its input first (the
+# ops that feed a linear: runtime/executor.py _COMM_BEFORE_LINEAR); collectives on the fp32
+# residual stream (the vocabulary-parallel embedding's reduce, the sequence-parallel scatter of
+# the embedding) stay fp32.
+_LOWERED = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "scaled_dot_product_attention"}
+_VIEWS = {"view", "reshape", "_unsafe_view"}
+_CAST_BEFORE = {"copy_to_tp", "gather_linear_sp"}
+
+
+def _wire_itemsize(tensor, op: str, precision: str) -> int:
+    val = tensor.meta["val"]
+    if precision != "bf16" or not val.dtype.is_floating_point:
+        return val.element_size()
+    if op in _CAST_BEFORE:
+        return 2
+    node = tensor
+    while _aten_name(node) in _VIEWS:
+        node = node.args[0]
+    return 2 if _aten_name(node) in _LOWERED else val.element_size()
+
+
+def _aten_name(node) -> str:
+    packet = getattr(getattr(node, "target", None), "overloadpacket", None)
+    return getattr(packet, "__name__", "")
 
 
 def _layer_span(layers) -> str:
@@ -176,7 +205,8 @@ def explain_table(compiled) -> str:
     rows = chunk_rows(compiled)
     head = (f"{plan.mesh}  schedule={plan.schedule} microbatches={plan.microbatches} "
             f"virtual_stages={plan.virtual_stages}  global batch={plan.global_batch} "
-            f"microbatch size={plan.microbatch_size}")
+            f"microbatch size={plan.microbatch_size}"
+            + (f"  precision={plan.precision} (transfers in bf16)" if plan.precision != "fp32" else ""))
     cols = ["chunk", "pp rank", "layers", "params", "fwd+bwd FLOPs/mb", "activations/mb",
             "recv/mb", "send/mb"]
     table = [[str(r["chunk"]), str(r["pp_rank"]), r["layers"], _fmt(r["params"]),
@@ -252,7 +282,7 @@ def explain_json(compiled) -> dict:
                  "world_size": plan.mesh.world_size},
         "schedule": plan.schedule, "microbatches": plan.microbatches,
         "virtual_stages": plan.virtual_stages, "global_batch": plan.global_batch,
-        "microbatch_size": plan.microbatch_size,
+        "microbatch_size": plan.microbatch_size, "precision": plan.precision,
         "chunks": chunk_rows(compiled),
         "shared_params": {k: list(v) for k, v in plan.shared_params.items()},
         "tensor_parallel": tp_rows(compiled),
