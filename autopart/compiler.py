@@ -83,6 +83,7 @@ class Compiled:
     passes: list[PassResult]
     seconds: float
     costs: dict = field(repr=False, default_factory=dict)
+    zero: int = 0           # ZeRO level the memory model counts state for (runtime/optimizer.py)
 
     @functools.cached_property
     def memory(self):
@@ -120,7 +121,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
             virtual_stages: int = 1, sequence_parallel: bool = False,
             dump_dir: str | None = None, recompute: str = "none",
             memory_budget: str | int | None = None, optimizer: str = "adam",
-            precision: str = "fp32") -> Compiled:
+            precision: str = "fp32", zero: int = 0) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
 
     >>> import torch, autopart
@@ -138,8 +139,9 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                             f"mesh has tp=1 ({mesh}).\n  remedy: use a mesh with tp > 1, or drop "
                             "sequence_parallel")
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
-    from autopart.memory import check_optimizer, parse_bytes
+    from autopart.memory import check_optimizer, check_zero, parse_bytes
     check_optimizer(optimizer)
+    check_zero(zero)
     check_precision(precision)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     program = _capture(model, example_inputs, loss_fn, target, mbs)
@@ -159,7 +161,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                 frozenset(program.tp.sp_grad_reduce), program.stats, optimizer, precision)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
-                        results, time.perf_counter() - start, program.costs)
+                        results, time.perf_counter() - start, program.costs, zero)
     # every distinct rank program runs forward and backward on fake tensors before it is handed
     # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)
     from autopart.check_programs import check_rank_programs

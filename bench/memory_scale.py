@@ -39,12 +39,15 @@ def plain(spec: str, path: str, steps: int) -> dict:
     t = time.perf_counter()
     model.load_state_dict(torch.load(path, weights_only=True), strict=False)
     load_s = time.perf_counter() - t
-    x = torch.randint(0, 1000, (2, 128))
+    x = torch.randint(0, 1000, (4, 128))     # the same global batch the ranks train
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    for _ in range(steps):
+    phases = {"load": hwm()}
+    for step in range(steps):
         lm_loss(model(x), x).backward()
+        phases[f"backward{step + 1}"] = hwm()
         opt.step(), opt.zero_grad()
-    return {"hwm": hwm(), "load_s": load_s}
+        phases[f"step{step + 1}"] = hwm()
+    return {"hwm": hwm(), "load_s": load_s, "phases": phases}
 
 
 def ranked(rank: int, world: int, spec: str, path: str, steps: int, mesh: dict) -> dict:
@@ -53,16 +56,23 @@ def ranked(rank: int, world: int, spec: str, path: str, steps: int, mesh: dict) 
     with torch.device("meta"):
         model = GPT(spec)
     x = torch.randint(0, 1000, (4, 128))
+    phases = {"import": hwm()}       # the high-water mark after each phase: which one set it
     pm = autopart.parallelize(model, autopart.Mesh(**mesh), (x,), loss_fn=lm_loss, target=x,
                               microbatches=2, zero=1 if mesh.get("dp", 1) > 1 else 0)
+    phases["parallelize"] = hwm()
     t = time.perf_counter()
     pm.load_pretrained(path)
     load_s = time.perf_counter() - t
+    phases["load"] = hwm()
     opt = pm.optimizer(torch.optim.Adam, lr=1e-4)
-    for _ in range(steps):
+    for step in range(steps):
         pm.train_step(x, target=x)
+        phases[f"backward{step + 1}"] = hwm()
         opt.step(), opt.zero_grad()
-    return {"hwm": hwm(), "load_s": load_s}
+        phases[f"step{step + 1}"] = hwm()
+    state = {k: pm.compiled.memory[rank][k]
+             for k in ("params", "grads", "master", "optimizer", "activations")}
+    return {"hwm": hwm(), "load_s": load_s, "phases": phases, "model_state": state}
 
 
 def main() -> None:
@@ -86,6 +96,8 @@ def main() -> None:
         print(f"torch-only process: {base / 2**20:.0f} MiB")
         print(f"plain: peak {ref['hwm'] / 2**20:.0f} MiB (net {(ref['hwm'] - base) / 2**20:.0f}), "
               f"torch.load of the whole file {ref['load_s']:.2f} s")
+        print("    high-water mark after each phase (MiB): " + ", ".join(
+            f"{k} {v / 2**20:.0f}" for k, v in ref["phases"].items()))
         for mesh in ({"pp": 4}, {"pp": 2, "dp": 2}):
             out = spawn(ranked, 4, args.config, path, args.steps, mesh, timeout=3600,
                         pg_timeout=1800)
@@ -93,6 +105,10 @@ def main() -> None:
                 ratio = (o["hwm"] - base) / (ref["hwm"] - base)
                 print(f"{mesh} rank {r}: peak {o['hwm'] / 2**20:.0f} MiB, net ratio to plain "
                       f"{ratio:.2f}, load_pretrained {o['load_s']:.2f} s")
+                print("    high-water mark after each phase (MiB): " + ", ".join(
+                    f"{k} {v / 2**20:.0f}" for k, v in o["phases"].items()))
+                print("    explain's prediction (MiB): " + ", ".join(
+                    f"{k} {v / 2**20:.0f}" for k, v in o["model_state"].items()))
 
 
 def _save(spec: str, path: str) -> None:

@@ -116,9 +116,28 @@ class ParallelModel:
         """Clip by the global gradient norm over all shards, each shared parameter counted once."""
         return self._grads.clip_(max_norm)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The plain model's complete state dict (every key, full shapes), on every rank."""
-        return self._state.full_state_dict()
+    def full_state_dict(self, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The plain model's complete state dict (every key, full shapes), on every rank; with
+        `rank=r` on global rank r only, gathered one tensor at a time (the other ranks return {}
+        and never hold a full tensor). Collective: every rank calls it with the same `rank`."""
+        if rank is None:
+            return self._state.full_state_dict()
+        return dict(self.full_state_dict_iter(rank))
+
+    def full_state_dict_iter(self, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, full tensor) pairs of the plain model's state dict, yielded on global rank
+        `rank` one at a time (a tied tensor once per key), so a caller can write each out
+        without ever holding the whole model; the other ranks yield nothing. Collective: every
+        rank must exhaust it.
+
+            for name, t in pm.full_state_dict_iter(0):    # on every rank
+                out[name] = t.numpy()                     # runs on rank 0 only"""
+        if not isinstance(rank, int) or not 0 <= rank < self.mesh.world_size:
+            raise AutopartError(f"full_state_dict: rank={rank!r} is not a rank of this "
+                                f"{self.mesh.world_size}-rank mesh ({self.mesh}).\n  remedy: a "
+                                f"global rank in 0..{self.mesh.world_size - 1}, or rank=None "
+                                "for every rank")
+        return self._state.full_state_dict_iter(rank)
 
     def load_pretrained(self, source) -> None:
         """Overwrite this rank's shards with their slices of a checkpoint: a state dict, a
@@ -206,7 +225,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                              microbatches=microbatches, schedule=schedule,
                              virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
                              recompute=recompute, memory_budget=memory_budget,
-                             optimizer=optimizer, precision=precision)
+                             optimizer=optimizer, precision=precision, zero=zero)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
     # never changes in training; full_state_dict returns it as it is now.
@@ -221,15 +240,8 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
         extra = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in extra_keys}
         build = None
     return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, build,
-                         trace=trace_path(trace), zero=_check_zero(zero),
+                         trace=trace_path(trace), zero=zero,
                          nonfinite=nonfinite)
-
-
-def _check_zero(zero: int) -> int:
-    if zero not in (0, 1):
-        raise AutopartError(f"zero={zero!r}: autopart implements ZeRO stage 1 (optimizer state "
-                            "sharded over data-parallel replicas).\n  remedy: zero=0 or zero=1")
-    return zero
 
 
 def zero_layouts(plan, params: dict, groups) -> tuple:
