@@ -111,6 +111,26 @@ def test_bad_checkpoints_name_the_key_and_the_file(tmp_path, single_process_grou
                        good["lm_head.weight"])
 
 
+def test_full_state_dict_onto_a_rank_single_process(single_process_group):
+    """One rank: rank=0 gathers the plain model's state dict (copies, not the live parameters);
+    a rank outside the mesh is an AutopartError naming it and the valid range."""
+    case = MetaCase("gpt")
+    model = plain(case)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs, target = batch(case)
+    pm = autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=construct(case)[1],
+                              target=target)
+    full = pm.full_state_dict(rank=0)
+    assert list(full) == list(expected)
+    assert all(torch.equal(full[k], v) for k, v in expected.items())
+    with torch.no_grad():
+        next(pm.parameters()).add_(1.0)          # the gathered dict does not change with it
+    assert all(torch.equal(full[k], v) for k, v in expected.items())
+    with pytest.raises(AutopartError, match=r"(?s)rank=1 is not a rank of this 1-rank mesh.*"
+                                            r"remedy: a global rank in 0\.\.0"):
+        pm.full_state_dict(rank=1)
+
+
 # -- spawned ranks --------------------------------------------------------------------------------
 
 def test_meta_pp2_and_zero_dp2(tmp_path):
