@@ -1,0 +1,404 @@
+"""compile=True: each rank's chunk programs run through Inductor, each distinct layer compiled once.
+
+Each chunk's graph is cut into segments: maximal runs of ATen ops that belong to the same layer
+(the layer paths of the chunk, from analysis.detect_layers) or to the same stretch outside the
+layers, broken at every op of ours (tensor-parallel collectives, expert all-to-alls, p2p
+markers: they stay eager, between compiled segments) and at recomputed regions (whose own
+graphs are cut the same way, so checkpoint replays compiled code). A segment takes the layer's
+parameters as inputs, so its graph, printed with canonical names, is the same text for every
+repeat of the layer: that text (its signature) and the input shapes key one compiled artifact,
+which every repeat calls with its own parameters. A 128-layer model compiles as many artifacts
+as a 2-layer one.
+
+Segments go to Inductor directly (torch._inductor.compile_fx on the fx graph), not through
+torch.compile: the graphs are already ATen, so Dynamo would only re-trace them and add guards
+(a few microseconds per call, per segment) that our own key (shapes, strides, dtypes,
+requires_grad, grad mode) already stands for. compile_fx runs AOTAutograd, so each artifact
+is a forward and a backward kernel set; Inductor's FX-graph and AOTAutograd caches on disk
+(TORCHINDUCTOR_CACHE_DIR) make a second run of the same model start warm.
+
+A segment Inductor cannot compile runs eager, with one warning naming the layer.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import operator
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.fx as fx
+
+from autopart.ops import op_info
+
+_FREE_OPS = {torch.ops.aten.sym_size.int, operator.mul, operator.add, operator.sub,
+             operator.floordiv, operator.mod, operator.neg, operator.truediv}
+
+
+# -- partition: what would be compiled (no tensors needed) --------------------------------------
+
+@dataclass
+class Segment:
+    """One run of ATen ops of one layer (or of the stretch between layers)."""
+    label: str                    # the layer path, or "<chunk N outside layers>"
+    gm: fx.GraphModule            # canonical names: inputs a0.., values v0..
+    signature: str                # equal for every repeat of the same layer
+    inputs: list                  # nodes of the chunk graph fed in, in order
+    outputs: list                 # nodes of the chunk graph it produces, in order
+    nodes: list                   # the run of chunk-graph nodes it replaces
+
+    @property
+    def modules(self) -> list[str]:
+        """The model's module paths its ops come from (deepest, in order): what a warning
+        names."""
+        paths = [_path(n) for n in self.nodes]
+        return list(dict.fromkeys(p for p in paths if p))
+
+
+def _is_free(node: fx.Node) -> bool:
+    """A size computation (SymInt/int): recomputed wherever needed, never passed between
+    segments, so a segment's inputs are tensors only."""
+    return (node.op == "call_function" and node.target in _FREE_OPS
+            and not isinstance(node.meta.get("val"), torch.Tensor))
+
+
+def _is_compute(node: fx.Node) -> bool:
+    if node.op != "call_function" or _is_free(node):
+        return False
+    if node.target is operator.getitem:
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and op_info(node.target) is None
+
+
+def _path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack.values()))[0] if stack else ""
+    return "" if path.startswith("_empty") else path
+
+
+def _label(node: fx.Node, layers: tuple, outside: str) -> str:
+    path = _path(node)
+    for layer in layers:
+        if path == layer or path.startswith(layer + "."):
+            return layer
+    return outside
+
+
+def partition(gm: fx.GraphModule, layers: tuple, outside: str = "<outside layers>") -> list[list]:
+    """The runs of compute nodes of `gm`, in graph order: each run one layer's (or the outside
+    stretch's) consecutive ATen ops, broken by any other call (ours, checkpoint)."""
+    runs, run, label = [], [], None
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "placeholder") or _is_free(node):
+            continue
+        here = _label(node, layers, outside) if _is_compute(node) else None
+        if here is not None and _getitem_of_other_run(node, run):
+            here = None
+        if run and here != label:
+            runs.append((label, run))
+            run = []
+        if here is not None:
+            run.append(node)
+        label = here
+    if run:
+        runs.append((label, run))
+    return runs
+
+
+def _getitem_of_other_run(node: fx.Node, run: list) -> bool:
+    """A getitem of a list made outside this run (a split in the previous layer's run, or an op
+    of ours returning a tuple) is not a compute of this run."""
+    if node.target is not operator.getitem:
+        return False
+    src = node.args[0]
+    return not isinstance(src, fx.Node) or src not in run
+
+
+def build_segment(label: str, run: list) -> Segment | None:
+    """The segment graph of `run`, or None when it cannot be one (it needs a non-tensor value
+    made outside it, or gives one out)."""
+    members = set(run)
+    g, env, inputs = fx.Graph(), {}, []
+
+    def value(n):
+        if n in env:
+            return env[n]
+        if _is_free(n):
+            env[n] = _copy(g, n, value, f"s{len(env)}")
+            return env[n]
+        if not isinstance(n.meta.get("val"), (torch.Tensor, int, torch.SymInt)):
+            raise _NotTensor(n)     # a size made outside (a recomputed region's input) is fine
+        env[n] = g.placeholder(f"a{len(inputs)}")
+        env[n].meta = dict(n.meta)
+        inputs.append(n)
+        return env[n]
+
+    try:
+        for i, n in enumerate(run):
+            env[n] = _copy(g, n, value, f"v{i}")
+    except _NotTensor:
+        return None
+    outputs = [n for n in run if any(u not in members for u in n.users)]
+    if not outputs or any(not isinstance(n.meta.get("val"), torch.Tensor) for n in outputs):
+        return None
+    g.output(tuple(env[n] for n in outputs))
+    head = next(n for n in g.nodes if n.op != "placeholder")
+    for p in [n for n in g.nodes if n.op == "placeholder"]:   # inputs first, in their order
+        head.prepend(p)
+    seg_gm = fx.GraphModule(torch.nn.Module(), g, class_name="Segment")
+    sig = hashlib.sha256(seg_gm.code.encode()).hexdigest()[:16]
+    return Segment(label, seg_gm, sig, inputs, outputs, list(run))
+
+
+def _copy(g: fx.Graph, n: fx.Node, value, name: str) -> fx.Node:
+    """`n` in `g` under a canonical name, so repeats of a layer print the same code."""
+    new = g.create_node(n.op, n.target, fx.map_arg(n.args, value), fx.map_arg(n.kwargs, value),
+                        name=name)
+    new.meta = dict(n.meta)
+    return new
+
+
+class _NotTensor(Exception):
+    pass
+
+
+def plan_chunk(gm: fx.GraphModule, layers: tuple, chunk: int) -> list[Segment | tuple]:
+    """Segments of one chunk graph; a run that cannot be a segment is returned as (label, run)."""
+    out = []
+    for label, run in partition(gm, layers, f"<chunk {chunk} outside layers>"):
+        seg = build_segment(label, run)
+        out.append(seg if seg is not None else (label, run))
+    return out
+
+
+def describe(compiled) -> list[dict]:
+    """What `compile=True` would compile, per distinct (pp, tp, ep) rank program: segments,
+    distinct artifacts and which layers share each (autopart compile --compile)."""
+    rows = []
+    for rp in compiled.programs.distinct():
+        segs = [s for c in rp.chunks for s in _segments_of(c)]
+        distinct: dict[str, list] = {}
+        for s in segs:
+            distinct.setdefault(s.signature, []).append(s.label)
+        rows.append({"rank": rp.rank, "segments": len(segs), "distinct": len(distinct),
+                     "artifacts": [{"signature": k, "labels": sorted(set(v)), "uses": len(v)}
+                                   for k, v in distinct.items()]})
+    return rows
+
+
+def describe_lines(compiled) -> list[str]:
+    """describe() as text: per distinct rank program, the artifacts and who shares them."""
+    lines = ["compile=True (Inductor): per distinct rank program, the compiled segments (runs "
+             "of ATen ops between our collectives) and the distinct artifacts they share"]
+    for row in describe(compiled):
+        lines.append(f"  rank {row['rank']}: {row['segments']} segments, {row['distinct']} "
+                     "distinct artifacts")
+        for a in row["artifacts"]:
+            labels = a["labels"]
+            shown = labels[0] if len(labels) == 1 else f"{labels[0]} .. {labels[-1]}"
+            lines.append(f"    {a['signature']}: {a['uses']} uses ({shown})")
+    return lines
+
+
+def _segments_of(chunk) -> list[Segment]:
+    segs = [s for s in plan_chunk(chunk.gm, chunk.layers, chunk.chunk) if isinstance(s, Segment)]
+    for node in chunk.gm.graph.nodes:     # recomputed regions: compiled inside checkpoint
+        if node.op == "get_attr":
+            sub = _attr(chunk.gm, node.target)
+            if isinstance(sub, fx.GraphModule):
+                segs += [s for s in plan_chunk(sub, chunk.layers, chunk.chunk)
+                         if isinstance(s, Segment)]
+    return segs
+
+
+def _attr(module, target: str):
+    owner, _, leaf = target.rpartition(".")
+    try:
+        return getattr(module.get_submodule(owner), leaf)
+    except AttributeError:
+        return None
+
+
+# -- running: one compiled artifact per (signature, input layout) -------------------------------
+
+@dataclass
+class CompileReport:
+    """This rank's Inductor work: artifacts compiled, seconds, eager fallbacks."""
+    seconds: float = 0.0               # wall time in Inductor (its C++ compiles run in
+                                       # worker processes: this process's CPU time misses them)
+    artifacts: int = 0                 # distinct (signature, input layout) compiled
+    graphs: int = 0                    # Inductor graphs compiled or loaded (forward, backward)
+    segments: int = 0                  # segment calls in this rank's programs
+    fallbacks: dict = field(default_factory=dict)    # label -> why it runs eager
+
+    def line(self) -> str:
+        text = (f"inductor (this rank): {self.segments} segments, {self.artifacts} compiled "
+                f"artifacts ({self.graphs} forward/backward graphs lowered, the rest from Inductor's cache), "
+                f"{self.seconds:.1f} s compiling")
+        for label, why in self.fallbacks.items():
+            text += f"\n  eager fallback: {label}: {why}"
+        return text
+
+
+class SegmentCompiler:
+    """Compiles segments on first call, one artifact per (signature, input layout); owned by
+    one ParallelModel (no process-wide table of ours; Inductor's own caches are on disk)."""
+
+    def __init__(self, cudagraphs: bool = False):
+        # CUDA graphs replay a segment's kernels in one launch: static shapes only, which ours
+        # are (one artifact per input layout)
+        self.options = {"triton.cudagraphs": True} if cudagraphs else {}
+        self.cache: dict = {}
+        self.report = CompileReport()
+        self._eager: set[str] = set()      # signatures Inductor failed on: warned once
+
+    def runner(self, seg: Segment) -> "CompiledSegment":
+        self.report.segments += 1
+        return CompiledSegment(self, seg.signature, seg.label, seg.gm, seg.modules)
+
+    def get(self, seg: "CompiledSegment", args: tuple):
+        key = (seg.signature, torch.is_grad_enabled(), tuple(map(_layout, args)))
+        fn = self.cache.get(key)
+        if fn is None:
+            fn = self.cache[key] = self._compile(seg, list(args))
+        return fn
+
+    def _compile(self, seg, args: list):
+        if seg.signature in self._eager:
+            return seg.gm
+        start = time.perf_counter()
+        try:
+            fn = _inductor(copy.deepcopy(seg.gm), args, self.options, self.report)
+            self.report.artifacts += 1
+        except Exception as e:   # noqa: BLE001 -- any Inductor failure: this layer runs eager
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            where = ", ".join(seg.modules[:4]) + (" ..." if len(seg.modules) > 4 else "")
+            warnings.warn(f"autopart compile=True: Inductor could not compile {seg.label} "
+                          f"(modules {where}): {why}; it runs eager (each repeat too)",
+                          stacklevel=2)
+            self.report.fallbacks[seg.label] = why
+            self._eager.add(seg.signature)
+            fn = seg.gm
+        self.report.seconds += time.perf_counter() - start
+        return fn
+
+
+def _layout(a):
+    """What an artifact is specialized on: a tensor's layout, an integer's value."""
+    if isinstance(a, torch.Tensor):
+        return a.shape, a.stride(), a.dtype, a.device, a.requires_grad
+    return a
+
+
+def _inductor(gm: fx.GraphModule, args: list, options: dict, report: CompileReport):
+    """compile_fx specialized on `args` (static shapes), as standalone_compile does: a fake
+    mode with a ShapeEnv in a tracing context, without which Inductor bypasses its FX-graph and
+    AOTAutograd caches; the backward lowered now, not at the first backward, so its seconds
+    are counted here."""
+    from torch._functorch import config as functorch_config
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def inner(*a, **kw):                 # each forward and backward graph Inductor makes
+        report.graphs += 1
+        return compile_fx_inner(*a, **kw)
+
+    for node in gm.graph.nodes:          # the capture's symbolic fakes: Inductor retraces
+        for k in ("val", "tensor_meta", "example_value"):
+            node.meta.pop(k, None)
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), config.patch(options), \
+            functorch_config.patch(force_non_lazy_backward_lowering=True):
+        return compile_fx(gm, args, inner_compile=inner, ignore_shape_env=True)
+
+
+class CompiledSegment:
+    """Called from the chunk graph in place of the segment's nodes."""
+
+    def __init__(self, compiler: SegmentCompiler, signature: str, label: str, gm, modules=()):
+        self.compiler, self.signature, self.label, self.gm = compiler, signature, label, gm
+        self.modules = list(modules)
+
+    def __call__(self, *args):
+        return self.compiler.get(self, args)(*args)
+
+    def __repr__(self) -> str:
+        return f"CompiledSegment({self.label}, {self.signature})"
+
+
+def _call_segment(segment, *args):
+    return segment(*args)
+
+
+_call_segment.__module__ = "autopart_inductor"
+
+
+# -- rewriting this rank's programs ------------------------------------------------------------
+
+def rewrite(gm: fx.GraphModule, layers: tuple, chunk: int, compiler: SegmentCompiler,
+            prefix: str) -> fx.GraphModule:
+    """A GraphModule running `gm` with each segment replaced by a call of its compiled
+    artifact; parameters and buffers stay the same objects at the same paths. `prefix` names
+    the segment attributes: distinct per graph, because a split I/W program resolves names in
+    its chunk's graph first."""
+    plan = plan_chunk(gm, layers, chunk)
+    last = {s.nodes[-1]: s for s in plan if isinstance(s, Segment)}
+    inside = {n for s in last.values() for n in s.nodes}
+    g, env, attrs = fx.Graph(), {}, {}
+
+    def value(n):
+        if n not in env:             # a size computation used by an op left eager
+            env[n] = g.node_copy(n, value)
+        return env[n]
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            attrs[node.target] = _subgraph(_attr(gm, node.target), layers, chunk, compiler,
+                                           f"{prefix}_{len(attrs)}")
+            env[node] = g.get_attr(node.target)
+        elif node in last:
+            _emit_segment(g, last[node], value, env, attrs, compiler, prefix)
+        elif node not in inside and not _is_free(node):
+            env[node] = g.node_copy(node, value)
+    return fx.GraphModule(attrs, g, class_name=type(gm).__name__)
+
+
+def _emit_segment(g, seg: Segment, value, env, attrs, compiler, prefix: str) -> None:
+    name = f"{prefix}_segment_{len(attrs)}"
+    attrs[name] = compiler.runner(seg)
+    call = g.call_function(_call_segment, (g.get_attr(name), *(value(n) for n in seg.inputs)))
+    for i, out in enumerate(seg.outputs):
+        env[out] = g.call_function(operator.getitem, (call, i))
+        env[out].meta = dict(out.meta)
+
+
+def _subgraph(value, layers, chunk, compiler, prefix: str):
+    """A recomputed region (a GraphModule under checkpoint) is rewritten the same way."""
+    if isinstance(value, fx.GraphModule):
+        return rewrite(value, layers, chunk, compiler, prefix)
+    return value
+
+
+def compile_rank_program(rank_program, compiler: SegmentCompiler):
+    """`rank_program` with every chunk's graph (and its split I/W programs) running compiled
+    segments. The returned chunks hold the same parameter objects."""
+    chunks = []
+    for c in rank_program.chunks:
+        gm = rewrite(c.gm, c.layers, c.chunk, compiler, f"inductor{c.chunk}")
+        chunks.append(replace(c, gm=gm, backward=_split(c, compiler)))
+    return replace(rank_program, chunks=tuple(chunks))
+
+
+def _split(chunk, compiler):
+    """The zero-bubble I/W programs (traced joint graphs, run without autograd) compiled the
+    same way; their parameters are still read from the chunk's graph by path."""
+    sb = chunk.backward
+    if sb is None or sb.fallback is not None:
+        return sb
+    return replace(sb, **{k: rewrite(getattr(sb, k), chunk.layers, chunk.chunk, compiler,
+                                     f"inductor{chunk.chunk}_{k}")
+                          for k in ("forward", "input_grad", "weight_grad")})

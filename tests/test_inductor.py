@@ -1,0 +1,250 @@
+"""parallelize(compile=True): chunk programs through Inductor, one artifact per distinct layer.
+
+Equivalence: every compiled case trains 3 steps against a deep copy of the plain model on the
+same global batch (tests/_workers.equivalence: losses, first-step gradients, clipped norm,
+parameters, full state dict) with the same tolerance as eager runs, rtol 1e-5 / atol 1e-6
+(Adam parameters atol 1e-5). Inductor fuses kernels and so sums in another order than the plain
+model, but the sums here are short (width 32, a few microbatches): measured errors stay below
+5e-7, round-off of fp32 values up to ~1, the same size as the eager pipeline's own reordering.
+A wrong artifact reused for a layer (wrong parameters, wrong shapes) is an O(1) error.
+
+Fast tier (no Inductor compile): what would be compiled, counted from the graphs; the CLI flag;
+bad arguments. Full tier: Inductor itself (a cold compile is tens of seconds per artifact on a
+2-core machine).
+
+    python -m pytest -q -m "not full" tests/test_inductor.py
+    python -m pytest -q tests/test_inductor.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopart
+from autopart.errors import AutopartError
+from examples.gpt import GPT, GPTConfig, lm_loss
+from tests._workers import assert_all_ranks_equal_plain, run_group
+from tests.inductor_workers import CompiledCase, compiled_cases
+
+GPT_FILE = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+
+
+def _gpt(n_layer: int):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=32, vocab_size=64, block_size=16))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (4, 16), generator=g)
+    y = torch.randint(0, 64, (4, 16), generator=g)
+    return model, x, y
+
+
+# -- fast: what would be compiled ---------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,per_layer", [(dict(pp=1), 1), (dict(tp=2), 5)])
+def test_distinct_artifacts_do_not_grow_with_depth(mesh, per_layer):
+    """A GPT block is one segment, the same code in every block; with tp=2 five (the
+    collectives before and after attention and the MLP cut it, and the layer boundary cuts the
+    norm before the first from the previous block's tail). So 2 and 8 layers compile the same
+    artifacts, and only the calls grow: 6 more blocks, 6 * per_layer more calls."""
+    from autopart.runtime.compiled import describe
+    rows = {}
+    for n in (2, 8):
+        model, x, y = _gpt(n)
+        compiled = autopart.compile(model, autopart.Mesh(**mesh), (x,), loss_fn=lm_loss, target=y)
+        rows[n] = describe(compiled)[0]
+        every_layer = [a for a in rows[n]["artifacts"]
+                       if {f"transformer.h.{i}" for i in range(n)} <= set(a["labels"])]
+        assert len(every_layer) == per_layer, rows[n]
+    assert rows[8]["segments"] - rows[2]["segments"] == 6 * per_layer
+    assert rows[2]["distinct"] == rows[8]["distinct"]
+    if per_layer == 1:    # the embeddings, the block, the head with the loss
+        assert (rows[2]["segments"], rows[2]["distinct"]) == (4, 3), rows[2]
+
+
+def _cli(argv, capsys):
+    from autopart.compile_cli import add_compile_command, run_compile
+    parser = argparse.ArgumentParser(prog="autopart")
+    add_compile_command(parser.add_subparsers(dest="command"))
+    code = run_compile(parser.parse_args(["compile", *argv]))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_compile_flag(capsys):
+    base = [f"{GPT_FILE}:GPT", "--config", "tiny,n_layer=4", "--mesh", "pp=2", "--batch", "4"]
+    code, out, err = _cli(base + ["--compile", "--json"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)["inductor"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:     # each pipeline rank: its 2 blocks share one artifact, plus its end part
+        assert (r["segments"], r["distinct"]) == (3, 2), r
+    code, out, err = _cli(base + ["--compile"], capsys)
+    assert code == 0, err
+    assert "rank 0: 3 segments, 2 distinct artifacts" in out
+    assert "2 uses (transformer.h.0 .. transformer.h.1)" in out
+    code, out, _ = _cli(base, capsys)
+    assert "distinct artifacts" not in out
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(compile="yes"), "compile='yes': expected False, True or 'cudagraphs'"),
+    (dict(compile=True, precision="bf16"), "compile=True with precision='bf16'"),
+])
+def test_bad_compile_arguments(kwargs, message):
+    model, x, y = _gpt(2)
+    with pytest.raises(AutopartError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        autopart.parallelize(model, autopart.Mesh(pp=1), (x,), loss_fn=lm_loss, target=y, **kwargs)
+
+
+# -- full: Inductor ---------------------------------------------------------------------------
+
+C = CompiledCase
+CASES_2 = [
+    C("pp2-1f1b", model="gpt4", pp=2, microbatches=2, batch=4),
+    C("pp2-gpipe", model="gpt4", pp=2, schedule="gpipe", microbatches=2, batch=4),
+    C("pp2-interleaved", model="gpt4", pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+      microbatches=4),
+    C("pp2-zb-h1", model="gpt4", pp=2, schedule="zb-h1", microbatches=4),        # I/W programs
+    C("pp2-zb-v", model="gpt4", pp=2, schedule="zb-v", virtual_stages=2, microbatches=4),
+    C("pp2-dualpipe-v", model="gpt4", pp=2, schedule="dualpipe-v", virtual_stages=2,
+      microbatches=4),
+    C("pp2-recompute-full", model="gpt4", pp=2, microbatches=2, recompute="full"),
+    C("pp2-recompute-selective", model="gpt4", pp=2, microbatches=2, recompute="selective"),
+    C("tp2", model="gpt4", tp=2, batch=4),
+    C("dp2", model="gpt4", dp=2, batch=4, optim="adam"),
+    C("switch-dp2-ep2", model="switch", dp=2, ep=2, microbatches=2),
+]
+CASES_4 = [
+    C("pp2xtp2", model="gpt4", pp=2, tp=2, microbatches=2, batch=4),
+    C("pp2xdp2-zb-h1", model="gpt4", pp=2, dp=2, schedule="zb-h1", microbatches=2),
+    C("switch-dp2-ep2xpp2", model="switch", dp=2, ep=2, pp=2, microbatches=2),
+]
+SPAWN_S = 1800.0      # cold: each distinct artifact tens of seconds on a loaded 2-core machine
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
+def test_compiled_matches_plain_model(case, spawn_cache):
+    cases = CASES_2 if case.world == 2 else CASES_4
+    ranks = run_group(spawn_cache, ("inductor", case.world), cases, timeout=SPAWN_S,
+                      rank_fn=compiled_cases)[case.name]
+    assert_all_ranks_equal_plain(case, ranks)
+    for r in ranks:
+        assert r["artifacts"] >= 1 and not r["fallbacks"], r
+        # torch's own count: one AOTAutograd compilation per artifact of ours, no recompiles
+        assert r["aot_compiles"] == r["artifacts"], r
+        assert "s compiling" in r["explain"]
+
+
+@pytest.mark.full
+def test_one_artifact_per_distinct_layer(single_process_group):
+    """2 and 6 layers: the same three artifacts (embeddings, block, head and loss), counted by
+    torch's AOTAutograd counter too; the 6-layer run compiles nothing new once the 2-layer
+    one has (the block's artifact is keyed by its code, not its parameters)."""
+    from torch._dynamo.utils import counters
+    for n in (2, 6):
+        model, x, y = _gpt(n)
+        before = counters["aot_autograd"]["total"]
+        pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), loss_fn=lm_loss, target=y,
+                                  compile=True)
+        pm.train_step(x, target=y)
+        pm.train_step(x, target=y)     # the second step compiles nothing
+        report = pm.inductor.report
+        assert (report.segments, report.artifacts) == (n + 2, 3), report
+        assert counters["aot_autograd"]["total"] - before == 3
+        assert "inductor (this rank): %d segments, 3 compiled artifacts" % (n + 2) in pm.explain()
+
+
+@torch.library.custom_op("autopart_test::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@doubled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+doubled.register_autograd(lambda ctx, g: g * 2)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h):
+        return h + torch.tanh(self.lin(h))
+
+
+class _Odd(_Block):
+    def forward(self, h):
+        return h + doubled(self.lin(h))
+
+
+class _WithOdd(nn.Module):
+    """Four blocks, the third calling an op Inductor has no lowering for."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(width), _Block(width), _Odd(width), _Block(width)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+@pytest.mark.full
+def test_uncompilable_layer_runs_eager_with_one_warning(single_process_group):
+    import copy
+    from torch._inductor.lowering import lowerings, register_lowering
+    op = torch.ops.autopart_test.doubled.default
+
+    def no_lowering(x):
+        raise NotImplementedError("autopart_test::doubled has no Inductor lowering")
+
+    register_lowering(op)(no_lowering)
+    try:
+        torch.manual_seed(0)
+        model, x = _WithOdd(), torch.randn(4, 16)
+        plain = copy.deepcopy(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), compile=True)
+            losses = [pm.train_step(x) for _ in range(2)]
+    finally:
+        lowerings.pop(op, None)
+    ours = [str(w.message) for w in caught if "Inductor could not compile" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert "blocks.2" in ours[0] and "runs eager" in ours[0] and "doubled" in ours[0]
+    assert list(pm.inductor.report.fallbacks) == ["blocks.2"]
+    ref = plain(x)
+    ref.backward()
+    torch.testing.assert_close(losses[0], ref.detach(), rtol=1e-5, atol=1e-6)
+    grads = dict(plain.named_parameters())
+    for name, p in pm.named_parameters():     # two steps accumulated: twice the plain's
+        torch.testing.assert_close(p.grad, 2 * grads[name].grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.full
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", [True, "cudagraphs"])
+def test_cuda_compiled_matches_plain(single_process_group, mode):
+    import copy
+    model, x, y = _gpt(2)
+    model, x, y = model.cuda(), x.cuda(), y.cuda()
+    plain = copy.deepcopy(model)
+    pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), loss_fn=lm_loss, target=y,
+                              compile=mode)
+    loss = pm.train_step(x, target=y)
+    ref = lm_loss(plain(x), y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
