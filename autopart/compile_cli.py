@@ -85,6 +85,9 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
                         "the file's lm_loss when it has one; else the model returns its loss)")
     p.add_argument("--meta", action="store_true",
                    help="build the model on the meta device (automatic above ~1e9 parameters)")
+    p.add_argument("--compile", action="store_true",
+                   help="report what parallelize(compile=True) would compile with Inductor: "
+                        "each rank's segments and the distinct artifacts its layers share")
     p.set_defaults(run=run_compile)
     return p
 
@@ -138,12 +141,18 @@ def _run(args: argparse.Namespace) -> int:
             out["emitted"] = [str(f) for f in files]
         if args.rank is not None:
             out["rank_program"] = {"rank": args.rank, "code": compiled.programs[args.rank].code}
+        if args.compile:     # runtime/compiled.py: nothing is compiled here, only counted
+            from autopart.runtime.compiled import describe
+            out["inductor"] = describe(compiled)
         print(json.dumps(out, indent=1))
         return 0
     if built.meta:
         why = "--meta" if args.meta else f"{built.n_params / 1e9:.1f}B parameters > ~1e9"
         print(f"model built on the meta device ({why}): no weights allocated")
     print(compiled.explain())
+    if args.compile:
+        from autopart.runtime.compiled import describe_lines
+        print("\n".join(describe_lines(compiled)))
     print(f"compile time: {seconds:.2f} s (whole command, model build included); "
           f"peak memory (ru_maxrss): {peak / 2**20:.0f} MiB")
     for f in files:

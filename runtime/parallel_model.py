@@ -37,7 +37,7 @@ class ParallelModel:
     def __init__(self, compiled: Compiled, rank: int, device: torch.device, timeout: timedelta,
                  key_order: list[str], extra_state: dict[str, torch.Tensor],
                  build: Callable | None = None, trace: str | None = None, zero: int = 0,
-                 nonfinite: str = "raise"):
+                 nonfinite: str = "raise", compile: bool | str = False):
         self.compiled = compiled
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.steps = 0                  # train_steps run: errors name the step
@@ -58,6 +58,11 @@ class ParallelModel:
         else:
             for c in self.program.chunks:
                 c.gm.to(device)
+        self.inductor = None    # compile=True: the SegmentCompiler (runtime/compiled.py)
+        if compile:             # each distinct layer compiled once, on its first microbatch
+            from autopart.runtime.compiled import SegmentCompiler, compile_rank_program
+            self.inductor = SegmentCompiler(cudagraphs=compile == "cudagraphs")
+            self.program = compile_rank_program(self.program, self.inductor)
         self._params = self.program.parameters()
         # receives posted before the computes that precede their use, where provably safe
         actions = hoist_receives(compiled.schedule).ranks[self.coords["pp"]]
@@ -159,7 +164,10 @@ class ParallelModel:
         return ZeroOptimizer(list(self._grads.zero_layouts), cls, **kwargs)
 
     def explain(self) -> str:
-        return self.compiled.explain()
+        text = self.compiled.explain()
+        if self.inductor is not None:   # compile=True: this rank's Inductor seconds so far
+            text += "\n" + self.inductor.report.line()
+        return text
 
     def save(self, path, optimizer=None, extra: dict | None = None, **kwargs) -> dict:
         """Save this model's shards, `optimizer`'s state, RNG states and `extra` to the checkpoint
@@ -182,7 +190,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                 timeout: timedelta = DEFAULT_TIMEOUT, seed: int = 0,
                 init_fn: Callable | None = None, trace: str | None = None,
                 zero: int = 0, nonfinite: str = "raise",
-                precision: str = "fp32") -> ParallelModel:
+                precision: str = "fp32", compile: bool | str = False) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
@@ -201,7 +209,17 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     `precision="bf16"`: compute in bf16 under autocast, parameters (the master weights the
     optimizer steps), gradients and the loss in fp32, pipeline transfers in bf16
     (autopart/runtime/step.py).
+
+    `compile=True`: the chunk programs run through Inductor, each distinct layer compiled once
+    and reused by its repeats (autopart/runtime/compiled.py); `explain()` then adds this rank's
+    compile seconds. `compile="cudagraphs"` (CUDA, static shapes): the compiled segments also
+    replay as CUDA graphs.
     """
+    if compile not in (False, True, "cudagraphs"):
+        raise AutopartError(f"compile={compile!r}: expected False, True or 'cudagraphs'")
+    if compile and precision != "fp32":
+        raise AutopartError(f"compile=True with precision={precision!r}: compiled programs run "
+                            "fp32 only so far.\n  remedy: precision='fp32', or compile=False")
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
                             "first (or use autopart.compile to inspect without processes)")
@@ -241,7 +259,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
         build = None
     return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, build,
                          trace=trace_path(trace), zero=zero,
-                         nonfinite=nonfinite)
+                         nonfinite=nonfinite, compile=compile)
 
 
 def zero_layouts(plan, params: dict, groups) -> tuple:
