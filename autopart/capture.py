@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
 
+from autopart import layer_reuse as layer_reuse_mod
 from autopart.errors import AutopartError, node_error
 from autopart.ir import BATCH, SEQ, Program, TensorInfo
 
@@ -100,8 +101,12 @@ def _check_scalar(loss, what: str):
 
 
 def capture(model: nn.Module, example_inputs: tuple, *, loss_fn: Callable | None = None,
-            target: torch.Tensor | None = None) -> Program:
+            target: torch.Tensor | None = None, layer_reuse: bool | None = None) -> Program:
     """Export `model` (with `loss_fn` applied) on one global batch into a Program.
+
+    With `layer_reuse` (default: on unless AUTOPART_LAYER_REUSE=0) a model whose layers repeat
+    is traced with two of them and the others spliced in (autopart/layer_reuse.py): the same
+    Program as tracing every layer, in a fraction of the time.
 
     >>> from examples.gpt import GPT, lm_loss
     >>> import torch
@@ -114,9 +119,15 @@ def capture(model: nn.Module, example_inputs: tuple, *, loss_fn: Callable | None
     _check_inputs(args)
     wrapper = _WithLoss(model, loss_fn, target is not None)
     args = tuple(a.clone() if a.device.type != "meta" else a.detach() for a in args)  # distinct objects
-    ep, dynamic = _export(wrapper, args)
     names = _input_names(model, len(example_inputs)) + (["target"] if target is not None else [])
-    program = _to_program(ep, model, args, dynamic, names)
+
+    def trace() -> Program:       # the model as it is when called (layer reuse shortens it)
+        ep, dynamic = _export(wrapper, args)
+        return _to_program(ep, model, args, dynamic, names)
+
+    program = layer_reuse_mod.capture_reusing(model, trace) \
+        if layer_reuse_mod.enabled(layer_reuse) else None
+    program = program if program is not None else trace()
     # graph outputs 1.. (output 0 is the loss)
     return program.replace(stats=tuple(wrapper.stat_names))
 
@@ -260,7 +271,13 @@ def _to_program(ep, model: nn.Module, args: tuple, dynamic: bool, names: list[st
         if node.op != "placeholder":
             if node.op == "get_attr":   # a submodule of a higher-order op (autocast, no_grad)
                 state.attrs[node.target] = getattr(ep.graph_module, node.target)
-            env[node] = _copy_meta(graph.node_copy(node, lambda n: env[n]), node)
+            # renumbered per op in graph order (linear, linear_1, ...) without the gaps torch
+            # leaves for nodes it dropped: the names then depend only on the graph, so a graph
+            # spliced from repeated layers (autopart/layer_reuse.py) is named as the full trace
+            env[node] = _copy_meta(graph.create_node(
+                node.op, node.target, *fx.map_arg((node.args, node.kwargs), lambda n: env[n]),
+                name=layer_reuse_mod.base_name(node.name) if node.op == "call_function"
+                else node.name, type_expr=node.type), node)
         elif (attr := state.lift(node)) is not None:
             env[node] = _copy_meta(graph.get_attr(attr), node)
         else:
