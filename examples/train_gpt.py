@@ -3,6 +3,7 @@ the plain single-process model on the same batches.
 
     python examples/train_gpt.py                  # starts 4 rank processes itself (pp=2 x dp=2)
     torchrun --nproc-per-node 4 examples/train_gpt.py   # or let torchrun start them
+    python examples/train_gpt.py --precision bf16 --steps 50   # bf16 against the fp32 curve
 
 Characters are tokens (bytes, vocabulary 256). Every rank sees the same global batch;
 autopart takes each rank's data-parallel shard and microbatches from it.
@@ -52,7 +53,7 @@ def train_parallel(rank: int, world: int, args) -> list[float]:
     xs = list(batches(args.steps, args.batch, model.config.block_size, args.seed))
     pm = autopart.parallelize(model, mesh, (xs[0][0],), loss_fn=lm_loss, target=xs[0][1],
                               microbatches=args.microbatches, schedule=args.schedule,
-                              virtual_stages=args.virtual_stages)
+                              virtual_stages=args.virtual_stages, precision=args.precision)
     del model      # this rank now holds only its share of the weights (through pm)
     opt = make_optimizer(pm.parameters(), args)
     if rank == 0:
@@ -85,14 +86,20 @@ def train_plain(args) -> list[float]:
     return losses
 
 
-def compare(parallel: list[float], plain: list[float]) -> float:
-    print("\nstep  autopart   plain")
+def compare(parallel: list[float], plain: list[float], precision: str = "fp32") -> bool:
+    """Print both curves; True when they agree: to fp32 round-off (the same recipe), or for
+    bf16 within 2% of the fp32 plain model's loss at every step (the issue's target)."""
+    print(f"\nstep  autopart ({precision})   plain (fp32)")
     for i, (a, b) in enumerate(zip(parallel, plain)):
         if i % max(1, len(plain) // 10) == 0 or i == len(plain) - 1:
             print(f"{i:4d}  {a:.5f}  {b:.5f}")
     worst = max(abs(a - b) for a, b in zip(parallel, plain))
     print(f"largest loss difference from the plain model: {worst:.2e}")
-    return worst
+    if precision == "fp32":
+        return worst < 1e-3
+    relative = max(abs(a - b) / abs(b) for a, b in zip(parallel, plain))
+    print(f"largest relative loss difference, {precision} vs the fp32 plain model: {relative:.2%}")
+    return relative < 0.02
 
 
 def parse_args(argv=None):
@@ -109,6 +116,8 @@ def parse_args(argv=None):
     # round-off (5e-7) over the whole run.
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: parallelize(precision='bf16'), compared with the fp32 plain model")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before all ranks are killed")
     return p.parse_args(argv)
 
@@ -121,7 +130,7 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
         losses = train_parallel(dist.get_rank(), dist.get_world_size(), args)
         if dist.get_rank() == 0:
-            compare(losses, train_plain(args))
+            compare(losses, train_plain(args), args.precision)
         dist.destroy_process_group()
         return 0
     import autopart
@@ -129,8 +138,7 @@ def main(argv=None) -> int:
     world = autopart.Mesh.parse(args.mesh).world_size
     print(f"starting {world} rank processes for {args.mesh} on this machine", flush=True)
     losses = spawn(train_parallel, world, args, timeout=args.timeout)[0]
-    worst = compare(losses, train_plain(args))
-    return 0 if worst < 1e-3 else 1
+    return 0 if compare(losses, train_plain(args), args.precision) else 1
 
 
 if __name__ == "__main__":
