@@ -108,7 +108,8 @@ class Wire:
         for module, name, as_ in [(dist, n, n) for n in ("batch_isend_irecv", "all_reduce",
                                                           "all_to_all_single")] + \
                 [(tp, "_all_gather_into", "all_gather"), (tp, "_reduce_scatter_into",
-                                                          "reduce_scatter")]:
+                                                          "reduce_scatter"),
+                 (dist, "reduce_scatter_tensor", "reduce_scatter")]:   # ZeRO-1's gradients
             fn = getattr(module, name)
             self._saved.append((module, name, fn))
             setattr(module, name, self._wrap(as_, fn))
