@@ -76,9 +76,6 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=(0, 1),
                    help="1: ZeRO-1, optimizer state and fp32 master slice sharded over dp, as "
                         "the memory lines count it (default 0)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
-                   help="bf16: compute, pipeline transfers and tp collectives in bf16, fp32 master "
-                        "weights and gradients (default fp32)")
     p.add_argument("--emit", metavar="DIR", default=None,
                    help="write each distinct rank program to DIR/rank{pp_rank}.py")
     p.add_argument("--rank", type=int, default=None, help="print this global rank's program code")

@@ -181,17 +181,6 @@ def check_precision(precision: str) -> None:
             "gradients) or \"fp32\"; fp16 would need loss scaling, which autopart does not do")
 
 
-PRECISIONS = ("fp32", "bf16")
-
-
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise AutopartError(
-            f"precision={precision!r} is not one autopart implements ({', '.join(PRECISIONS)}).\n"
-            "  remedy: precision=\"bf16\" (bf16 compute and transfers, fp32 master weights and "
-            "gradients) or \"fp32\"; fp16 would need loss scaling, which autopart does not do")
-
-
 class RankPrograms(Mapping):
     """rank -> RankProgram, made on first access: with tensor parallelism each (pp, tp) pair
     holds its own weight shards, and a 3072-rank mesh need not build 3072 programs to inspect

@@ -146,7 +146,6 @@ def _tp_lines(compiled) -> list[str]:
     lines = [f"tensor parallelism over tp={plan.mesh.tp}"
              + (" with sequence parallelism" if plan.sequence_parallel else "")
              + (" (bf16 where autocast computes in bf16)" if plan.precision == "bf16" else "")
-             + (" (bf16 where autocast computes in bf16)" if plan.precision == "bf16" else "")
              + (f"; collectives of one layer ({first}), bytes per rank per microbatch:" if shown else ":")]
     for r in shown:
         lines.append(f"  {r['module']:<28} {r['split']:<7} fwd {r['forward']:<15} "
