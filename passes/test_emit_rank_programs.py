@@ -50,8 +50,8 @@ class TinyLM(nn.Module):
 EXPECTED_TINYLM_PP2 = '''\
 # chunk 0 on pipeline rank 0: h.0
 def forward(self, idx):
-    sym_size_int_2 = torch.ops.aten.sym_size.int(idx, 1)
-    arange = torch.ops.aten.arange.default(sym_size_int_2, device = device(type='cpu'), pin_memory = False);  sym_size_int_2 = None
+    sym_size_int = torch.ops.aten.sym_size.int(idx, 1)
+    arange = torch.ops.aten.arange.default(sym_size_int, device = device(type='cpu'), pin_memory = False);  sym_size_int = None
     wte_weight = self.wte.weight
     embedding = torch.ops.aten.embedding.default(wte_weight, idx);  wte_weight = idx = None
     wpe_weight = self.wpe.weight
