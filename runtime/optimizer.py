@@ -5,18 +5,27 @@
     pm.train_step(x, target=y); opt.step(); opt.zero_grad()
 
 The parameters a rank shares with its data-parallel replicas are laid end to end in one flat
-buffer (sorted by name, padded to a multiple of the replica count d); replica i owns elements
-[i*n/d, (i+1)*n/d) of it. Expert parameters form a second flat buffer over their own replica
+order (sorted by name, padded to a multiple of the replica count d); replica i owns elements
+[i*n/d, (i+1)*n/d) of it. Expert parameters form a second flat order over their own replica
 group (the ranks holding the same experts). After backward the gradient reducer
-reduce-scatters each flat gradient instead of all-reducing it, so each replica receives the
+reduce-scatters the gradients instead of all-reducing them, so each replica receives the
 summed gradient of its own 1/d slice; `.grad` of every parameter is then full-shaped with the
 reduced gradient in the elements of this rank's slice and zeros elsewhere (clipping and
-accumulation act on it as usual). `step` runs the user's optimizer class on one fp32 tensor
-per flat buffer holding this rank's slice (its state, Adam's two moments, is 1/d of the plain
-optimizer's), then all-gathers the updated slices into the parameters: a reduce-scatter plus an
-all-gather move the same bytes as the all-reduce they replace. Checkpoints store the state per
-parameter, as the plain optimizer holds it (gather_state_by_parameter, load_slices; the mapping
-is in runtime/checkpoint.py), so they load at any zero level.
+accumulation act on it as usual). `step` runs the user's optimizer class on this rank's fp32
+slice (its state, Adam's two moments, is 1/d of the plain optimizer's), then all-gathers the
+updated slices into the parameters: a reduce-scatter plus an all-gather move the same bytes as
+the all-reduce they replace. Checkpoints store the state per parameter, as the plain optimizer
+holds it (gather_state_by_parameter, load_slices; the mapping is in runtime/checkpoint.py), so
+they load at any zero level.
+
+Buckets (`parallelize(..., zero_bucket_size=)`, elements, default 40M as Megatron-LM's
+bucket_size): the flat order is never built whole. A bucket is the same range [s, e) of every
+replica's slice, so each collective takes the d pieces [k*n/d + s, k*n/d + e) copied from (or
+into) the parameters' own tensors: a reduce-scatter's input, an all-gather's output, and the
+optimizer's tensors (one per bucket, views of the slice) are one bucket each, and a rank's
+transient memory is one bucket beside its 1/d slice's gradient, not its whole parameter set
+three times over. Taking the same range of every slice (rather than Megatron's cut of each
+bucket into d parts) keeps the ownership above, so checkpoints do not depend on the bucket size.
 
 Why not torch.distributed.optim.ZeroRedundancyOptimizer: it assigns whole parameters to ranks
 (a sorted-greedy partition), so a rank's share is uneven (one 50k x 1k embedding outweighs a
@@ -26,62 +35,114 @@ expert parameters replicate over different groups.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError
 
+DEFAULT_BUCKET_SIZE = 40_000_000     # elements per collective (Megatron-LM's default bucket_size)
+
+
+def check_bucket_size(bucket_size, zero: int) -> int:
+    """`zero_bucket_size` as given to parallelize, or the default; a clear error otherwise."""
+    if bucket_size is None:
+        return DEFAULT_BUCKET_SIZE
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+        raise AutopartError(f"zero_bucket_size={bucket_size!r}: expected a positive number of "
+                            "gradient elements per reduce-scatter / all-gather.\n  remedy: an "
+                            f"int such as {DEFAULT_BUCKET_SIZE} (the default), or leave it out")
+    if not zero:
+        raise AutopartError(f"zero_bucket_size={bucket_size} sizes the buckets of zero=1's "
+                            "reduce-scatter and all-gather, but zero=0 has none.\n  remedy: "
+                            "pass zero=1, or leave zero_bucket_size out")
+    return bucket_size
+
 
 class FlatLayout:
-    """Parameters `names` of one replica group laid end to end; this rank's slice of them."""
+    """Parameters `names` of one replica group laid end to end; this rank's slice of them, cut
+    into buckets of `bucket_size` elements over the group (bucket_size // d of each slice)."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], names: list[str], group):
+    def __init__(self, params: dict[str, torch.nn.Parameter], names: list[str], group,
+                 bucket_size: int = DEFAULT_BUCKET_SIZE):
         self.names, self.group = sorted(names), group
         self.params = [params[n] for n in self.names]
         self.size = dist.get_world_size(group) if group is not None else 1
         self.index = dist.get_rank(group) if group is not None else 0
-        numel = sum(p.numel() for p in self.params)
-        self.padded = -(-numel // self.size) * self.size
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
+        self.numel = self.offsets[-1]
+        self.padded = -(-self.numel // self.size) * self.size
         self.shard = self.padded // self.size
         self.lo, self.hi = self.index * self.shard, (self.index + 1) * self.shard
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        step = max(1, bucket_size // self.size)
+        # [s, e) of every replica's slice; one (empty) bucket when the slice is empty
+        self.ranges = [(s, min(s + step, self.shard)) for s in range(0, self.shard, step)] \
+            or [(0, 0)]
 
-    def flat(self, tensors) -> torch.Tensor:
-        parts = [t.reshape(-1) for t in tensors]
-        pad = self.padded - sum(p.numel() for p in parts)
-        if pad:
-            parts.append(parts[0].new_zeros(pad) if parts else torch.zeros(pad))
-        return torch.cat(parts)
+    def pieces(self, a: int, b: int):
+        """(i, first, last, at) for each parameter i with elements in [a, b) of the flat order:
+        elements [first, last) of its flattened tensor are [a + at, a + at + last - first)."""
+        i = max(0, bisect.bisect_right(self.offsets, a) - 1)
+        while i < len(self.params) and self.offsets[i] < b:
+            o = self.offsets[i]
+            first, last = max(a, o) - o, min(b, self.offsets[i + 1]) - o
+            if first < last:
+                yield i, first, last, o + first - a
+            i += 1
 
-    def scatter_back(self, flat: torch.Tensor, targets) -> None:
-        offset = 0
-        for t in targets:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+    def read(self, tensors, a: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` with elements [a, a + len(out)) of `tensors` laid end to end (a None
+        tensor and the padding read as zeros); returns `out`."""
+        end = a + out.numel()
+        for i, first, last, at in self.pieces(a, end):
+            t = tensors[i]
+            if t is None:
+                out[at:at + last - first].zero_()
+            else:
+                out[at:at + last - first].copy_(t.detach().reshape(-1)[first:last])
+        out[max(0, min(end, self.numel) - a):].zero_()
+        return out
+
+    def write(self, src: torch.Tensor, a: int, tensors) -> None:
+        """Copy `src` into elements [a, a + len(src)) of `tensors` laid end to end."""
+        for i, first, last, at in self.pieces(a, a + src.numel()):
+            _write_flat(tensors[i].detach(), first, last, src[at:at + last - first])
 
     def reduce_scatter_grads(self) -> None:
-        """Sum the gradients over the group, keeping this rank's slice (zeros elsewhere)."""
+        """Sum the gradients over the group, keeping this rank's slice (zeros elsewhere), one
+        bucket at a time: each bucket's input holds its d pieces copied from the gradients."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = self.flat([p.grad for p in self.params])
-        mine = torch.empty(self.shard, dtype=flat.dtype, device=flat.device)
-        if self.group is not None:
-            dist.reduce_scatter_tensor(mine, flat, group=self.group)
-        else:
-            mine.copy_(flat)
-        flat.zero_()
-        flat[self.lo:self.hi] = mine
-        self.scatter_back(flat, [p.grad for p in self.params])
+            elif not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+        grads = [p.grad for p in self.params]
+        if self.group is None:
+            return
+        for s, e in self.ranges:
+            n = e - s
+            bucket = torch.empty(self.size * n, dtype=grads[0].dtype, device=grads[0].device)
+            for k in range(self.size):
+                self.read(grads, k * self.shard + s, bucket[k * n:(k + 1) * n])
+            # in place: this rank's piece of the input receives the sum (NCCL's in-place form)
+            mine = bucket[self.index * n:(self.index + 1) * n]
+            dist.reduce_scatter_tensor(mine, bucket, group=self.group)
+            self.write(mine, self.lo + s, grads)
+        for o, end, g in zip(self.offsets, self.offsets[1:], grads):
+            first, last = min(max(self.lo - o, 0), end - o), min(max(self.hi - o, 0), end - o)
+            flat = g.view(-1)
+            flat[:first].zero_()
+            flat[last:].zero_()
 
     def spans(self):
         """(name, parameter, first, last, at) for each parameter with elements in this rank's
         slice: elements [first, last) of its flattened tensor are slice[at:at + last - first]."""
-        offset = 0
-        for name, p in zip(self.names, self.params):
-            a, b = max(offset, self.lo), min(offset + p.numel(), self.hi)
-            if a < b:
-                yield name, p, a - offset, b - offset, a - self.lo
-            offset += p.numel()
+        for i, first, last, at in self.pieces(self.lo, self.hi):
+            yield self.names[i], self.params[i], first, last, at
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The whole flat buffer `flat` (padded length) as one view per parameter, by name."""
@@ -100,17 +161,32 @@ class FlatLayout:
         dist.gather(mine.contiguous(), parts, dst=first, group=self.group)
         return torch.cat(parts) if parts is not None else None
 
-    def slice_of(self, tensors) -> torch.Tensor:
-        return self.flat(tensors)[self.lo:self.hi].clone()
+    def slice_of(self, tensors, dtype=None) -> torch.Tensor:
+        """This rank's slice of `tensors` (one per parameter, None: zeros) laid end to end."""
+        dtype = dtype or next((t.dtype for t in tensors if t is not None), self.dtype)
+        return self.read(tensors, self.lo, torch.empty(self.shard, dtype=dtype, device=self.device))
 
     def all_gather_params(self, mine: torch.Tensor) -> None:
-        full = torch.empty(self.padded, dtype=mine.dtype, device=mine.device)
-        if self.group is not None:
-            dist.all_gather_into_tensor(full, mine.contiguous(), group=self.group)
-        else:
-            full.copy_(mine)
-        with torch.no_grad():
-            self.scatter_back(full, self.params)
+        """Every replica's updated slice into the parameters, one bucket at a time."""
+        for s, e in self.ranges:
+            n = e - s
+            piece = mine[s:e].to(self.dtype).contiguous()
+            full = piece
+            if self.group is not None:
+                full = torch.empty(self.size * n, dtype=piece.dtype, device=piece.device)
+                dist.all_gather_into_tensor(full, piece, group=self.group)
+            for k in range(self.size):
+                self.write(full[k * n:(k + 1) * n], k * self.shard + s, self.params)
+
+
+def _write_flat(t: torch.Tensor, first: int, last: int, src: torch.Tensor) -> None:
+    """Elements [first, last) of `t` flattened (row-major) = `src`."""
+    if t.is_contiguous():
+        t.view(-1)[first:last].copy_(src)
+    else:   # e.g. a strided shard: through a copy
+        flat = t.reshape(-1)
+        flat[first:last].copy_(src)
+        t.copy_(flat.view_as(t))
 
 
 # A parameter whose .grad holds a slice only carries this attribute: a torch optimizer stepping
@@ -143,26 +219,33 @@ def manage(params) -> None:
 
 
 class ZeroOptimizer:
-    """`cls` over this rank's slices of each flat layout; steps then all-gathers."""
+    """`cls` over this rank's fp32 slice of each flat layout, one tensor per bucket (views of
+    the slice, so the optimizer's temporaries are one bucket's); steps then all-gathers."""
 
     def __init__(self, layouts: list[FlatLayout], cls, **kwargs):
         self.layouts = layouts
-        self.shards = [torch.nn.Parameter(lay.slice_of([p.detach() for p in lay.params]).float())
+        self.shards = [torch.nn.Parameter(lay.slice_of(lay.params, torch.float32))
                        for lay in layouts]
-        self.inner = cls([s for s in self.shards], **kwargs)
+        # a slice of one bucket is stepped whole (the shard is the optimizer's tensor)
+        self.buckets = [[shard] if len(lay.ranges) == 1 else
+                        [torch.nn.Parameter(shard.detach()[s:e]) for s, e in lay.ranges]
+                        for lay, shard in zip(layouts, self.shards)]
+        self.inner = cls([b for bs in self.buckets for b in bs], **kwargs)
         setattr(self.inner, _MARK, True)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
     @torch.no_grad()
     def step(self) -> None:
-        for lay, shard in zip(self.layouts, self.shards):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
-            shard.grad = lay.slice_of(grads).float()
+        for lay, buckets in zip(self.layouts, self.buckets):
+            grad = lay.slice_of([p.grad for p in lay.params], torch.float32)
+            for b, (s, e) in zip(buckets, lay.ranges):
+                b.grad = grad[s:e]
         self.inner.step()
-        for lay, shard in zip(self.layouts, self.shards):
-            lay.all_gather_params(shard.detach().to(lay.params[0].dtype if lay.params
-                                                    else shard.dtype))
+        for lay, shard, buckets in zip(self.layouts, self.shards, self.buckets):
+            for b in buckets:       # the slice's gradient is a transient: freed here
+                b.grad = None
+            lay.all_gather_params(shard.detach())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
@@ -174,6 +257,19 @@ class ZeroOptimizer:
         return self.inner.state_dict()
 
     # -- per-parameter state, the plain optimizer's form (checkpoints: runtime/checkpoint.py) --
+    def slice_state(self, index: int) -> dict:
+        """Layout `index`'s optimizer state as one slice-long tensor per key (the buckets'
+        joined; a view when there is one bucket), or a scalar state (Adam's `step`) as is."""
+        buckets = self.buckets[index]
+        states = [self.inner.state.get(b, {}) for b in buckets]
+        out = {}
+        for key, v in states[0].items():
+            if torch.is_tensor(v) and v.dim() == 1 and v.shape == buckets[0].shape:
+                out[key] = v if len(buckets) == 1 else torch.cat([st[key] for st in states])
+            else:
+                out[key] = v
+        return out
+
     def gather_state_by_parameter(self) -> dict[str, dict]:
         """{parameter name: its state as `cls` over pm.parameters() would hold it}. Collective
         over each replica group: a tensor state the size of the slice (momentum, Adam's moments)
@@ -182,8 +278,8 @@ class ZeroOptimizer:
         only); the other ranks get only the scalar state (Adam's `step`), which every replica
         has whole."""
         out: dict[str, dict] = {}
-        for lay, shard in zip(self.layouts, self.shards):
-            state = self.inner.state.get(shard, {})
+        for index, lay in enumerate(self.layouts):
+            state = self.slice_state(index)
             per_name: dict[str, dict] = {n: {} for n in lay.names}
             for key in sorted(state):     # the same order on every replica: gathers pair up
                 v = state[key]
@@ -204,15 +300,25 @@ class ZeroOptimizer:
         if len(states) != len(self.shards):
             raise AutopartError(f"ZeroOptimizer.load_slices: {len(states)} states for "
                                 f"{len(self.shards)} flat layouts")
-        for lay, shard, state in zip(self.layouts, self.shards, states):
-            self.inner.state.pop(shard, None)
-            if state:
-                self.inner.state[shard] = dict(state)
+        for lay, shard, buckets, state in zip(self.layouts, self.shards, self.buckets, states):
+            for b, (s, e) in zip(buckets, lay.ranges):
+                self.inner.state.pop(b, None)
+                if state:
+                    self.inner.state[b] = {k: _bucket_of(v, s, e, lay.shard, len(buckets))
+                                           for k, v in state.items()}
             with torch.no_grad():
-                shard.copy_(lay.slice_of([p.detach() for p in lay.params]))
+                lay.read(lay.params, lay.lo, shard)
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
 
 
-__all__ = ["FlatLayout", "ZeroOptimizer", "manage"]
+def _bucket_of(v, s: int, e: int, shard: int, buckets: int):
+    """Bucket [s, e)'s part of a loaded slice state `v`: a view of a slice-long tensor, its own
+    copy of a scalar tensor (each bucket's `step` counts in place), a Python value as is."""
+    if torch.is_tensor(v) and v.dim() == 1 and v.numel() == shard:
+        return v[s:e]
+    return v.clone() if torch.is_tensor(v) and buckets > 1 else v
+
+
+__all__ = ["DEFAULT_BUCKET_SIZE", "FlatLayout", "ZeroOptimizer", "check_bucket_size", "manage"]

@@ -37,7 +37,8 @@ class ParallelModel:
     def __init__(self, compiled: Compiled, rank: int, device: torch.device, timeout: timedelta,
                  key_order: list[str], extra_state: dict[str, torch.Tensor],
                  build: Callable | None = None, trace: str | None = None, zero: int = 0,
-                 nonfinite: str = "raise", compile: bool | str = False):
+                 nonfinite: str = "raise", compile: bool | str = False,
+                 zero_bucket_size: int | None = None):
         self.compiled = compiled
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.steps = 0                  # train_steps run: errors name the step
@@ -72,7 +73,8 @@ class ParallelModel:
         self._grads = GradientReducer(plan, self._params, self._groups, self.coords, device)
         self.zero = zero
         if zero:   # ZeRO-1: gradients reduce-scattered, optimizer state 1/dp (runtime/optimizer.py)
-            self._grads.zero_layouts = zero_layouts(plan, self._params, self._groups)
+            self._grads.zero_layouts = zero_layouts(plan, self._params, self._groups,
+                                                    zero_bucket_size)
         self._state = StateGatherer(plan, compiled.program, self.program, self._groups, device,
                                     key_order, extra_state)
         # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over
@@ -190,7 +192,8 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                 timeout: timedelta = DEFAULT_TIMEOUT, seed: int = 0,
                 init_fn: Callable | None = None, trace: str | None = None,
                 zero: int = 0, nonfinite: str = "raise",
-                precision: str = "fp32", compile: bool | str = False) -> ParallelModel:
+                precision: str = "fp32", compile: bool | str = False,
+                zero_bucket_size: int | None = None) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
@@ -214,7 +217,13 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     and reused by its repeats (autopart/runtime/compiled.py); `explain()` then adds this rank's
     compile seconds. `compile="cudagraphs"` (CUDA, static shapes): the compiled segments also
     replay as CUDA graphs.
+
+    `zero_bucket_size` (zero=1): gradient elements per reduce-scatter and all-gather (default
+    40M, Megatron-LM's bucket size); a rank's transient memory for them is one bucket
+    (autopart/runtime/optimizer.py).
     """
+    from autopart.runtime.optimizer import check_bucket_size
+    zero_bucket_size = check_bucket_size(zero_bucket_size, zero)
     if compile not in (False, True, "cudagraphs"):
         raise AutopartError(f"compile={compile!r}: expected False, True or 'cudagraphs'")
     if compile and precision != "fp32":
@@ -259,16 +268,17 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
         build = None
     return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, build,
                          trace=trace_path(trace), zero=zero,
-                         nonfinite=nonfinite, compile=compile)
+                         nonfinite=nonfinite, compile=compile, zero_bucket_size=zero_bucket_size)
 
 
-def zero_layouts(plan, params: dict, groups) -> tuple:
+def zero_layouts(plan, params: dict, groups, bucket_size: int | None = None) -> tuple:
     """The flat layouts of ZeRO-1: dense parameters over the dp replicas, expert parameters
-    over the ranks holding the same experts; each parameter marked as sharded."""
-    from autopart.runtime.optimizer import FlatLayout, manage
+    over the ranks holding the same experts, in buckets of `bucket_size` elements; each
+    parameter marked as sharded."""
+    from autopart.runtime.optimizer import DEFAULT_BUCKET_SIZE, FlatLayout, manage
     dense = [n for n in params if n not in plan.ep_shards and params[n].requires_grad]
     experts = [n for n in params if n in plan.ep_shards and params[n].requires_grad]
-    layouts = tuple(FlatLayout(params, names, group)
+    layouts = tuple(FlatLayout(params, names, group, bucket_size or DEFAULT_BUCKET_SIZE)
                     for names, group in ((dense, groups.dp), (experts, groups.ep_replica))
                     if names)
     manage(params[n] for n in dense + experts)
