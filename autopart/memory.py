@@ -27,6 +27,7 @@ with fp32 parameters, which are the master weights, and fp32 gradients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autopart.analysis import evaluate, layer_of
 from autopart.errors import AutopartError
 from autopart.ir import BATCH, SEQ, Boundary, ChunkProgram, Program, sym_shape
+from autopart.ops import op_info
 from autopart.ops.comm import GroupComm
 
 KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total")
@@ -109,6 +111,83 @@ def chunk_activations(chunk: ChunkProgram, program: Program, b: int, s: int | No
     except Exception:  # noqa: BLE001  (data-dependent sizes, e.g. dropless MoE: estimate instead)
         return _estimate(chunk, program, sends)
     return ChunkActivations(run.total(), run.per_layer(), run.transient, sends)
+
+
+class ActivationCache:
+    """chunk_activations, run once per distinct chunk: chunks that are the same program up to
+    parameter, node and layer names (the middle pipeline ranks of a model of repeated layers)
+    share one fake run, per-layer bytes renamed to each chunk's own layers."""
+
+    def __init__(self):
+        self._seen: dict = {}       # signature -> (layers of the chunk that ran, its result)
+        self.runs = 0               # fake runs made (the rest were reused)
+
+    def get(self, chunk: ChunkProgram, program: Program, b: int, s: int | None,
+            local_shape=lambda name, shape: shape) -> ChunkActivations:
+        sig = chunk_signature(chunk, local_shape)
+        hit = self._seen.get(sig)
+        if hit is not None:
+            layers, acts = hit
+            rename = dict(zip(layers, chunk.layers))
+            return dataclasses.replace(acts, per_layer={rename.get(k, k): v
+                                                        for k, v in acts.per_layer.items()})
+        self.runs += 1
+        acts = chunk_activations(chunk, program, b, s, local_shape)
+        if acts.exact:       # an estimate reads program.costs by node name: not shareable
+            self._seen[sig] = (chunk.layers, acts)
+        return acts
+
+
+def chunk_signature(chunk: ChunkProgram, local_shape=lambda name, shape: shape) -> str:
+    """Everything chunk_activations reads, names left out: boundaries, and per node its op, target,
+    arguments (nodes by position), meta shape and dtype, and which of the chunk's layers it is in;
+    a weight by its local shape, dtype and trainability; a recomputed region by its own graph."""
+    head = [(str(x.shape), str(x.dtype)) for x in chunk.recvs + chunk.sends]
+    return repr((head, chunk.is_last, _graph_signature(chunk.gm, chunk.layers, local_shape)))
+
+
+def _graph_signature(gm: fx.GraphModule, layers: tuple, local_shape) -> list:
+    paths, index, first = set(layers), {}, {}
+    out = []
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        if n.op == "get_attr":      # one target read twice is one storage: keep who aliases whom
+            args = first.setdefault(n.target, i)
+        else:
+            args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("%", index[a]))
+        if _is_p2p(n):           # identities: the peer in their arguments changes no byte
+            args = args[0]
+        target = n.target if n.op in ("call_function", "call_method", "output") \
+            else None if n.op == "placeholder" else _attr_signature(gm, n.target, layers, local_shape)
+        layer = layer_of(n, paths)
+        out.append((n.op, str(target), repr(args), _meta_signature(n.meta.get("val")),
+                    layers.index(layer) if layer is not None else None))
+    return out
+
+
+def _attr_signature(gm: fx.GraphModule, target: str, layers: tuple, local_shape):
+    value = functools.reduce(getattr, target.split("."), gm)
+    if isinstance(value, fx.GraphModule):
+        return ("graph", _graph_signature(value, layers, local_shape))
+    if isinstance(value, GroupComm):
+        return ("comm", type(value).__name__, value.size, value.rank)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", local_shape(target, tuple(value.shape)), str(value.dtype),
+                isinstance(value, torch.nn.Parameter), value.requires_grad)
+    return ("other", type(value).__name__, repr(value))
+
+
+def _is_p2p(n: fx.Node) -> bool:
+    info = op_info(n.target) if n.op == "call_function" else None
+    return info is not None and info.kind == "p2p"
+
+
+def _meta_signature(val):
+    if isinstance(val, torch.Tensor):
+        return ("T", str(tuple(val.shape)), str(val.dtype))
+    if isinstance(val, (list, tuple)):
+        return tuple(_meta_signature(v) for v in val)
+    return repr(val)
 
 
 class _SavedCounter(fx.Interpreter):
@@ -343,6 +422,7 @@ class MemoryTable(Mapping):
         self.precision = getattr(compiled.plan, "precision", "fp32")
         self.zero = getattr(compiled, "zero", 0)
         self._acts: dict = {}
+        self._runs = ActivationCache()
         self._cache: dict = {}
 
     def __getitem__(self, rank: int) -> dict[str, int]:
@@ -366,7 +446,7 @@ class MemoryTable(Mapping):
         out = {}
         for ch in compiled.programs[rank].chunks:
             if ch.chunk not in self._acts:     # tp/ep ranks of a chunk save the same sizes
-                self._acts[ch.chunk] = chunk_activations(
+                self._acts[ch.chunk] = self._runs.get(
                     ch, compiled.program, compiled.plan.microbatch_size, compiled.program.seq_len)
             out[ch.chunk] = self._acts[ch.chunk]
         return out
@@ -413,14 +493,15 @@ def _rank_chunks_local(program, mesh, pp: int):
 
 
 def pp_rank_memory(program: Program, mesh, schedule, b: int, optimizer: str, pp: int,
-                   acts: dict | None = None, state: dict | None = None) -> dict[str, int]:
+                   acts: dict | None = None, state: dict | None = None,
+                   cache: ActivationCache | None = None) -> dict[str, int]:
     """The memory dict of pipeline rank `pp` (tp/ep rank 0) before a Compiled exists."""
     s = program.seq_len
     chunks = _rank_chunks_local(program, mesh, pp)
     out = dict(state) if state is not None else state_bytes(program, chunks, mesh, optimizer)
     if acts is None:
-        local = _local_shaper(program, mesh)
-        acts = {c.chunk: chunk_activations(c, program, b, s, local) for c in chunks}
+        local, cache = _local_shaper(program, mesh), cache or ActivationCache()
+        acts = {c.chunk: cache.get(c, program, b, s, local) for c in chunks}
     peak, in_flight = activation_peak(schedule.ranks[pp], acts, b, s)
     out["activations"] = int(peak)
     out["buffers"] = int(buffer_bytes(acts, in_flight, b, s))
@@ -433,8 +514,10 @@ def check_budget(program: Program, *, mesh, schedule, microbatch_size: int) -> N
     rp = program.recompute
     if rp.budget is None:
         return
+    cache = ActivationCache()
     for pp in range(mesh.pp):
-        mem = pp_rank_memory(program, mesh, schedule, microbatch_size, rp.optimizer, pp)
+        mem = pp_rank_memory(program, mesh, schedule, microbatch_size, rp.optimizer, pp,
+                             cache=cache)
         if mem["total"] > rp.budget:
             raise budget_error(pp, mem, rp.budget, rp.mode, mesh)
 
@@ -461,7 +544,7 @@ def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbat
     rank is over budget, take the step (none->selective, ->full) saving the most peak bytes per
     recomputed FLOP, until it fits; full everywhere that still does not fit is an error."""
     b, s = microbatch_size, program.seq_len
-    local = _local_shaper(program, mesh)
+    local, cache = _local_shaper(program, mesh), ActivationCache()
     choices = {}
     for pp in range(mesh.pp):
         mine = [c for c in program.chunks if c.rank == pp]
@@ -470,7 +553,7 @@ def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbat
         for c in mine:
             for kind in ("none", "selective", "full"):
                 new, regions, _ = rewrite(c, {layer: kind for layer in layers[c.chunk]})
-                variants[c.chunk, kind] = chunk_activations(new, program, b, s, local)
+                variants[c.chunk, kind] = cache.get(new, program, b, s, local)
                 n = max(len(layers[c.chunk]), 1)
                 flops[c.chunk, kind] = sum(evaluate(program.costs[x].flops, b, s)
                                            for _, _, names in regions.values()
@@ -527,5 +610,6 @@ def _best_step(current, variants, flops, b, s):
 
 
 __all__ = ["KEYS", "OPTIMIZER_STATES", "ZERO_LEVELS", "check_zero",
-           "ChunkActivations", "MemoryTable", "chunk_activations",
+           "ChunkActivations", "ActivationCache", "MemoryTable", "chunk_activations",
+           "chunk_signature",
            "activation_peak", "state_bytes", "parse_bytes", "check_budget", "choose_recompute"]

@@ -3,6 +3,7 @@
     python bench/compile_time.py                      # gpt3-175b, pp=16 (target: < 30 s)
     python bench/compile_time.py --model megatron-1t --pp 64 --virtual-stages 2
     python bench/compile_time.py --model gpt3-175b --pp 16 --dp 8 --repeat 3
+    python bench/compile_time.py --model megatron-1t --pp 64 --tp 8 --dp 6   # 3072 ranks
 
 Each run is a fresh `python` subprocess (imports, model build on the meta device, capture,
 passes, emission), timed from outside; the child reports its own breakdown and ru_maxrss.
@@ -22,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(model: str, pp: int, dp: int, v: int, microbatches: int | None) -> None:
+def child(model: str, pp: int, dp: int, tp: int, v: int, microbatches: int | None) -> None:
     """Runs in the subprocess: compile once, print the breakdown as JSON."""
     t0 = time.perf_counter()
     import torch
@@ -38,14 +39,17 @@ def child(model: str, pp: int, dp: int, v: int, microbatches: int | None) -> Non
     t_build = time.perf_counter() - t1
     m = microbatches or pp * v
     x, = example_inputs(cfg, dp * m, "meta")
-    compiled = autopart.compile(gpt, autopart.Mesh(pp=pp, dp=dp), (x,), loss_fn=lm_loss, target=x,
+    compiled = autopart.compile(gpt, autopart.Mesh(pp=pp, dp=dp, tp=tp), (x,), loss_fn=lm_loss, target=x,
                                 microbatches=m, virtual_stages=v,
                                 schedule="interleaved-1f1b" if v > 1 else "1f1b")
     passes = {p.name: p.seconds for p in compiled.passes}
+    t2 = time.perf_counter()
+    compiled.explain()      # what `autopart compile` prints: the memory table is most of it
+    t_explain = time.perf_counter() - t2
     print(json.dumps({
         "import": t_import, "build_meta_model": t_build,
-        "capture_schedule_simulate": compiled.seconds - sum(passes.values()),
-        **passes, "compile_total": compiled.seconds,
+        "capture_schedule_simulate_check": compiled.seconds - sum(passes.values()),
+        "passes": passes, "compile_total": compiled.seconds, "explain": t_explain,
         "params": cfg.n_params(), "ranks": len(compiled.programs),
         "chunks": len(compiled.plan.chunk_layers),
         "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -54,7 +58,7 @@ def child(model: str, pp: int, dp: int, v: int, microbatches: int | None) -> Non
 
 def run_once(args) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", args.model, "--pp", str(args.pp),
-           "--dp", str(args.dp), "--virtual-stages", str(args.virtual_stages)]
+           "--dp", str(args.dp), "--tp", str(args.tp), "--virtual-stages", str(args.virtual_stages)]
     if args.microbatches:
         cmd += ["--microbatches", str(args.microbatches)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -77,6 +81,7 @@ def main() -> None:
     p.add_argument("--model", default="gpt3-175b", help="a config of examples/gpt.py")
     p.add_argument("--pp", type=int, default=16)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--virtual-stages", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=None, help="default pp * virtual stages")
     p.add_argument("--repeat", type=int, default=1, help="runs; the table shows the fastest")
@@ -84,19 +89,19 @@ def main() -> None:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.model, args.pp, args.dp, args.virtual_stages, args.microbatches)
+        child(args.model, args.pp, args.dp, args.tp, args.virtual_stages, args.microbatches)
         return
     runs = [run_once(args) for _ in range(args.repeat)]
     best = min(runs, key=lambda r: r["process_wall"])
-    print(f"{args.model} ({best['params'] / 1e9:.1f}B parameters) pp={args.pp} dp={args.dp} "
+    print(f"{args.model} ({best['params'] / 1e9:.1f}B parameters) pp={args.pp} dp={args.dp} tp={args.tp} "
           f"v={args.virtual_stages}: {best['ranks']} ranks, {best['chunks']} chunks, meta device")
     rows = [("python + torch + autopart import", best["import"]),
             ("build GPT on the meta device", best["build_meta_model"]),
-            ("capture (torch.export) + schedule + simulation", best["capture_schedule_simulate"]),
-            ("  analyze", best["analyze"]),
-            ("  cut_pipeline_stages", best["cut_pipeline_stages"]),
-            ("  emit_rank_programs", best["emit_rank_programs"]),
+            ("capture (torch.export) + schedule + simulation + checks",
+             best["capture_schedule_simulate_check"]),
+            *((f"  {name}", seconds) for name, seconds in best["passes"].items()),
             ("autopart.compile total", best["compile_total"]),
+            ("explain() (the table `autopart compile` prints)", best["explain"]),
             ("whole process (wall, from outside)", best["process_wall"]),
             ("whole process (CPU user+sys)", best["process_cpu"])]
     width = max(len(name) for name, _ in rows)

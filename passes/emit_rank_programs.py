@@ -18,7 +18,8 @@ from autopart.placement import Shard
 def emit_rank_programs(program: Program):
     """Return (program with .chunks = one ChunkProgram per chunk, report)."""
     plan = program.stages
-    chunks = tuple(_emit_chunk(program, plan, c) for c in range(plan.num_chunks))
+    graph = _GraphIndex(program.gm.graph, plan.chunk_of)
+    chunks = tuple(_emit_chunk(program, plan, c, graph) for c in range(plan.num_chunks))
     report = {"chunks": [{"chunk": c.chunk, "rank": c.rank, "nodes": len(c.gm.graph.nodes),
                           "params": len(c.params), "recv": len(c.recvs), "send": len(c.sends)}
                          for c in chunks]}
@@ -35,31 +36,47 @@ def _boundary(node: fx.Node, program: Program, peer_rank: int, peer_chunk: int) 
     return Boundary(node.name, tuple(shape), val.dtype, peer_rank, peer_chunk)
 
 
-def _emit_chunk(program: Program, plan, c: int) -> ChunkProgram:
+class _GraphIndex:
+    """The program graph read once for all chunks (a pass per chunk over every node of a
+    3072-rank, 128-layer program is most of this pass's time): nodes by name, graph positions,
+    placeholders, the output node and each chunk's nodes in graph order."""
+
+    def __init__(self, graph: fx.Graph, chunk_of: dict):
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.position = {n: i for i, n in enumerate(graph.nodes)}
+        self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        self.by_chunk: dict = {}
+        for n in graph.nodes:
+            c = chunk_of.get(n.name)
+            if c is not None:
+                self.by_chunk.setdefault(c, []).append(n)
+
+
+def _emit_chunk(program: Program, plan, c: int, graph: _GraphIndex) -> ChunkProgram:
     """Chunk c's program: received tensors, then user inputs, then its nodes (and the
     input-derived ones it needs, recomputed), then the tensors the next chunk needs."""
-    src = program.gm.graph
-    nodes = {n.name: n for n in src.nodes}
+    nodes = graph.nodes
     recv_names = plan.crossings[c - 1] if c > 0 else ()
     send_names = plan.crossings[c] if c < plan.num_chunks - 1 else ()
     prev_rank = plan.rank_of_chunk(c - 1) if c > 0 else None
     next_rank = plan.rank_of_chunk(c + 1) if send_names else None
-    out_node = next(n for n in src.nodes if n.op == "output")
-    mine = [n for n in src.nodes if plan.chunk_of.get(n.name) == c]
+    out_node = graph.output
+    mine = graph.by_chunk.get(c, [])
     # the last chunk also computes outputs made from the inputs alone
     needed_repl = _replicated_needed(mine + ([out_node] if not send_names else []),
                                      set(plan.replicated))
-    inputs = _user_inputs(src, mine, needed_repl)
+    inputs = _user_inputs(graph.placeholders, mine, needed_repl)
     b = _ChunkBuilder(program)
     received = [b.placeholder(nodes[name], name) for name in recv_names]
-    for node in src.nodes:
-        if node.op == "placeholder" and node.name in inputs:
+    for node in graph.placeholders:
+        if node.name in inputs:
             b.env[node] = b.placeholder(node, node.name)
     for name, ph in zip(recv_names, received):
         b.env[nodes[name]] = _mark(b.g, p2p.recv, ph, prev_rank, c - 1, nodes[name])
-    for node in src.nodes:
-        if node.name in needed_repl or plan.chunk_of.get(node.name) == c:
-            b.env[node] = b.g.node_copy(node, b.lookup)
+    copied = set(mine) | {nodes[name] for name in needed_repl}
+    for node in sorted(copied, key=graph.position.__getitem__):   # graph order, as before
+        b.env[node] = b.g.node_copy(node, b.lookup)
     if send_names:
         b.g.output(tuple(_mark(b.g, p2p.send, b.env[nodes[n]], next_rank, c + 1, nodes[n])
                          for n in send_names))
@@ -98,9 +115,7 @@ class _ChunkBuilder:
 
     def module(self, class_name: str) -> fx.GraphModule:
         self.g.lint()
-        gm = fx.GraphModule(self.attrs, self.g, class_name=class_name)
-        gm.recompile()
-        return gm
+        return fx.GraphModule(self.attrs, self.g, class_name=class_name)   # compiles its code
 
 
 def _mark(g: fx.Graph, fn, node: fx.Node, peer: int, chunk: int, src: fx.Node) -> fx.Node:
@@ -120,10 +135,10 @@ def _replicated_needed(mine: list[fx.Node], replicated: set[str]) -> set[str]:
     return need
 
 
-def _user_inputs(graph: fx.Graph, mine: list[fx.Node], needed_repl: set[str]) -> list[str]:
+def _user_inputs(placeholders: list[fx.Node], mine: list[fx.Node],
+                 needed_repl: set[str]) -> list[str]:
     users = set(n.name for n in mine) | needed_repl
-    return [n.name for n in graph.nodes
-            if n.op == "placeholder" and any(u.name in users for u in n.users)]
+    return [n.name for n in placeholders if any(u.name in users for u in n.users)]
 
 
 def _has_param(gm: fx.GraphModule, target: str) -> bool:

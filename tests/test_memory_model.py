@@ -172,3 +172,59 @@ def test_explain_counts_zero1_state_per_rank():
     with pytest.raises(autopart.AutopartError, match=r"(?s)zero=2.*remedy: zero=0 or zero=1"):
         autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=2)
 
+
+
+# -- repeated chunks share one fake run ----------------------------------------------------------
+
+@pytest.mark.parametrize("recompute,pp,v", [("none", 4, 1), ("full", 4, 1), ("selective", 2, 2)])
+def test_deduped_memory_table_equals_the_per_rank_computation(recompute, pp, v):
+    """GPT of 8 layers, pp=4 (or pp=2, v=2) x tp=2: the middle chunks are layer repeats, so compiled.memory runs
+    fewer fake forwards than there are chunks, yet every pipeline rank's row (and each chunk's
+    per-layer bytes, under its own layer names) equals the undeduped computation: one
+    chunk_activations per chunk, activation_peak and buffer_bytes over the rank's actions."""
+    import torch
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    from autopart.memory import activation_peak, buffer_bytes, chunk_activations, state_bytes
+    torch.manual_seed(0)
+    # a 16-token vocabulary: embedding and head cost little, so the cut repeats middle chunks
+    model = GPT(GPTConfig(n_layer=8, n_head=4, n_embd=32, vocab_size=16, block_size=16))
+    x = torch.randint(0, 16, (8, 16))
+    mesh = autopart.Mesh(pp=pp, tp=2)
+    c = autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=8,
+                         virtual_stages=v, recompute=recompute,
+                         schedule="interleaved-1f1b" if v > 1 else "1f1b")
+    b, s = c.plan.microbatch_size, c.program.seq_len
+    table = c.memory
+    for p in range(mesh.pp):
+        rank = mesh.rank(pp=p, tp=1)
+        chunks = c.programs[rank].chunks
+        acts = {ch.chunk: chunk_activations(ch, c.program, b, s) for ch in chunks}
+        peak, in_flight = activation_peak(c.schedule.ranks[p], acts, b, s)
+        want = state_bytes(c.program, chunks, mesh, "adam")
+        want.update(activations=int(peak), buffers=int(buffer_bytes(acts, in_flight, b, s)))
+        want["total"] = sum(want[k] for k in KEYS[:-1])
+        assert table[rank] == want, p
+        for ch in chunks:
+            got = table.activations(rank)[ch.chunk]
+            assert got.per_layer == acts[ch.chunk].per_layer and set(got.per_layer) <= \
+                set(ch.layers) | {None}
+            assert (got.saved, got.transient, got.sends) == \
+                (acts[ch.chunk].saved, acts[ch.chunk].transient, acts[ch.chunk].sends)
+    assert table._runs.runs < len(c.program.chunks)
+
+
+def test_chunk_signature_tells_apart_what_the_fake_run_reads():
+    """Two middle chunks share a signature; a different local weight shape or a first chunk
+    (embedding) does not."""
+    import torch
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    from autopart.memory import chunk_signature
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=128, block_size=16))
+    x = torch.randint(0, 128, (4, 16))
+    c = autopart.compile(model, autopart.Mesh(pp=4), (x,), loss_fn=lm_loss, target=x,
+                         microbatches=4)
+    first, mid1, mid2 = (c.programs[r].chunks[0] for r in range(3))
+    assert chunk_signature(mid1) == chunk_signature(mid2) != chunk_signature(first)
+    halved = lambda name, shape: (shape[0] // 2, *shape[1:]) if name.endswith("c_fc.weight") \
+        else shape  # noqa: E731
+    assert chunk_signature(mid1, halved) != chunk_signature(mid2)
