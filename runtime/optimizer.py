@@ -132,6 +132,7 @@ class FlatLayout:
             mine = bucket[self.index * n:(self.index + 1) * n]
             dist.reduce_scatter_tensor(mine, bucket, group=self.group)
             self.write(mine, self.lo + s, grads)
+            del bucket, mine    # before the next bucket's: one bucket alive at a time
         for o, end, g in zip(self.offsets, self.offsets[1:], grads):
             first, last = min(max(self.lo - o, 0), end - o), min(max(self.hi - o, 0), end - o)
             flat = g.view(-1)
@@ -177,6 +178,7 @@ class FlatLayout:
                 dist.all_gather_into_tensor(full, piece, group=self.group)
             for k in range(self.size):
                 self.write(full[k * n:(k + 1) * n], k * self.shard + s, self.params)
+            del piece, full     # before the next bucket's: one bucket alive at a time
 
 
 def _write_flat(t: torch.Tensor, first: int, last: int, src: torch.Tensor) -> None:
@@ -241,6 +243,7 @@ class ZeroOptimizer:
             grad = lay.slice_of([p.grad for p in lay.params], torch.float32)
             for b, (s, e) in zip(buckets, lay.ranges):
                 b.grad = grad[s:e]
+            del grad
         self.inner.step()
         for lay, shard, buckets in zip(self.layouts, self.shards, self.buckets):
             for b in buckets:       # the slice's gradient is a transient: freed here
