@@ -45,14 +45,26 @@ def _slowest(x: float) -> float:
     return float(t)
 
 
-def _compile(build, example, compile: bool, **kw):
-    """(ParallelModel, seconds to build it and run its first step, Inductor seconds)."""
+_CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                   ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"))
+
+
+def _compile(build, example, compile: bool, caches: dict | None = None, **kw):
+    """(ParallelModel, seconds to build it and run its first step, Inductor seconds); `caches`
+    gets torch's own counts of Inductor FX-graph and AOTAutograd cache hits and misses during
+    it, summed over the ranks (whether a warm start really came from the caches)."""
     import autopart
+    from torch._dynamo.utils import counters
+    before = [counters[a][b] for a, b in _CACHE_COUNTERS]
     start = time.perf_counter()
     pm = autopart.parallelize(build(), compile=compile, **example, **kw)
     pm.train_step(*example["example_inputs"], target=example["target"])
     seconds = time.perf_counter() - start
     inductor = pm.inductor.report.seconds if pm.inductor is not None else 0.0
+    counts = torch.tensor([counters[a][b] - n for (a, b), n in zip(_CACHE_COUNTERS, before)])
+    dist.all_reduce(counts)
+    if caches is not None:
+        caches.update({b: int(n) for (_, b), n in zip(_CACHE_COUNTERS, counts)})
     return pm, _slowest(seconds), _slowest(inductor)
 
 
@@ -107,11 +119,11 @@ def pp_rank(rank: int, world: int, opts: dict) -> dict:
         entry = {"microbatch_size": mbs, "microbatches": m}
         if opts["cold_only"]:
             _, entry["compile_s"], entry["inductor_s"] = _compile(
-                lambda: copy.deepcopy(plain), example, True, **kw)
+                lambda: copy.deepcopy(plain), example, True, entry.setdefault("caches", {}), **kw)
             out[label] = entry
             continue
         compiled, entry["compile_s"], entry["inductor_s"] = _compile(
-            lambda: copy.deepcopy(plain), example, True, **kw)
+            lambda: copy.deepcopy(plain), example, True, entry.setdefault("caches", {}), **kw)
         eager, entry["eager_setup_s"], _ = _compile(lambda: copy.deepcopy(plain), example, False,
                                                     **kw)
         t_model = copy.deepcopy(plain)
@@ -137,11 +149,11 @@ def tp_rank(rank: int, world: int, opts: dict) -> dict:
     build = lambda: make_model(opts["tp_layers"], opts["tp_hidden"])   # noqa: E731
     example = dict(mesh=autopart.Mesh(tp=world), example_inputs=(x,), target=y)
     entry = {}
-    compiled, entry["compile_s"], entry["inductor_s"] = _compile(build, example, True,
-                                                                 loss_fn=loss_fn)
+    compiled, entry["compile_s"], entry["inductor_s"] = _compile(
+        build, example, True, entry.setdefault("caches", {}), loss_fn=loss_fn)
     if opts["cold_only"]:
         return {"tp": entry}
-    eager, _, _ = _compile(build, example, False, loss_fn=loss_fn)
+    eager, entry["eager_setup_s"], _ = _compile(build, example, False, loss_fn=loss_fn)
     theirs = dtensor_model(build(), world)
     ms = _alternate({"compiled": _sgd_step(compiled, x=x, y=y), "eager": _sgd_step(eager, x=x, y=y),
                      "dtensor": _sgd_step(theirs, loss_fn, x, y)}, opts["steps"], opts["warmup"])
@@ -167,23 +179,34 @@ def run(opts: dict) -> dict:
             entry["cold_inductor_s"] = cold[label]["inductor_s"]
             entry["warm_compile_s"] = entry.pop("compile_s")
             entry["warm_inductor_s"] = entry.pop("inductor_s")
+            entry["cold_caches"], entry["warm_caches"] = cold[label]["caches"], entry.pop("caches")
             results[label] = entry
     return results
 
 
 def table(results: dict) -> str:
     lines = [f"{'case':<16} {'mbs':>4} {'compiled':>9} {'eager':>9} {'baseline':>9} "
-             f"{'c/base':>7} {'c/eager':>8} {'cold s':>7} {'warm s':>7}"]
+             f"{'c/base':>7} {'c/eager':>8} {'cold s':>7} {'warm s':>7} {'ind s':>6} "
+             f"{'eager s':>7}"]
     for label, e in results.items():
         base = e.get("torch_ms", e.get("dtensor_ms"))
         ratio = e.get("compiled_vs_torch", e.get("compiled_vs_dtensor"))
         lines.append(f"{label:<16} {e.get('microbatch_size', '-'):>4} {e['compiled_ms']:>8.1f}m "
                      f"{e['eager_ms']:>8.1f}m {base:>8.1f}m {ratio:>7.2f} "
                      f"{e['compiled_vs_eager']:>8.2f} {e['cold_compile_s']:>7.1f} "
-                     f"{e['warm_compile_s']:>7.1f}")
+                     f"{e['warm_compile_s']:>7.1f} {e['warm_inductor_s']:>6.1f} "
+                     f"{e['eager_setup_s']:>7.1f}")
     lines.append("baseline: torch.distributed.pipelining (pp rows), DTensor (tp row); times are "
                  "median step ms, slowest rank; cold/warm: parallelize + first step with "
-                 "compile=True, empty / filled Inductor cache")
+                 "compile=True, empty / filled Inductor cache; ind s: of warm s, the seconds in "
+                 "Inductor (imports, cache loads); eager s: parallelize + first step with "
+                 "compile=False in the same process (capture, imports already warm)")
+    for label, e in results.items():
+        w = e["warm_caches"]
+        lines.append(f"{label} warm start, all ranks: FX-graph cache {w['fxgraph_cache_hit']} hits "
+                     f"/ {w['fxgraph_cache_miss']} misses, AOTAutograd cache "
+                     f"{w['autograd_cache_hit']} hits / {w['autograd_cache_miss']} misses")
+    lines.append(f"load average at the end: {os.getloadavg()[0]:.1f}")
     return "\n".join(lines)
 
 

@@ -229,14 +229,16 @@ class CompileReport:
     seconds: float = 0.0               # wall time in Inductor (its C++ compiles run in
                                        # worker processes: this process's CPU time misses them)
     artifacts: int = 0                 # distinct (signature, input layout) compiled
-    graphs: int = 0                    # Inductor graphs compiled or loaded (forward, backward)
+    graphs: int = 0                    # Inductor graphs lowered now (forward, backward)
+    cached: int = 0                    # artifacts loaded whole from the AOTAutograd cache on
+                                       # disk (torch's counter): a warm start shows them here
     segments: int = 0                  # segment calls in this rank's programs
     fallbacks: dict = field(default_factory=dict)    # label -> why it runs eager
 
     def line(self) -> str:
         text = (f"inductor (this rank): {self.segments} segments, {self.artifacts} compiled "
-                f"artifacts ({self.graphs} forward/backward graphs lowered, the rest from Inductor's cache), "
-                f"{self.seconds:.1f} s compiling")
+                f"artifacts ({self.graphs} forward/backward graphs lowered, {self.cached} "
+                f"artifacts from Inductor's cache), {self.seconds:.1f} s compiling")
         for label, why in self.fallbacks.items():
             text += f"\n  eager fallback: {label}: {why}"
         return text
@@ -268,10 +270,12 @@ class SegmentCompiler:
     def _compile(self, seg, args: list):
         if seg.signature in self._eager:
             return seg.gm
-        start = time.perf_counter()
+        from torch._dynamo.utils import counters
+        start, hits = time.perf_counter(), counters["aot_autograd"]["autograd_cache_hit"]
         try:
             fn = _inductor(copy.deepcopy(seg.gm), args, self.options, self.report)
             self.report.artifacts += 1
+            self.report.cached += counters["aot_autograd"]["autograd_cache_hit"] - hits
         except Exception as e:   # noqa: BLE001 -- any Inductor failure: this layer runs eager
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             where = ", ".join(seg.modules[:4]) + (" ..." if len(seg.modules) > 4 else "")

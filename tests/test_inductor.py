@@ -143,22 +143,29 @@ def test_compiled_matches_plain_model(case, spawn_cache):
 
 
 @pytest.mark.full
-def test_one_artifact_per_distinct_layer(single_process_group):
+def test_one_artifact_per_distinct_layer(single_process_group, tmp_path):
     """2 and 6 layers: the same three artifacts (embeddings, block, head and loss), counted by
     torch's AOTAutograd counter too; the 6-layer run compiles nothing new once the 2-layer
-    one has (the block's artifact is keyed by its code, not its parameters)."""
+    one has (the block's artifact is keyed by its code, not its parameters): in an empty
+    Inductor cache directory the 2-layer run lowers a forward and a backward graph per
+    artifact and the 6-layer run loads all three from the cache (a warm start)."""
     from torch._dynamo.utils import counters
-    for n in (2, 6):
-        model, x, y = _gpt(n)
-        before = counters["aot_autograd"]["total"]
-        pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), loss_fn=lm_loss, target=y,
-                                  compile=True)
-        pm.train_step(x, target=y)
-        pm.train_step(x, target=y)     # the second step compiles nothing
-        report = pm.inductor.report
-        assert (report.segments, report.artifacts) == (n + 2, 3), report
-        assert counters["aot_autograd"]["total"] - before == 3
-        assert "inductor (this rank): %d segments, 3 compiled artifacts" % (n + 2) in pm.explain()
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    with temporary_cache_dir(str(tmp_path / "inductor")):
+        for n, lowered, cached in ((2, 6, 0), (6, 0, 3)):
+            model, x, y = _gpt(n)
+            before = counters["aot_autograd"]["total"]
+            pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), loss_fn=lm_loss,
+                                      target=y, compile=True)
+            pm.train_step(x, target=y)
+            pm.train_step(x, target=y)     # the second step compiles nothing
+            report = pm.inductor.report
+            assert (report.segments, report.artifacts) == (n + 2, 3), report
+            assert (report.graphs, report.cached) == (lowered, cached), report
+            assert counters["aot_autograd"]["total"] - before == 3
+            assert (f"inductor (this rank): {n + 2} segments, 3 compiled artifacts ({lowered} "
+                    f"forward/backward graphs lowered, {cached} artifacts from Inductor's "
+                    "cache)") in pm.explain()
 
 
 @torch.library.custom_op("autopart_test::doubled", mutates_args=())
