@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,15 @@ COMMAND = [sys.executable, "-m", "autopart", "plan", "examples/gpt.py:GPT", "--c
            "--gpus", "3072", "--batch", "3072", "--cluster", "a100-80gb-selene", "--json"]
 
 
-def run(env) -> float:
+def run(env) -> tuple[float, float]:
+    """(wall, CPU user+sys) seconds of one whole process; CPU time is what other jobs on a
+    shared machine inflate least."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(COMMAND, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -36,9 +42,9 @@ def main() -> None:
     try:
         for i in range(args.repeat):
             shutil.rmtree(cache / "layers", ignore_errors=True)
-            cold = run(env)
-            warm = run(env)
-            print(f"run {i + 1}: cold (one layer captured) {cold:.1f} s, warm (profile cached) {warm:.1f} s")
+            (cold, cold_cpu), (warm, warm_cpu) = run(env), run(env)
+            print(f"run {i + 1}: cold (one layer captured) {cold:.1f} s wall, {cold_cpu:.1f} s CPU; "
+                  f"warm (profile cached) {warm:.1f} s wall, {warm_cpu:.1f} s CPU")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

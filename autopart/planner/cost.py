@@ -293,19 +293,30 @@ def pipeline(name: str, pp: int, m: int, v: int, fwd: tuple, bwd: tuple, msg: fl
     return t2 + (t2 - t1) * (m - 2 * pp) / pp, peaks
 
 
+@functools.lru_cache(maxsize=4096)
 def _simulate(name, pp, m, v, fwd, bwd, msg):
+    # cached apart from pipeline(): layouts differing in dp alone (so in m) share both runs
     from autopart import _C
-    packed = _C.make_schedule(name, pp, m, v)
+    packed = _schedule(name, pp, m, v)
     half = [b / 2 for b in bwd]
     raw = _C.simulate(pp, m, v, packed, list(fwd), list(bwd), float(msg), math.inf, 0.0, half, half, name)
     return raw.makespan, tuple(raw.peak_in_flight)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name, pp, m, v):
+    """The packed action lists (the same for every chunk cost)."""
+    from autopart import _C
+    return _C.make_schedule(name, pp, m, v)
 
 
 def _pipeline_formula(lay: Layout, m: int, fwd, bwd, msg) -> tuple[float, tuple]:
     """The bubble formula (pp-1)/(v m) on the slowest rank, for the first pass of the search;
     in-flight counts as Megatron's warm-up gives them."""
     pp, v = lay.pp, lay.virtual_stages
-    per_rank = [sum(f + b for k, (f, b) in enumerate(zip(fwd, bwd)) if k % pp == r) for r in range(pp)]
+    per_rank = [0.0] * pp
+    for k, (f, b) in enumerate(zip(fwd, bwd)):    # one pass: chunk k runs on rank k % pp
+        per_rank[k % pp] += f + b
     chunk = max(f + b for f, b in zip(fwd, bwd))
     makespan = m * max(per_rank) + (pp - 1) * (chunk + 2 * msg) + 2 * m * v * msg * (pp > 1)
     if v == 1:
