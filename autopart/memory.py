@@ -206,6 +206,7 @@ class _SavedCounter(fx.Interpreter):
         self.transient = sympy.Integer(0)   # max over regions: saved up to it + its rerun
         self.running = sympy.Integer(0)     # bytes saved so far, in forward order
         self.current: fx.Node | None = None
+        self.growths: dict = {}             # shape text -> growth (shapes repeat: one sympy each)
 
     def count(self, *args):
         for ph, a in zip(self.placeholders, args):
@@ -268,6 +269,7 @@ class _SavedCounter(fx.Interpreter):
         args = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[1:]]
         inner = _SavedCounter(sub, self.mode, self.symbols, self.b, self.s, self.local_shape,
                               self.layers, params=set(self.weights) | set(self.sizes))
+        inner.growths = self.growths
         inner.count(*args)
         return inner.total()
 
@@ -286,9 +288,12 @@ class _SavedCounter(fx.Interpreter):
         """numel(b, s) / numel(b0, s0) of a FakeTensor shape: 1 for a fixed-size tensor."""
         if not isinstance(val, torch.Tensor):
             return sympy.Integer(1)
-        numel = sympy.prod(sym_shape(val, self.symbols)) if val.dim() else sympy.Integer(1)
-        at = numel.subs({BATCH: self.b, SEQ: self.s})
-        return numel / at if at else sympy.Integer(1)
+        key = str(tuple(val.shape))
+        if key not in self.growths:
+            numel = sympy.prod(sym_shape(val, self.symbols)) if val.dim() else sympy.Integer(1)
+            at = numel.subs({BATCH: self.b, SEQ: self.s})
+            self.growths[key] = numel / at if at else sympy.Integer(1)
+        return self.growths[key]
 
     def _growth(self, node) -> sympy.Expr:
         """For a storage no node produced: grows like the largest tensor the op touches."""
@@ -336,8 +341,9 @@ def _estimate(chunk, program, sends) -> ChunkActivations:
 # -- per rank --------------------------------------------------------------------------------
 
 def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str = "fp32",
-                zero: int = 0) -> dict[str, int]:
-    """params / grads / master / optimizer bytes of one rank holding `chunks` (localized):
+                zero: int = 0, local=None) -> dict[str, int]:
+    """params / grads / master / optimizer bytes of one rank holding `chunks` (localized, or
+    global with `local(name, tensor)` giving the tensor of this rank's shape, see _RankShapes):
 
         params     every parameter and buffer element at its dtype (fp32: 4 bytes)
         grads      every trainable element at its dtype (full-shaped .grad, also with zero=1)
@@ -354,6 +360,8 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
             if name.startswith("recompute_"):
                 continue
             held.setdefault(name, t)
+    if local is not None:
+        held = {name: local(name, t) for name, t in held.items()}
     params = sum(t.numel() * t.element_size() for t in held.values())
     trainable = {n: t for n, t in held.items() if n in program.params and t.requires_grad}
     grads = sum(t.numel() * t.element_size() for t in trainable.values())
@@ -444,10 +452,14 @@ class MemoryTable(Mapping):
         """chunk -> ChunkActivations for the chunks of `rank` (formulas in b and s)."""
         compiled = self.compiled
         out = {}
-        for ch in compiled.programs[rank].chunks:
+        pp, local = self.mesh.coords(rank)["pp"], _local_shaper(compiled.program, self.mesh)
+        for ch in compiled.program.chunks:
+            if ch.rank != pp:
+                continue
             if ch.chunk not in self._acts:     # tp/ep ranks of a chunk save the same sizes
                 self._acts[ch.chunk] = self._runs.get(
-                    ch, compiled.program, compiled.plan.microbatch_size, compiled.program.seq_len)
+                    ch, compiled.program, compiled.plan.microbatch_size, compiled.program.seq_len,
+                    local)
             out[ch.chunk] = self._acts[ch.chunk]
         return out
 
@@ -455,15 +467,42 @@ class MemoryTable(Mapping):
         compiled = self.compiled
         plan, program = compiled.plan, compiled.program
         b, s = plan.microbatch_size, program.seq_len
-        pp = self.mesh.coords(rank)["pp"]
-        chunks = compiled.programs[rank].chunks
-        out = state_bytes(program, chunks, self.mesh, self.optimizer, self.precision, self.zero)
+        c = self.mesh.coords(rank)
+        pp = c["pp"]
+        # the global chunks with this rank's shard shapes: localizing every pipeline rank's
+        # chunks (a GraphModule each) only to count bytes is most of a 3072-rank table's time
+        chunks = [ch for ch in program.chunks if ch.rank == pp]
+        local = _RankShapes(plan, c["tp"], self.mesh.ep_rank(rank))
+        out = state_bytes(program, chunks, self.mesh, self.optimizer, self.precision, self.zero,
+                          local=local)
         acts = self.activations(rank)
         peak, in_flight = activation_peak(compiled.schedule.ranks[pp], acts, b, s)
         out["activations"] = int(peak)
         out["buffers"] = int(buffer_bytes(acts, in_flight, b, s))
         out["total"] = sum(out[k] for k in KEYS[:-1])
         return out
+
+
+class _RankShapes:
+    """name, full tensor -> a meta tensor of the shape, dtype and trainability one rank holds,
+    cut as localize_module cuts it (experts, then tp sections); one per distinct case."""
+
+    def __init__(self, plan, tp_rank: int, ep_rank: int):
+        self.plan, self.tp_rank, self.ep_rank = plan, tp_rank, ep_rank
+        self._seen: dict = {}
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        from autopart.localize import rank_cuts, shard_tensor
+        cuts = rank_cuts(self.plan, name, self.tp_rank, self.ep_rank)
+        if not cuts:
+            return t
+        key = (tuple(t.shape), t.dtype, t.requires_grad, repr(cuts))
+        if key not in self._seen:
+            local = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for sh, size, rank in cuts:
+                local = shard_tensor(local, sh.dim, sh.sections, size, rank)
+            self._seen[key] = local.requires_grad_(t.requires_grad)
+        return self._seen[key]
 
 
 # -- the budget: check it, and choose recomputation under it -----------------------------------

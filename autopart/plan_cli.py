@@ -18,6 +18,7 @@ import sys
 import time
 
 from autopart.errors import AutopartError
+from autopart.planner.search import RECOMPUTE
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
@@ -36,7 +37,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--microbatch-size", type=int, default=None)
     p.add_argument("--virtual-stages", type=int, default=None)
     p.add_argument("--schedule", default=None, choices=("1f1b", "interleaved-1f1b"))
-    p.add_argument("--recompute", default=None, choices=("full", "none"))
+    p.add_argument("--recompute", default=None, choices=RECOMPUTE,
+                   help="fix activation recomputation (default: search full, selective, none; "
+                        "selective reruns only each layer's attention core)")
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
                    help="default bf16 mixed precision (fp32 on the local cluster)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"))

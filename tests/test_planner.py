@@ -190,3 +190,76 @@ def test_moe_model_searches_ep_and_pays_the_all_to_all():
     assert any(e.layout.ep > 1 for e in ranked)
     assert all(e.layout.dp % e.layout.ep == 0 for e in ranked)
     assert any(",ep=" in e.row()["mesh"] for e in ranked)
+
+
+# -- selective recomputation ------------------------------------------------------------------
+
+class _ExplicitAttention:
+    """A block whose attention materializes its scores (q k^T * scale -> softmax -> @ v), as
+    Megatron-LM's non-flash attention does; built lazily so torch loads only when run."""
+
+    @staticmethod
+    def model(n_layer=4, h=32, heads=4, vocab=64):
+        import torch.nn as nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv, self.proj, self.fc = nn.Linear(h, 3 * h), nn.Linear(h, h), nn.Linear(h, h)
+
+            def forward(self, x):
+                B, T, _ = x.shape
+                q, k, v = (t.view(B, T, heads, h // heads).transpose(1, 2)
+                           for t in self.qkv(x).split(h, dim=2))
+                att = ((q @ k.transpose(-2, -1)) * (h // heads) ** -0.5).softmax(dim=-1)
+                y = (att @ v).transpose(1, 2).reshape(B, T, h)
+                x = x + self.proj(y)
+                return x + self.fc(x)
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.head = nn.Embedding(vocab, h), nn.Linear(h, vocab)
+                self.blocks = nn.ModuleList(Block() for _ in range(n_layer))
+
+            def forward(self, idx):
+                x = self.emb(idx)
+                for blk in self.blocks:
+                    x = blk(x)
+                return self.head(x).float().logsumexp(-1).mean()
+
+        return Net()
+
+
+def test_selective_recompute_sits_between_none_and_full():
+    """Explicit attention, b=1, s=16, 4 heads, fp32: selective keeps per layer exactly the three
+    score-sized tensors (q k^T, its scaled copy, the softmax: 3 * heads * s^2 * 4 bytes) fewer than
+    none (the attention output the projection reads stays), and its backward adds the core's
+    forward (two 16x16x8 matmuls per head: 4 * heads * s^2 * d FLOPs), less than full's layer."""
+    import torch
+    from autopart.planner.profile import profile_model
+    heads, s, d = 4, 16, 8
+    idx = torch.randint(0, 64, (2, s))
+    profile = profile_model(_ExplicitAttention.model(), (idx,))
+    model = CostModel(profile, cluster("a100-80gb-selene"), 2, precision="fp32")
+    lays = {r: Layout(1, 2, 1, 1, 1, "1f1b", r) for r in ("none", "selective", "full")}
+    kept = {r: model.kept_per_layer(lay)[0] for r, lay in lays.items()}
+    assert kept["none"] - kept["selective"] == 3 * heads * s * s * 4
+    assert kept["full"] < kept["selective"] < kept["none"]
+    core = profile.parts[(1, 1)]["core"]
+    assert core.flops(1) == 2 * 2 * heads * s * s * d
+    bwd = {r: model.chunk_costs(lay)[1][0] for r, lay in lays.items()}
+    assert bwd["none"] < bwd["selective"] < bwd["full"]
+    mem = {r: model.estimate(lay, simulate=False).memory["activations"] for r, lay in lays.items()}
+    assert mem["full"] < mem["selective"] < mem["none"]
+    assert model.model_flops(lays["selective"]) - model.model_flops(lays["none"]) == \
+        4 * 2 * s * s * (heads * d) * 4        # batch 2, 4 layers, h = heads * d
+
+
+def test_cli_recompute_selective_json():
+    out = _cli("plan", "examples/gpt.py:GPT", "--config", "megatron-1t", "--gpus", "3072", "--batch", "3072",
+               "--cluster", "a100-80gb-selene", "--mesh", "tp=8,pp=64,dp=6", "--recompute", "selective",
+               "--json")
+    assert out.returncode in (0, 1), out.stderr          # 1: no selective layout fits 80 GB
+    rows = json.loads(out.stdout)["layouts"]
+    assert rows and {r["recompute"] for r in rows} == {"selective"}

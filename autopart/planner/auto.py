@@ -52,7 +52,7 @@ def _plan(model, example_inputs, loss_fn, target, world_size, cluster_name) -> d
             f"({len(ranked)} layouts considered)")
     return {"mesh": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep}, "microbatches": model_.microbatches(lay),
             "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
-            "recompute": "full" if lay.recompute == "full" else "none", "note": note}
+            "recompute": lay.recompute, "note": note}
 
 
 __all__ = ["choose"]

@@ -135,6 +135,8 @@ class CostModel:
         lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep)
         if lay.recompute == "full":
             lb += lf                      # the layer's forward once more before its backward
+        elif lay.recompute == "selective":
+            lb += self.part_times(parts["core"], lay.tp, b, lay.ep)[0]   # its attention core's
         ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep)
         tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep)
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
@@ -201,13 +203,11 @@ class CostModel:
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
         per_chunk = sum(counts) / len(counts)
         layer = parts["layer"]
-        kept = (layer.out_bytes(b) if lay.recompute == "full" else layer.saved_bytes(b)) * scale
+        kept, rerun = self.kept_per_layer(lay)
         best = None
         for rank in {0, lay.pp - 1}:
             params = self.params_on(lay, rank)
-            acts = in_flight[rank] * per_chunk * kept
-            if lay.recompute == "full":
-                acts += layer.saved_bytes(b) * scale      # the layer being recomputed, whole
+            acts = in_flight[rank] * per_chunk * kept + rerun   # + the region rerunning in backward
             if rank == 0:
                 # the embedding's output is the first layer's input (counted above); what it saves
                 # for its own backward (the token ids) is one microbatch's working memory at most
@@ -222,12 +222,28 @@ class CostModel:
                 best = row
         return best
 
+    def kept_per_layer(self, lay: Layout) -> tuple[float, float]:
+        """(bytes a layer keeps per microbatch in flight, bytes of the region rerunning in
+        backward): full keeps the layer's input and reruns all of it; selective keeps all but
+        the attention core's insides (its output, read by the projection, stays) and reruns the
+        core; none keeps everything (an upper bound: every non-view op's output)."""
+        layer, core = self.parts(lay)["layer"], self.parts(lay).get("core")
+        b, scale = lay.microbatch_size, self._act_scale
+        if lay.recompute == "full":
+            return layer.out_bytes(b) * scale, layer.saved_bytes(b) * scale
+        if lay.recompute == "selective":
+            inside = core.saved_bytes(b) - core.out_bytes(b)
+            return (layer.saved_bytes(b) - inside) * scale, inside * scale
+        return layer.saved_bytes(b) * scale, 0.0
+
     def model_flops(self, lay: Layout) -> float:
-        """The paper's count: 96 (72 without recomputation) B s l h^2 (1 + s/6h + V/16lh)."""
+        """The paper's count: 96 (72 without recomputation) B s l h^2 (1 + s/6h + V/16lh);
+        selective adds the attention core's forward once more, 4 B s^2 h per layer (QK^T, AV)."""
         p = self.profile
         B, s, l, h, V = self.batch, p.seq, p.blocks or p.layers, p.hidden, p.vocab
         k = 96 if lay.recompute == "full" else 72
-        return k * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        extra = 4 * B * s * s * h * l if lay.recompute == "selective" else 0.0
+        return k * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)) + extra
 
     # -- a whole step ---------------------------------------------------------------------------
 
@@ -236,6 +252,8 @@ class CostModel:
         p = self.profile
         if (lay.tp, lay.ep) not in p.parts:
             return p.invalid_tp.get((lay.tp, lay.ep), f"tp={lay.tp}, ep={lay.ep} was not analysed")
+        if lay.recompute == "selective" and p.parts[(lay.tp, lay.ep)].get("core") is None:
+            return "selective recomputation reruns attention cores, and the layer has none"
         if lay.dp % lay.ep:
             return f"ep={lay.ep} must divide dp={lay.dp} (experts are sharded over data-parallel ranks)"
         if self.batch % (lay.dp * lay.microbatch_size):

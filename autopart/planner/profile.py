@@ -24,7 +24,7 @@ from autopart.planner.cluster import LOCAL_PATH
 
 CACHE = LOCAL_PATH.parent / "layers"
 TP_CANDIDATES = (1, 2, 4, 8, 16)
-_VERSION = 10          # bump when the profile's contents change
+_VERSION = 11          # bump when the profile's contents change
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,7 @@ def _one_layer(model):
 
 def _parts(program, tp: int, ep: int, seq: int, unit_paths: set) -> dict:
     from autopart.analysis import analyze, layer_of
+    from autopart.passes.recompute_activations import attention_cores
     from autopart.passes.split_tensor_parallel import split_tensor_parallel
     if ep > 1:
         from autopart.passes.shard_experts import shard_experts
@@ -186,6 +187,10 @@ def _parts(program, tp: int, ep: int, seq: int, unit_paths: set) -> dict:
     shards = local.tp.params if tp > 1 else {}
     experts = local.ep.params if local.ep is not None and ep > 1 else {}
     parts = {k: _part(nodes, costs, local, shards, tp, seq, k, experts, ep) for k, nodes in groups.items()}
+    # selective recomputation reruns the layer's attention cores, found as the runtime's
+    # recompute_activations pass finds them (None: no core, selective is not offered)
+    core = [n for c in attention_cores(groups["layer"]) for n in c]
+    parts["core"] = _part(core, costs, local, shards, tp, seq, "core", experts, ep) if core else None
     # tied weights (GPT's embedding = head): one tensor when first and last share a rank
     shared = _param_names(groups["first"], local) & _param_names(groups["last"], local)
     parts["shared_params"] = sum(_numel(local.params[n].shape) / (tp if n in shards else 1) for n in shared)
@@ -243,10 +248,22 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep) -> dict:
     if which == "layer":
         last = [n for n in nodes if n.name in costs and costs[n.name].out_bytes != 0]
         out = lin(costs[last[-1].name].out_bytes) if last else out
+    if which == "core":      # what the rest of the layer reads from the core: kept under selective
+        out = _core_output(nodes, costs, lin)
     return {"gemms": gemms, "elementwise_bytes": elt, "allreduce_fwd": ar_f, "allreduce_bwd": ar_b,
             "saved_bytes": saved, "out_bytes": out, "params": _params(nodes, program, shards, tp, experts, ep),
             "ops": ops, "alltoall": a2a,
             "expert_params": _params(nodes, program, shards, tp, experts, ep, only=set(experts))}
+
+
+def _core_output(nodes, costs, lin) -> list:
+    """Bytes of the core's values read outside it (the attention output the projection keeps)."""
+    inside = set(nodes)
+    total = [0.0, 0.0]
+    for n in nodes:
+        if n.name in costs and any(u not in inside for u in n.users):
+            total = _add(total, lin(costs[n.name].out_bytes))
+    return total
 
 
 def _numel_expr(val, program):

@@ -39,6 +39,10 @@ def meshes(model: CostModel, gpus: int, tp=None, pp=None, dp=None, ep=None) -> l
     return out
 
 
+# Megatron-LM's choices: full (keep layer inputs), selective (rerun attention cores), none
+RECOMPUTE = ("full", "selective", "none")
+
+
 def candidates(model: CostModel, gpus: int, *, tp=None, pp=None, dp=None, microbatch_size=None,
                virtual_stages=None, schedule=None, recompute=None, ep=None) -> list[Layout]:
     """Every layout the knobs allow; a knob given is fixed, the others are searched."""
@@ -47,7 +51,7 @@ def candidates(model: CostModel, gpus: int, *, tp=None, pp=None, dp=None, microb
     for t, q, d, e in meshes(model, gpus, tp, pp, dp, ep):
         for b in ([microbatch_size] if microbatch_size else MICROBATCH_SIZES):
             for name, v in _schedules(q, layers, virtual_stages, schedule):
-                for r in ([recompute] if recompute else ("full", "none")):
+                for r in ([recompute] if recompute else RECOMPUTE):
                     lay = Layout(t, q, d, b, v, name, r, e)
                     if model.check(lay) is None:
                         out.append(lay)
@@ -95,4 +99,4 @@ def _nothing(model: CostModel, gpus: int, knobs: dict) -> str:
             f"batch a multiple of dp * microbatch size")
 
 
-__all__ = ["search", "candidates", "meshes", "divisors", "MICROBATCH_SIZES"]
+__all__ = ["search", "candidates", "RECOMPUTE", "meshes", "divisors", "MICROBATCH_SIZES"]
