@@ -34,7 +34,8 @@ from autopart.passes.split_backward import split_backward
 
 def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
               sequence_parallel: bool, recompute: str = "none", memory_budget: int | None = None,
-              optimizer: str = "adam", schedule: sched.Schedule | None = None) -> list[Pass]:
+              optimizer: str = "adam", schedule: sched.Schedule | None = None,
+              zero: int = 0) -> list[Pass]:
     """The compiler's passes in order, with the Program fields each reads and fills.
 
     shard_experts runs first (ep > 1 only), so that split_tensor_parallel counts each expert
@@ -49,7 +50,8 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
              after=("shard_experts",)),
         Pass("analyze_costs", analyze_costs, requires=("tp",), provides=("costs",)),
         Pass("cut_pipeline_stages", cut_pipeline_stages, requires=("costs",), provides=("stages",),
-             options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size)),
+             options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size,
+                          schedule=schedule, optimizer=optimizer, zero=zero, dp=mesh.dp)),
         Pass("emit_rank_programs", emit_rank_programs, requires=("stages", "tp"),
              provides=("chunks",)),
         # after emit: it rewrites the emitted chunks, and its memory model needs the cut and
@@ -147,7 +149,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     program = _capture(model, example_inputs, loss_fn, target, mbs)
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
                        sequence_parallel=sequence_parallel, recompute=recompute,
-                       memory_budget=budget, optimizer=optimizer, schedule=the_schedule)
+                       memory_budget=budget, optimizer=optimizer, schedule=the_schedule,
+                       zero=zero)
     program, results = run_passes(program, passes, dump_dir)
     stages = program.stages
     if stages.num_chunks != the_schedule.num_chunks:

@@ -1,7 +1,7 @@
 """Peak resident memory per process: a >=300M-parameter GPT trained 2 steps with Adam, plain in one
 process vs autopart built on the meta device and loaded from a safetensors file.
 
-    python bench/memory_scale.py [--config gpt2-medium-like] [--steps 2]
+    python bench/memory_scale.py [--config gpt2-medium-like] [--steps 2] [--mesh pp=4 --mesh pp=2,dp=2]
 
 Prints each process's VmHWM (kernel high-water mark), minus that of a process that only imported
 torch (printed), and the ratio to the plain process; and the checkpoint load time per rank vs
@@ -81,6 +81,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=CONFIG)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--mesh", action="append", type=_mesh,
+                    help="a mesh to measure, e.g. pp=4 or pp=2,dp=2 (repeatable; default both)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     with ctx.Pool(1) as pool:
@@ -98,7 +100,7 @@ def main() -> None:
               f"torch.load of the whole file {ref['load_s']:.2f} s")
         print("    high-water mark after each phase (MiB): " + ", ".join(
             f"{k} {v / 2**20:.0f}" for k, v in ref["phases"].items()))
-        for mesh in ({"pp": 4}, {"pp": 2, "dp": 2}):
+        for mesh in args.mesh or ({"pp": 4}, {"pp": 2, "dp": 2}):
             out = spawn(ranked, 4, args.config, path, args.steps, mesh, timeout=3600,
                         pg_timeout=1800)
             for r, o in enumerate(out):
@@ -109,6 +111,15 @@ def main() -> None:
                     f"{k} {v / 2**20:.0f}" for k, v in o["phases"].items()))
                 print("    explain's prediction (MiB): " + ", ".join(
                     f"{k} {v / 2**20:.0f}" for k, v in o["model_state"].items()))
+
+
+def _mesh(text: str) -> dict:
+    """'pp=2,dp=2' -> {'pp': 2, 'dp': 2}."""
+    try:
+        return {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected axis=size pairs joined by "
+                                         "commas, e.g. pp=4 or pp=2,dp=2") from None
 
 
 def _save(spec: str, path: str) -> None:

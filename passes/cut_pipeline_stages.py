@@ -6,8 +6,32 @@ the live activations crossing the cut are as small as the smallest crossing insi
 (the residual stream between layers). Values computed from the user's inputs alone (positions,
 masks, sizes) are recomputed in every chunk that needs them instead of being sent. Parameters used
 by several chunks (tied embeddings) are listed so the runtime sums their gradients.
+
+The cut balances compute, within a memory bound. Each chunk's memory is estimated from the graph
+alone: the bytes of the parameters its ops read (get_attr nodes; a tied weight counts in every
+chunk that reads it, which holds its own copy), times the copies training keeps of each (the
+parameter, its gradient, the optimizer's state: Adam 2, 1/dp of them with ZeRO-1), plus the
+optimizer step's temporaries (torch.optim.Adam's per-parameter step makes two the size of the
+parameter, so a rank peaks at twice its largest: measured, the first rank of a 355M GPT at pp=4
+peaked 392 MiB above its steady state inside the step, two copies of its 50257 x 1024 embedding),
+plus the bytes its ops output per microbatch (analyze_costs' out_bytes) times the microbatches
+the schedule keeps in flight on the chunk. A compute-only cut can put far more of it on one rank
+than on another (a large embedding on the first rank, beside as many layers as the others get,
+because the embedding lookup costs nearly nothing; 1F1B's first rank holding pp microbatches'
+activations, its last one).
+
+Two optima over the cuts at the candidate points: C, the least largest-chunk compute (the
+compute-only cut), and M, the least largest-chunk memory. The cut minimizes the larger of the
+two relative excesses, compute / C - 1 and memory_weight * (memory / M - 1): the smallest t for
+which some cut has every chunk's compute within t * C and memory within (1 + (t - 1) /
+memory_weight) * M; at that t, the least largest compute, then the least largest memory. Neither
+goal is bought at any price of the other: a cut of whole layers too coarse to balance memory
+without doubling a chunk's compute stays near the compute cut. The compute-only cut is kept
+whenever it is within both bounds (memory_weight=0: always).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.fx as fx
@@ -18,12 +42,22 @@ from autopart.ir import EP_LOCAL, META_EP, NodeCost, Program, StagePlan, sym_sha
 from autopart.schedule import balanced_partition
 
 _TOLERANCE = 1.01   # a cut may carry at most 1% more bytes than the smallest body crossing
+# How much a relative memory excess weighs against the same relative compute excess (1: a chunk
+# 10% over the least largest memory is as bad as one 10% over the least largest compute).
+MEMORY_WEIGHT = 1.0
+# Parameter-sized temporaries of one parameter's step: Adam's sqrt(v) and sqrt(v) / c (denom);
+# SGD's momentum update is in place. With ZeRO-1 the step runs on buckets (runtime/optimizer.py).
+_STEP_TEMPORARIES = {"sgd": 0, "sgd-momentum": 0, "adam": 2}
 
 
 def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
-                        microbatch_size: int = 1):
+                        microbatch_size: int = 1, schedule=None, optimizer: str = "adam",
+                        zero: int = 0, dp: int = 1, memory_weight: float = MEMORY_WEIGHT):
     """Return (program with .stages = StagePlan, report dict): len(chunk_ranks) chunks, chunk k
-    on pipeline rank chunk_ranks[k]; balanced by program.costs (the analyze_costs pass)."""
+    on pipeline rank chunk_ranks[k]; balanced by program.costs (the analyze_costs pass) within
+    the memory bound (module docstring). `schedule` (autopart.schedule.Schedule) gives the
+    microbatches in flight per chunk (one each without it); `optimizer`, `zero` and `dp` the
+    copies of each parameter a rank keeps."""
     costs: dict[str, NodeCost] = program.costs
     k = len(chunk_ranks)
     graph = program.gm.graph
@@ -41,7 +75,10 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     cross_bytes = _crossing_bytes(compute, last_use, [0.0 if n in stats_only else
                                                       _bytes(n, program, b, s) for n in compute])
     layers = detect_layers(program)
-    cuts = _choose_cuts(compute, cost, cross_bytes, k, layers)
+    memory = _MemoryModel(program, compute, b, s, _in_flight(schedule, k),
+                          _state_copies(optimizer, zero, dp), memory_weight,
+                          0 if zero and dp > 1 else _STEP_TEMPORARIES[optimizer])
+    cuts = _choose_cuts(compute, cost, cross_bytes, k, layers, memory)
     bounds = [0, *cuts, len(compute)]
     chunk_of = {n.name: c for c in range(k) for n in compute[bounds[c]:bounds[c + 1]]}
     _check_every_chunk_has_parameters(graph, chunk_of, chunk_ranks, len(program.params))
@@ -53,7 +90,9 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
         chunk_cost=tuple(sum(cost[bounds[c]:bounds[c + 1]]) for c in range(k)))
     report = {"chunks": k, "cut_after": [compute[g - 1].name for g in cuts],
               "max_over_mean_cost": max(plan.chunk_cost) / (sum(plan.chunk_cost) / k),
-              "shared_params": dict(plan.shared_params)}
+              "shared_params": dict(plan.shared_params),
+              "chunk_memory_bytes": [memory.part(bounds[c], bounds[c + 1], c) for c in range(k)],
+              "memory_bound_bytes": memory.bound}
     return program.replace(stages=plan), report
 
 
@@ -155,7 +194,7 @@ def _bytes(node: fx.Node, program: Program, b: int, s) -> float:
     return numel * val.element_size()
 
 
-def _choose_cuts(compute, cost, cross_bytes, k, layers) -> list[int]:
+def _choose_cuts(compute, cost, cross_bytes, k, layers, memory=None) -> list[int]:
     if k == 1:
         return []
     if layers and len(layers) < k:
@@ -173,6 +212,8 @@ def _choose_cuts(compute, cost, cross_bytes, k, layers) -> list[int]:
     edges = [0, *candidates, len(compute)]
     seg_costs = [sum(cost[edges[i]:edges[i + 1]]) for i in range(len(edges) - 1)]
     parts = balanced_partition(seg_costs, k)
+    if memory is not None:
+        parts = memory.constrain(edges, seg_costs, parts)
     return [edges[j] for j in parts]
 
 
@@ -265,3 +306,135 @@ def _chunk_layers(compute, bounds, layers) -> tuple[tuple[str, ...], ...]:
                 seen.append(p)
         out.append(tuple(seen))
     return tuple(out)
+
+
+# -- the memory bound ------------------------------------------------------------------------------
+
+def _state_copies(optimizer: str, zero: int, dp: int) -> float:
+    """Bytes a rank keeps per parameter byte: the parameter, its gradient, the optimizer's state
+    (with ZeRO-1 1/dp of it, plus the fp32 master slice), as autopart.memory counts them."""
+    from autopart.memory import OPTIMIZER_STATES, check_optimizer
+    check_optimizer(optimizer)
+    states = OPTIMIZER_STATES[optimizer]
+    return 2.0 + ((states + 1) / dp if zero and dp > 1 else states)
+
+
+def _in_flight(schedule, k: int) -> list[int]:
+    """Per chunk, the most microbatches whose activations it holds at once under `schedule`:
+    its rank's actions walked in order, +1 at the chunk's forward, -1 at its backward (at the
+    weight-gradient half for a split backward, which is the last to read them)."""
+    from autopart.schedule import Kind
+    if schedule is None:
+        return [1] * k
+    peak = [1] * k
+    for actions in schedule.ranks:
+        splits = any(a.kind is Kind.W for a in actions)
+        done = Kind.W if splits else Kind.B
+        live = [0] * k
+        for a in actions:
+            if a.kind is Kind.F:
+                live[a.chunk] += 1
+                peak[a.chunk] = max(peak[a.chunk], live[a.chunk])
+            elif a.kind is done:
+                live[a.chunk] -= 1
+    return peak
+
+
+class _MemoryModel:
+    """Per-chunk memory of a candidate cut (module docstring), and the cut within its bound."""
+
+    def __init__(self, program: Program, compute, b: int, s, in_flight: list[int],
+                 copies: float, weight: float, temporaries: int = 0):
+        graph = program.gm.graph
+        divisor = {}
+        for plan, size in ((getattr(program, "tp", None), "tp"), (getattr(program, "ep", None), "ep")):
+            if plan is not None:
+                divisor.update({name: getattr(plan, size) for name in plan.params})
+        owner = graph.owning_module
+        self.param_bytes: dict[str, float] = {}
+        self.reads: list[frozenset] = []      # per compute node: the parameters it reads
+        for n in compute:
+            read = [a.target for a in n.all_input_nodes if a.op == "get_attr" and _is_param(graph, a)]
+            for name in read:
+                t = owner.get_parameter(name)
+                self.param_bytes[name] = t.numel() * t.element_size() / divisor.get(name, 1)
+            self.reads.append(frozenset(read))
+        self.act = [evaluate(program.costs[n.name].out_bytes, b, s) for n in compute]
+        self.in_flight, self.copies, self.weight = in_flight, copies, weight
+        self.temporaries = temporaries
+        self.bound: float | None = None
+
+    def part(self, lo: int, hi: int, chunk: int) -> float:
+        """Bytes chunk `chunk` holds if it computes nodes lo..hi-1."""
+        sizes = [self.param_bytes[p] for p in frozenset().union(*self.reads[lo:hi])]
+        return self._bytes(sum(sizes), max(sizes, default=0.0), sum(self.act[lo:hi]), chunk)
+
+    def _bytes(self, params: float, largest: float, act: float, chunk: int) -> float:
+        return (params * self.copies + largest * self.temporaries + act * self.in_flight[chunk])
+
+    def constrain(self, edges: list[int], seg_costs: list[float], parts: list[int]) -> list[int]:
+        """`parts` (the compute-only cut, segment indices) if it is within the bounds of the
+        least relative excess (module docstring), else the cut that is."""
+        k, n = len(parts) + 1, len(seg_costs)
+        segs = [(frozenset().union(*self.reads[a:b]), sum(self.act[a:b]))
+                for a, b in zip(edges, edges[1:])]
+        bounds = [0, *parts, n]
+        current = max(self.part(edges[bounds[c]], edges[bounds[c + 1]], c) for c in range(k))
+        self.bound = current
+        if self.weight <= 0:
+            return parts
+        best_cost = max(sum(seg_costs[bounds[c]:bounds[c + 1]]) for c in range(k))
+        fits = functools.partial(self._greedy, segs, seg_costs, k)
+        least = _least(lambda m: fits(float("inf"), m), 0.0, current)
+        if least is None or least <= 0:   # the greedy search found nothing better
+            return parts
+
+        def mem_bound(t: float) -> float:
+            return least * (1 + (t - 1) / self.weight)
+        # at t = top compute is unbounded and memory may reach `least`: a cut exists
+        t = _least(lambda t: fits(t * best_cost, mem_bound(t)), 1.0, sum(seg_costs) / best_cost)
+        if t is None or current <= mem_bound(t) * (1 + 1e-9):
+            return parts
+        self.bound = mem_bound(t)
+        cost = _least(lambda c: fits(c, self.bound), max(seg_costs), t * best_cost)
+        mem = _least(lambda m: fits(cost, m), 0.0, self.bound)
+        return fits(cost, mem)
+
+    def _greedy(self, segs, seg_costs, k: int, max_cost: float, max_mem: float):
+        """Cut points of k parts, each run as far as both bounds allow while leaving a segment
+        for every later part; None if a part cannot hold even its first segment. Exact (it
+        finds a cut whenever one exists) when the microbatches in flight do not grow from one
+        chunk to the next, as under 1F1B; otherwise a heuristic."""
+        n, cuts, i = len(segs), [], 0
+        for c in range(k):
+            last = n - (k - 1 - c)
+            j, cost, held, state, largest, act = i, 0.0, set(), 0.0, 0.0, 0.0
+            while j < last:
+                params, seg_act = segs[j]
+                new = [self.param_bytes[p] for p in params - held]
+                grown = (cost + seg_costs[j], state + sum(new), max([largest, *new]), act + seg_act)
+                if (grown[0] > max_cost * (1 + 1e-12)
+                        or self._bytes(*grown[1:], c) > max_mem * (1 + 1e-12)):
+                    break
+                cost, state, largest, act = grown
+                held |= params
+                j += 1
+            if j == i:
+                return None
+            cuts.append(j)
+            i = j
+        return cuts[:-1] if i == n else None
+
+
+def _least(feasible, lo: float, hi: float):
+    """The smallest bound in [lo, hi] (within 1e-9 of hi) for which `feasible(bound)` returns a
+    cut, by bisection (feasibility is monotone in the bound); None if hi itself is infeasible."""
+    if feasible(hi) is None:
+        return None
+    while hi - lo > 1e-9 * hi:
+        mid = (lo + hi) / 2
+        if feasible(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi

@@ -247,3 +247,138 @@ def test_side_tensor_dead_in_the_last_layer_still_leaves_cut_points():
     assert len(compiled.plan.chunk_layers) == 4 and all(compiled.plan.chunk_layers)
     for chunk in compiled.program.chunks[:-1]:
         assert len(chunk.sends) == 2        # the residual stream and route, nothing more
+
+
+# -- the memory bound --------------------------------------------------------------------------
+
+ADAM = 4    # bytes kept per parameter byte with Adam: the parameter, its gradient, two moments
+TEMPS = 2   # torch.optim.Adam's step: sqrt(exp_avg_sq) and its quotient, each parameter-sized
+
+
+def _state_bytes(sizes) -> int:
+    """Adam's state for parameters of `sizes` bytes, and the step's peak temporaries."""
+    return ADAM * sum(sizes) + TEMPS * max(sizes, default=0)
+
+
+def _state_bytes_per_chunk(program, plan) -> list[int]:
+    """Adam state bytes (_state_bytes) of the parameters each chunk's ops read (a tied weight
+    counts in every chunk that reads it: each holds a copy), from the graph's get_attr nodes and
+    the parameters' shapes."""
+    graph = program.gm.graph
+    held = [set() for _ in range(plan.num_chunks)]
+    for n in graph.nodes:
+        if n.op == "get_attr" and n.target in program.params:
+            for u in n.users:
+                if u.name in plan.chunk_of:
+                    held[plan.chunk_of[u.name]].add(n.target)
+    size = {name: p.numel() * p.element_size() for name, p in graph.owning_module.named_parameters()}
+    return [_state_bytes([size[p] for p in chunk]) for chunk in held]
+
+
+def _best_whole_layer_max(model, k: int) -> int:
+    """The least largest per-chunk state bytes (_state_bytes) over every cut at layer
+    boundaries, by brute force from the model's modules: chunk 0 holds the embeddings, the last
+    the tied head (the embedding again) and the final norm."""
+    import itertools
+    t = model.transformer
+    sizes = lambda *mods: [p.numel() * p.element_size() for m in mods for p in m.parameters()]  # noqa: E731
+    best = None
+    for cuts in itertools.combinations(range(1, len(t.h)), k - 1):
+        edges = [0, *cuts, len(t.h)]
+        chunks = [sizes(*t.h[a:b]) for a, b in zip(edges, edges[1:])]
+        chunks[0] += sizes(t.wte, t.wpe)
+        chunks[-1] += sizes(t.wte, t.ln_f)
+        worst = max(_state_bytes(c) for c in chunks)
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.fixture(scope="module")
+def big_vocab():
+    """A GPT whose tied 4096-row embedding holds as many parameters as ~5 of its 8 layers and,
+    as the lm head, costs ~5 layers of compute: the compute-only cut gives the first rank the
+    embedding (nearly free to compute) beside as many layers as the others get. One microbatch
+    of 1 x 4 tokens, so activations are ~1% of the bytes and parameters decide."""
+    model = GPT(config("tiny,n_layer=8,n_embd=128,vocab_size=4096,block_size=8"))
+    program, costs = _captured(model, seq=4, batch=2)
+    return model, program.replace(costs=costs)
+
+
+def _memory_cut(program, pp, weight=cps.MEMORY_WEIGHT, microbatches=1):
+    schedule = make_schedule("1f1b", pp, microbatches)
+    out, report = cps.cut_pipeline_stages(program, chunk_ranks=schedule.chunk_ranks,
+                                          schedule=schedule, memory_weight=weight)
+    return out.stages, report
+
+
+def test_memory_bound_moves_layers_off_the_embedding_rank(big_vocab):
+    model, program = big_vocab
+    compute_only, _ = _memory_cut(program, 4, weight=0)
+    plan, report = _memory_cut(program, 4)
+    _check_complete(program, plan)
+    best = _best_whole_layer_max(model, 4)      # >= the least max over all candidate cuts
+    old = _state_bytes_per_chunk(program, compute_only)
+    new = _state_bytes_per_chunk(program, plan)
+    assert max(old) == old[0] > 1.1 * best, (old, best)
+    # 1% for the activations the pass also counts
+    assert max(new) <= 1.1 * best * 1.01, (new, best)
+    assert new[0] < old[0] and len(plan.chunk_layers[0]) < len(compute_only.chunk_layers[0])
+    # within the bound, compute still balanced: no chunk past twice the mean
+    assert max(plan.chunk_cost) / (sum(plan.chunk_cost) / 4) < 2.0
+    assert max(plan.chunk_cost) >= max(compute_only.chunk_cost)   # it gave up some compute balance
+    assert report["memory_bound_bytes"] <= 1.1 * best * 1.01
+
+
+def test_memory_weight_trades_memory_for_compute(big_vocab):
+    """A larger weight never buys compute balance; an infinite one gives the least largest
+    chunk's memory; weight 0 the compute-only cut."""
+    model, program = big_vocab
+    weights = [float("inf"), 10.0, 1.0, 0.0]
+    plans = [_memory_cut(program, 4, weight=w)[0] for w in weights]
+    worst_cost = [max(p.chunk_cost) for p in plans]
+    worst_bytes = [max(_state_bytes_per_chunk(program, p)) for p in plans]
+    assert worst_cost == sorted(worst_cost, reverse=True), worst_cost
+    assert worst_bytes[0] <= _best_whole_layer_max(model, 4) * 1.01, worst_bytes
+    assert worst_bytes[0] < worst_bytes[-1], worst_bytes
+
+
+def test_no_memory_change_when_the_compute_cut_fits(gpt7):
+    """tiny's 256-row embedding and one microbatch in flight everywhere: the compute-only cut
+    is within the bounds and stays."""
+    program, costs = gpt7
+    program = program.replace(costs=costs)
+    for pp in (2, 4):
+        a, _ = _memory_cut(program, pp, weight=0, microbatches=1)
+        b, _ = _memory_cut(program, pp, microbatches=1)
+        assert a.chunk_of == b.chunk_of
+
+
+@pytest.mark.parametrize("name,pp,m", [("1f1b", 4, 8), ("1f1b", 4, 2), ("gpipe", 3, 5),
+                                       ("zb-h1", 4, 8), ("interleaved-1f1b", 2, 4)])
+def test_in_flight_per_chunk_matches_the_schedule_core(name, pp, m):
+    """Per chunk, the microbatches held at once: 1F1B keeps min(pp - rank, m) on rank `rank`;
+    for one chunk per rank, the C++ core's per-rank count; interleaved, per rank the chunks'
+    counts bound the rank's."""
+    from autopart.schedule import in_flight
+    v = 2 if name.startswith("interleaved") else 1
+    schedule = make_schedule(name, pp, m, v)
+    got = cps._in_flight(schedule, pp * v)
+    core = in_flight(schedule).peak_in_flight
+    if name == "1f1b":
+        assert got == [min(pp - r, m) for r in range(pp)]
+    if name == "gpipe":
+        assert got == [m] * pp
+    if v == 1:
+        assert tuple(got) == core
+    else:
+        for r in range(pp):
+            mine = [got[c] for c in range(pp * v) if schedule.chunk_ranks[c] == r]
+            assert max(mine) <= core[r] <= sum(mine)
+
+
+def test_state_copies_count_adam_and_zero():
+    assert cps._state_copies("adam", 0, 4) == 4              # param, grad, exp_avg, exp_avg_sq
+    assert cps._state_copies("sgd", 0, 1) == 2
+    assert cps._state_copies("adam", 1, 2) == 2 + 3 / 2      # moments and fp32 master over dp=2
+    with pytest.raises(AutopartError, match="optimizer='lion'"):
+        cps._state_copies("lion", 0, 1)

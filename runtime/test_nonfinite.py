@@ -1,0 +1,34 @@
+"""nonfinite.local_problems finds every non-finite gradient element, one block at a time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopart.runtime import nonfinite
+
+
+@pytest.mark.parametrize("where", [0, 999, 1000, 1001, 4999])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_blocks_miss_no_element(where, bad):
+    t = torch.ones(50, 100)
+    assert nonfinite._all_finite(t, block=1000)
+    t.view(-1)[where] = bad
+    assert not nonfinite._all_finite(t, block=1000)
+    assert not nonfinite._all_finite(t)                      # the default block: one block
+
+
+def test_local_problems_names_the_gradient():
+    p = torch.nn.Parameter(torch.zeros(3, 4))
+    p.grad = torch.zeros(3, 4)
+    p.grad[2, 3] = float("nan")
+    q = torch.nn.Parameter(torch.zeros(5))
+    q.grad = torch.ones(5)
+    out = nonfinite.local_problems([torch.tensor(1.0)], {"w": p, "b": q}, pp_rank=1)
+    assert out == ["the gradient of w has 1 non-finite value(s) (pipeline stage 1)"]
+
+
+def test_a_non_contiguous_gradient():
+    g = torch.ones(40, 30).t()                               # a transposed view
+    g[29, 39] = float("inf")
+    assert not nonfinite._all_finite(g, block=7)
+    assert nonfinite._all_finite(torch.ones(40, 30).t(), block=7)
