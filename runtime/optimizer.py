@@ -22,9 +22,9 @@ Buckets (`parallelize(..., zero_bucket_size=)`, elements, default 40M as Megatro
 bucket_size): the flat order is never built whole. A bucket is the same range [s, e) of every
 replica's slice, so each collective takes the d pieces [k*n/d + s, k*n/d + e) copied from (or
 into) the parameters' own tensors: a reduce-scatter's input, an all-gather's output, and the
-optimizer's tensors (one per bucket, views of the slice) are one bucket each, and a rank's
-transient memory is one bucket beside its 1/d slice's gradient, not its whole parameter set
-three times over. Taking the same range of every slice (rather than Megatron's cut of each
+optimizer's tensors (one per bucket, views of the slice, stepped one bucket at a time) are one
+bucket each, and a rank's transient memory is one bucket, not its whole parameter set three
+times over. Taking the same range of every slice (rather than Megatron's cut of each
 bucket into d parts) keeps the ownership above, so checkpoints do not depend on the bucket size.
 
 Why not torch.distributed.optim.ZeroRedundancyOptimizer: it assigns whole parameters to ranks
@@ -239,14 +239,15 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for lay, buckets in zip(self.layouts, self.buckets):
-            grad = lay.slice_of([p.grad for p in lay.params], torch.float32)
-            for b, (s, e) in zip(buckets, lay.ranges):
-                b.grad = grad[s:e]
-            del grad
-        self.inner.step()
+        """`cls`'s step once per bucket, the others without .grad (a torch optimizer skips a
+        tensor without one), so only one bucket's fp32 gradient exists at a time; then the
+        all-gather, a bucket at a time."""
         for lay, shard, buckets in zip(self.layouts, self.shards, self.buckets):
-            for b in buckets:       # the slice's gradient is a transient: freed here
+            grads = [p.grad for p in lay.params]
+            for b, (s, e) in zip(buckets, lay.ranges):
+                b.grad = lay.read(grads, lay.lo + s,
+                                  torch.empty(e - s, dtype=torch.float32, device=lay.device))
+                self.inner.step()
                 b.grad = None
             lay.all_gather_params(shard.detach())
 
