@@ -8,7 +8,8 @@ check costs one pass over each graph's ops, on the meta device as well. Each pro
 modules are replaced by shape-only copies: collectives make outputs of the shapes the real ones
 would (all-gather multiplies a dim by the group size, reduce-scatter divides it) and move no data.
 Chunk graphs that are equal on several ranks (the tensor-parallel ranks of one pipeline rank) are
-checked once.
+checked once. The forward also counts what autograd saves (memory.SavedCounter), so the memory
+table needs no fake run of its own.
 
     >>> import torch, autopart
     >>> from examples.gpt import GPT, lm_loss
@@ -19,13 +20,15 @@ checked once.
 """
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopart.errors import AutopartError, node_error
 from autopart.ir import META_TP, Boundary, ChunkProgram, sym_shape
-from autopart.localize import attribute
+from autopart.memory import (ActivationCache, ChunkActivations, SavedCounter, boundary_bytes,
+                             local_shaper, storage_key)
 from autopart.ops import registry
 from autopart.ops.comm import GroupComm
 from autopart.ops import ep as ep_ops
@@ -42,111 +45,128 @@ class _DataDependent(Exception):
         self.node = node
 
 
-def check_rank_programs(compiled) -> dict:
+def check_rank_programs(compiled, runs: ActivationCache | None = None) -> dict:
     """Run each distinct rank program forward and backward on fake tensors.
 
     The tensor- and expert-parallel ranks of one pipeline rank run the same chunk graphs on
     shards of equal shapes, so each chunk graph is run once with this rank's local parameter
-    shapes (nothing is localized), and chunks with the same structure (the middle stages of a
-    uniform stack) once in all. Returns {"checked": chunk graphs run, "skipped": [(chunk, node,
-    reason)], "seconds": ...}; raises AutopartError on the first chunk that does not run."""
+    shapes (nothing is localized), and chunks with the same program up to names (the middle
+    stages of a uniform stack: memory.chunk_signature) once in all. Each forward also counts
+    what autograd saves, into `runs`, which the memory table then reads instead of running the
+    chunk again. Returns {"checked": chunk graphs run, "skipped": [(chunk, node, reason)],
+    "seconds": ...}; raises AutopartError on the first chunk that does not run."""
     import time
     start = time.perf_counter()
     plan, program = compiled.plan, compiled.program
     b, s = plan.microbatch_size, program.seq_len
-    local = _local_shapes(plan)
+    local = local_shaper(program, plan.mesh)
+    runs = ActivationCache() if runs is None else runs
     seen: set = set()
     skipped: list = []
     for chunk in program.chunks:
-        key = _structure(chunk, plan)
-        if key in seen:
+        sig = runs.signature(chunk, local)
+        if sig in seen:
             continue
-        seen.add(key)
-        reason = check_chunk(chunk, program, b, s, local)
+        seen.add(sig)
+        reason, acts = check_chunk(chunk, program, b, s, local)
         if reason:
             skipped.append((chunk.chunk, *reason))
+        if acts is not None:
+            runs.put(sig, chunk, acts)
     return {"checked": len(seen), "skipped": skipped, "seconds": time.perf_counter() - start}
-
-
-def _local_shapes(plan):
-    """name, full shape -> the shape one rank holds (its tp shard of each section, its experts)."""
-    mesh = plan.mesh
-    tp_shards = plan.tp_shards if mesh.tp > 1 else {}
-    ep_shards = plan.ep_shards if mesh.ep > 1 else {}
-
-    def shape(name: str, full: tuple) -> tuple:
-        out = list(full)
-        if name in ep_shards:
-            out[0] //= mesh.ep
-        if name in tp_shards:
-            out[tp_shards[name].dim] //= mesh.tp
-        return tuple(out)
-    return shape
-
-
-def _structure(chunk: ChunkProgram, plan) -> tuple:
-    """What the check depends on, without names: ops, dataflow, constant arguments, attribute
-    shapes and shards, boundary shapes."""
-    index: dict = {}
-    items = []
-    for i, n in enumerate(chunk.gm.graph.nodes):
-        index[n] = i
-        if n.op == "get_attr":
-            v = attribute(chunk.gm, n.target)
-            sig = (tuple(v.shape), v.dtype, plan.tp_shards.get(n.target),
-                   plan.ep_shards.get(n.target)) if isinstance(v, torch.Tensor) else type(v).__name__
-        else:
-            sig = n.target if n.op == "call_function" else n.op
-        args = (n.args, {} if registry.is_autopart_op(n.target, kind="p2p") else n.kwargs)
-        items.append((sig, str(fx.map_arg(args, lambda a: index[a]))))   # p2p peers aside
-    edges = tuple((r.shape, r.dtype) for r in chunk.recvs + chunk.sends)
-    return tuple(items), edges, chunk.is_last
 
 
 def check_chunk(chunk: ChunkProgram, program, b: int, s: int | None, local_shape):
     """Forward and backward of one chunk on fake tensors, parameters of the shapes
-    `local_shape(name, full shape)` gives; None, or (node, reason) if a data-dependent op
-    stopped the check part way."""
-    where = f"pipeline rank {chunk.rank}, chunk {chunk.chunk}"
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        runner = _FakeRunner(chunk.gm, mode, local_shape)
-        runner.where = where
-        args = [_fake_recv(r, b, s, ph) for r, ph in zip(chunk.recvs, runner.placeholders)]
-        args += [_fake_input(ph, program, b, s) for ph in runner.placeholders[len(chunk.recvs):]]
-        try:
-            outs = runner.run(*args)
-        except _DataDependent as e:
-            return (e.node.name, f"{e.node.target.__name__} has data-dependent output sizes")
-        except AutopartError as e:       # fx's Interpreter appends its own trace: keep ours
-            raise AutopartError(str(e).split("\n\nWhile executing")[0]) from None
-        _check_sends(chunk, outs, b, s, where)
-        _backward(chunk, runner, outs, args, where)
-    return None
+    `local_shape(name, full shape)` gives. Returns (None, what its forward saved for backward),
+    or ((node, reason), None) if a data-dependent op stopped the check part way.
+
+    A program built on the meta device runs as a CPU program (_FakeRunner._device), as the memory
+    table has always counted it; one that runs only on meta (its graph asserts the meta device,
+    as HF's rotary embedding does) is checked there and its bytes left to the memory table."""
+    runner = _FakeRunner(chunk, program, b, s, local_shape, cpu=True)
+    try:
+        return runner.check()
+    except AutopartError:
+        if not runner.moved:
+            raise
+    return _FakeRunner(chunk, program, b, s, local_shape, cpu=False).check()[0], None
 
 
-class _FakeRunner(fx.Interpreter):
-    """Runs a chunk with its parameters as fake tensors and shape-only comm modules; an
-    exception inside a node becomes an AutopartError naming it."""
+class _FakeRunner(SavedCounter):
+    """Runs a chunk with its parameters as fake tensors and shape-only comm modules, counting
+    the storages autograd saves (memory.SavedCounter); an exception inside a node becomes an
+    AutopartError naming it. With `cpu`, meta tensors and devices are made CPU ones."""
 
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, local_shape):
-        super().__init__(gm, garbage_collect_values=False)
-        self.mode, self.local_shape = mode, local_shape
-        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.attrs: dict = {}
+    def __init__(self, chunk: ChunkProgram, program, b: int, s: int | None, local_shape,
+                 cpu: bool):
+        super().__init__(chunk.gm, FakeTensorMode(allow_non_fake_inputs=True), program.symbols,
+                         b, s or 1, local_shape, set(chunk.layers))
+        self.chunk, self.program, self.b_s = chunk, program, (b, s)
+        self.cpu, self.moved = cpu, False      # moved: a meta device was made a CPU one
         self.params: list = []
-        self.where = ""
+        self.where = f"pipeline rank {chunk.rank}, chunk {chunk.chunk}"
+
+    def check(self):
+        """(None, saved bytes) or ((node, reason), None); raises AutopartError."""
+        chunk, (b, s) = self.chunk, self.b_s
+        with self.mode:
+            args = [self._fake(r.concrete_shape(b, s), r.dtype, ph.meta.get("val"))
+                    .requires_grad_(r.differentiable)
+                    for r, ph in zip(chunk.recvs, self.placeholders)]
+            args += [self._input(ph) for ph in self.placeholders[len(chunk.recvs):]]
+            try:
+                outs = self.count(*args)
+            except _DataDependent as e:
+                return (e.node.name, f"{e.node.target.__name__} has data-dependent output "
+                        "sizes"), None
+            except AutopartError as e:       # fx's Interpreter appends its own trace: keep ours
+                raise AutopartError(str(e).split("\n\nWhile executing")[0]) from None
+            _check_sends(chunk, outs, b, s, self.where)
+            _backward(chunk, self, outs, args, self.where)
+        sends = sum((boundary_bytes(x) for x in chunk.sends), sympy.Integer(0))
+        return None, ChunkActivations(self.total(), self.per_layer(), self.transient, sends)
+
+    def _input(self, ph: fx.Node) -> torch.Tensor:
+        val, (b, s) = ph.meta["val"], self.b_s
+        shape = _concrete(sym_shape(val, self.program.symbols), b, s) if self.program.dynamic \
+            else tuple(val.shape)
+        t = self._fake(shape, val.dtype, val)
+        return t if val.dtype.is_floating_point or val.dtype.is_complex else t.zero_()
+
+    def _fake(self, shape, dtype, like) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self._device(like))
+
+    def _device(self, like) -> torch.device:
+        """`like`'s device (a tensor's or a device), CPU if none; with `cpu`, CPU for meta. Ops
+        choose kernels by device (meta's attention is the unfused math one, which saves the
+        score matrix), and the saved bytes must be those of a device that trains."""
+        device = like if isinstance(like, torch.device) else \
+            like.device if isinstance(like, torch.Tensor) else torch.device("cpu")
+        if self.cpu and device.type == "meta":
+            self.moved = True
+            return torch.device("cpu")
+        return device
+
+    def call_function(self, target, args, kwargs):
+        # constants the graph makes on the meta device are made where the fakes are
+        if any(isinstance(v, torch.device) for v in kwargs.values()):
+            kwargs = {k: self._device(v) if isinstance(v, torch.device) else v
+                      for k, v in kwargs.items()}
+        return super().call_function(target, args, kwargs)
 
     def fetch_attr(self, target: str):
         if target not in self.attrs:
-            value = super().fetch_attr(target)
+            value = fx.Interpreter.fetch_attr(self, target)
             if isinstance(value, GroupComm):
                 value = type(value)(value.size, value.rank, shape_only=True)
             elif isinstance(value, torch.Tensor):    # made fake from its shape: no copy
                 fake = torch.empty(self.local_shape(target, tuple(value.shape)),
-                                   dtype=value.dtype, device=value.device)
+                                   dtype=value.dtype, device=self._device(value))
                 if isinstance(value, torch.nn.Parameter) and value.requires_grad:
                     fake.requires_grad_(True)
                     self.params.append(fake)
+                self.weights.add(storage_key(fake))
                 value = fake
             self.attrs[target] = value
         return self.attrs[target]
@@ -197,21 +217,6 @@ def _producing_pass(n: fx.Node) -> str:
 
 def _concrete(shape: tuple, b: int, s: int | None) -> tuple:
     return Boundary("", shape, torch.float32, 0, 0).concrete_shape(b, s)
-
-
-def _fake_recv(r: Boundary, b: int, s: int | None, ph: fx.Node) -> torch.Tensor:
-    val = ph.meta.get("val")
-    device = val.device if isinstance(val, torch.Tensor) else "cpu"
-    t = torch.empty(r.concrete_shape(b, s), dtype=r.dtype, device=device)
-    return t.requires_grad_(True) if r.differentiable else t
-
-
-def _fake_input(ph: fx.Node, program, b: int, s: int | None) -> torch.Tensor:
-    val = ph.meta["val"]
-    shape = _concrete(sym_shape(val, program.symbols), b, s) if program.dynamic else tuple(val.shape)
-    if val.dtype.is_floating_point or val.dtype.is_complex:
-        return torch.empty(shape, dtype=val.dtype, device=val.device)
-    return torch.zeros(shape, dtype=val.dtype, device=val.device)
 
 
 def _check_sends(chunk: ChunkProgram, outs, b: int, s: int | None, where: str) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from autopart.errors import AutopartError
+from autopart.gc_paused import gc_paused
 from autopart.mesh import Mesh
 from autopart.schedule import SCHEDULES, ScheduleError
 
@@ -92,6 +93,7 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+@gc_paused
 def run_compile(args: argparse.Namespace) -> int:
     """Run `autopart compile` for parsed `args`; returns the exit code (2 on a compile error)."""
     try:

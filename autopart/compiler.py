@@ -19,6 +19,7 @@ from autopart import schedule as sched
 from autopart.arguments import check_arguments
 from autopart.capture import capture, check_on_example
 from autopart.errors import AutopartError
+from autopart.gc_paused import gc_paused
 from autopart.ir import Plan, Program, RankProgram
 from autopart.localize import localize_chunk
 from autopart.mesh import Mesh
@@ -86,6 +87,9 @@ class Compiled:
     seconds: float
     costs: dict = field(repr=False, default_factory=dict)
     zero: int = 0           # ZeRO level the memory model counts state for (runtime/optimizer.py)
+    # saved-tensor counts of the distinct chunks, made by the program check's fake runs and
+    # read by the memory table (one fake run per distinct chunk serves both)
+    activation_runs: Any = field(repr=False, default=None)
 
     @functools.cached_property
     def memory(self):
@@ -118,6 +122,7 @@ class Compiled:
         return explain_json(self)
 
 
+@gc_paused
 def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Callable | None = None,
             target: torch.Tensor | None = None, microbatches: int = 1, schedule: str = "1f1b",
             virtual_stages: int = 1, sequence_parallel: bool = False,
@@ -168,7 +173,9 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     # every distinct rank program runs forward and backward on fake tensors before it is handed
     # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)
     from autopart.check_programs import check_rank_programs
-    compiled.check = check_rank_programs(compiled)
+    from autopart.memory import ActivationCache
+    compiled.activation_runs = ActivationCache()
+    compiled.check = check_rank_programs(compiled, compiled.activation_runs)
     compiled.seconds = time.perf_counter() - start
     return compiled
 

@@ -30,6 +30,15 @@ META_EP = "ep"            # shard_experts: EP_LOCAL on nodes that compute on thi
 EP_LOCAL = "local experts"
 
 
+def graph_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
+    """A GraphModule whose Python code is made on first use (`.code`, printing, a call), not
+    when it is built: passes build whole-model and per-chunk modules that a 3072-rank compile
+    never runs, and generating and compiling their code was a second or more of it. torch's own
+    lazy GraphModule, as Inductor uses it."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    return _LazyGraphModule(root, graph, class_name=class_name)
+
+
 def sym_shape(val, symbols: dict) -> tuple:
     """A FakeTensor's shape as sympy expressions in b and s."""
     out = []

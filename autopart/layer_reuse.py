@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopart.errors import AutopartError
-from autopart.ir import Program
+from autopart.ir import Program, graph_module
 
 log = logging.getLogger(__name__)
 ENV = "AUTOPART_LAYER_REUSE"
@@ -269,7 +269,13 @@ def _layer(node: fx.Node, path: str) -> int | None:
 def _renamer(path: str, k: int) -> Callable[[str], str]:
     """Layer 1's name -> layer k's (parameters, module paths and nn_module_stack keys)."""
     pattern = re.compile(rf"(^|\.){re.escape(path)}\.1(?=\.|$)")
-    return lambda s: pattern.sub(lambda m: f"{m.group(1)}{path}.{k}", s)
+    done: dict[str, str] = {}      # a layer's few module paths recur in every node's stack
+
+    def rename(s: str) -> str:
+        if s not in done:
+            done[s] = pattern.sub(lambda m: f"{m.group(1)}{path}.{k}", s)
+        return done[s]
+    return rename
 
 
 def _runs(nodes: list, layer: dict) -> list[tuple[list, list]]:
@@ -446,7 +452,7 @@ def _program(small: Program, model: nn.Module, rep: Repeat, n: int, graph: fx.Gr
         if node.op == "get_attr":
             t = node.target
             attrs[t] = named[t] if t in named else getattr(small.gm, t)
-    return dataclasses.replace(small, gm=fx.GraphModule(attrs, graph),
+    return dataclasses.replace(small, gm=graph_module(attrs, graph),
                                params=_expand(small.params, rep.path, n),
                                buffers=_expand(small.buffers, rep.path, n))
 

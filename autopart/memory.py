@@ -100,10 +100,10 @@ def chunk_activations(chunk: ChunkProgram, program: Program, b: int, s: int | No
                       local_shape=lambda name, shape: shape) -> ChunkActivations:
     """Run `chunk` forward on fake tensors at microbatch b, sequence s, and count the storages
     autograd saves. `local_shape(param name, full shape)` gives a rank's shard shape."""
-    sends = sum((_boundary_bytes(x) for x in chunk.sends), sympy.Integer(0))
+    sends = sum((boundary_bytes(x) for x in chunk.sends), sympy.Integer(0))
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            run = _SavedCounter(chunk.gm, mode, program.symbols, b, s or 1, local_shape,
+            run = SavedCounter(chunk.gm, mode, program.symbols, b, s or 1, local_shape,
                                 set(chunk.layers))
             args = [_fake_recv(r, b, s) for r in chunk.recvs]
             args += [_fake_input(ph, program, b, s) for ph in run.placeholders[len(chunk.recvs):]]
@@ -121,21 +121,43 @@ class ActivationCache:
     def __init__(self):
         self._seen: dict = {}       # signature -> (layers of the chunk that ran, its result)
         self.runs = 0               # fake runs made (the rest were reused)
+        self._signatures: dict = {}   # id(chunk) -> (chunk, its signature)
 
     def get(self, chunk: ChunkProgram, program: Program, b: int, s: int | None,
             local_shape=lambda name, shape: shape) -> ChunkActivations:
-        sig = chunk_signature(chunk, local_shape)
-        hit = self._seen.get(sig)
+        sig = self.signature(chunk, local_shape)
+        hit = self.lookup(sig, chunk)
         if hit is not None:
-            layers, acts = hit
-            rename = dict(zip(layers, chunk.layers))
-            return dataclasses.replace(acts, per_layer={rename.get(k, k): v
-                                                        for k, v in acts.per_layer.items()})
+            return hit
         self.runs += 1
         acts = chunk_activations(chunk, program, b, s, local_shape)
+        self.put(sig, chunk, acts)
+        return acts
+
+    def signature(self, chunk: ChunkProgram, local_shape) -> str:
+        """chunk_signature, made once per chunk: the program check and the memory table both
+        ask (one cache serves one program's chunks, with one local shape rule)."""
+        hit = self._signatures.get(id(chunk))
+        if hit is None or hit[0] is not chunk:
+            hit = self._signatures[id(chunk)] = (chunk, chunk_signature(chunk, local_shape))
+        return hit[1]
+
+    def lookup(self, sig: str, chunk: ChunkProgram) -> ChunkActivations | None:
+        """The count made for another chunk of signature `sig`, per-layer bytes renamed to
+        `chunk`'s layers; None if none was made."""
+        hit = self._seen.get(sig)
+        if hit is None:
+            return None
+        layers, acts = hit
+        rename = dict(zip(layers, chunk.layers))
+        return dataclasses.replace(acts, per_layer={rename.get(k, k): v
+                                                    for k, v in acts.per_layer.items()})
+
+    def put(self, sig: str, chunk: ChunkProgram, acts: ChunkActivations) -> None:
+        """Keep `chunk`'s count (made here or by the program checker's fake run) for the chunks
+        of the same signature."""
         if acts.exact:       # an estimate reads program.costs by node name: not shareable
             self._seen[sig] = (chunk.layers, acts)
-        return acts
 
 
 def chunk_signature(chunk: ChunkProgram, local_shape=lambda name, shape: shape) -> str:
@@ -190,7 +212,7 @@ def _meta_signature(val):
     return repr(val)
 
 
-class _SavedCounter(fx.Interpreter):
+class SavedCounter(fx.Interpreter):
     """Runs a graph on fake tensors under saved-tensor hooks; each saved storage is counted once,
     as a formula: its concrete size at (b, s) times how its producer's shape grows with b, s."""
 
@@ -211,7 +233,11 @@ class _SavedCounter(fx.Interpreter):
     def count(self, *args):
         for ph, a in zip(self.placeholders, args):
             self._register(ph, a)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        # an op that fails inside a grad-mode region (HF's rotary embedding runs under
+        # wrap_with_set_grad_enabled) can leave grad mode off, and the next real forward would
+        # build no graph: the context manager puts back the mode found on entry
+        with torch.set_grad_enabled(torch.is_grad_enabled()), \
+                torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             return self.run(*args)
 
     def total(self) -> sympy.Expr:
@@ -224,7 +250,7 @@ class _SavedCounter(fx.Interpreter):
         return {k: sympy.expand(v) for k, v in out.items()}
 
     def _pack(self, t):
-        key = _key(t)
+        key = storage_key(t)
         if key is not None and key not in self.weights and key not in self.saved:
             size = self.sizes.get(key)
             if size is None:          # made inside an op (a Function's own buffer)
@@ -244,7 +270,7 @@ class _SavedCounter(fx.Interpreter):
                 fake = torch.empty(shape, dtype=value.dtype, device="cpu")
                 if isinstance(value, torch.nn.Parameter) and value.requires_grad:
                     fake.requires_grad_(True)
-                self.weights.add(_key(fake))
+                self.weights.add(storage_key(fake))
                 value = fake
             self.attrs[target] = value
         return self.attrs[target]
@@ -267,7 +293,7 @@ class _SavedCounter(fx.Interpreter):
         the region's graph counted by a nested counter whose hooks shadow ours."""
         sub = self.fetch_attr(n.args[0].target)
         args = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[1:]]
-        inner = _SavedCounter(sub, self.mode, self.symbols, self.b, self.s, self.local_shape,
+        inner = SavedCounter(sub, self.mode, self.symbols, self.b, self.s, self.local_shape,
                               self.layers, params=set(self.weights) | set(self.sizes))
         inner.growths = self.growths
         inner.count(*args)
@@ -280,7 +306,7 @@ class _SavedCounter(fx.Interpreter):
         outs = out if isinstance(out, (tuple, list)) else (out,)
         vals = vals if isinstance(vals, (tuple, list)) else (vals,) * len(outs)
         for t, v in zip(outs, vals):
-            key = _key(t) if isinstance(t, torch.Tensor) else None
+            key = storage_key(t) if isinstance(t, torch.Tensor) else None
             if key is not None and key not in self.sizes:
                 self.sizes[key] = t.untyped_storage().nbytes() * self._growth_of(v)
 
@@ -305,7 +331,7 @@ class _SavedCounter(fx.Interpreter):
                    if g.free_symbols else 0, default=sympy.Integer(1))
 
 
-def _key(t: torch.Tensor):
+def storage_key(t: torch.Tensor):
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
@@ -327,7 +353,7 @@ def _fake_input(ph: fx.Node, program: Program, b: int, s: int | None) -> torch.T
     return torch.zeros(shape, dtype=val.dtype, device="cpu")
 
 
-def _boundary_bytes(x: Boundary) -> sympy.Expr:
+def boundary_bytes(x: Boundary) -> sympy.Expr:
     return sympy.prod(x.shape) * x.dtype.itemsize if x.shape else sympy.Integer(x.dtype.itemsize)
 
 
@@ -430,7 +456,8 @@ class MemoryTable(Mapping):
         self.precision = getattr(compiled.plan, "precision", "fp32")
         self.zero = getattr(compiled, "zero", 0)
         self._acts: dict = {}
-        self._runs = ActivationCache()
+        # the program checker's fake runs counted the saved tensors already (check_programs.py)
+        self._runs = getattr(compiled, "activation_runs", None) or ActivationCache()
         self._cache: dict = {}
 
     def __getitem__(self, rank: int) -> dict[str, int]:
@@ -452,7 +479,7 @@ class MemoryTable(Mapping):
         """chunk -> ChunkActivations for the chunks of `rank` (formulas in b and s)."""
         compiled = self.compiled
         out = {}
-        pp, local = self.mesh.coords(rank)["pp"], _local_shaper(compiled.program, self.mesh)
+        pp, local = self.mesh.coords(rank)["pp"], local_shaper(compiled.program, self.mesh)
         for ch in compiled.program.chunks:
             if ch.rank != pp:
                 continue
@@ -507,7 +534,7 @@ class _RankShapes:
 
 # -- the budget: check it, and choose recomputation under it -----------------------------------
 
-def _local_shaper(program: Program, mesh):
+def local_shaper(program: Program, mesh):
     """param name, full shape -> the shape tp/ep rank 0 holds (every rank's is the same size)."""
     tp_shards = program.tp.params if (program.tp is not None and mesh.tp > 1) else {}
     ep_shards = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
@@ -539,7 +566,7 @@ def pp_rank_memory(program: Program, mesh, schedule, b: int, optimizer: str, pp:
     chunks = _rank_chunks_local(program, mesh, pp)
     out = dict(state) if state is not None else state_bytes(program, chunks, mesh, optimizer)
     if acts is None:
-        local, cache = _local_shaper(program, mesh), cache or ActivationCache()
+        local, cache = local_shaper(program, mesh), cache or ActivationCache()
         acts = {c.chunk: cache.get(c, program, b, s, local) for c in chunks}
     peak, in_flight = activation_peak(schedule.ranks[pp], acts, b, s)
     out["activations"] = int(peak)
@@ -583,7 +610,7 @@ def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbat
     rank is over budget, take the step (none->selective, ->full) saving the most peak bytes per
     recomputed FLOP, until it fits; full everywhere that still does not fit is an error."""
     b, s = microbatch_size, program.seq_len
-    local, cache = _local_shaper(program, mesh), ActivationCache()
+    local, cache = local_shaper(program, mesh), ActivationCache()
     choices = {}
     for pp in range(mesh.pp):
         mine = [c for c in program.chunks if c.rank == pp]

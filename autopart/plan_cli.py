@@ -18,6 +18,7 @@ import sys
 import time
 
 from autopart.errors import AutopartError
+from autopart.gc_paused import gc_paused
 from autopart.planner.search import RECOMPUTE
 
 
@@ -90,6 +91,7 @@ def parse_mesh(text: str | None, gpus: int) -> dict:
     return axes
 
 
+@gc_paused
 def run_plan(args: argparse.Namespace) -> int:
     try:
         return _plan(args)

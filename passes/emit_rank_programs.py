@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopart.ir import META_TP, Boundary, ChunkProgram, Program, sym_shape
+from autopart.ir import META_TP, Boundary, ChunkProgram, Program, graph_module, sym_shape
 from autopart.localize import attribute
 from autopart.ops import p2p
 from autopart.placement import Shard
@@ -115,7 +115,7 @@ class _ChunkBuilder:
 
     def module(self, class_name: str) -> fx.GraphModule:
         self.g.lint()
-        return fx.GraphModule(self.attrs, self.g, class_name=class_name)   # compiles its code
+        return graph_module(self.attrs, self.g, class_name=class_name)   # code made on first use
 
 
 def _mark(g: fx.Graph, fn, node: fx.Node, peer: int, chunk: int, src: fx.Node) -> fx.Node:

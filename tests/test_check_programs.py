@@ -77,3 +77,42 @@ def test_collectives_have_their_real_output_shapes_on_fakes():
 def test_compile_runs_the_checker():
     compiled = _compiled(autopart.Mesh(pp=2), microbatches=2)
     assert compiled.check["checked"] == 2
+
+
+def test_the_check_counts_the_saved_bytes_the_memory_table_reads():
+    """One fake run per distinct chunk serves the check and the memory table: the table makes no
+    run of its own, and what it reads equals memory.chunk_activations' separate (CPU) run."""
+    from autopart.memory import chunk_activations, local_shaper
+    compiled = _compiled(autopart.Mesh(pp=2, tp=2), microbatches=2)
+    runs = compiled.activation_runs
+    assert compiled.check["checked"] == 2 and runs.runs == 0
+    b, s = compiled.plan.microbatch_size, compiled.program.seq_len
+    local = local_shaper(compiled.program, compiled.plan.mesh)
+    for rank in (0, 2):                         # pipeline ranks 0 and 1 (tp rank 0)
+        for c, acts in compiled.memory.activations(rank).items():
+            alone = chunk_activations(compiled.program.chunks[c], compiled.program, b, s, local)
+            assert (acts.saved, acts.per_layer, acts.sends) == \
+                (alone.saved, alone.per_layer, alone.sends)
+    assert runs.runs == 0                       # the table reused the check's runs
+
+
+@torch.fx.wrap
+def _fails_with_grad_off(x):
+    torch._C._set_grad_enabled(False)    # as a higher-order op left half run does
+    raise RuntimeError("an op that fails")
+
+
+def test_a_fake_run_that_fails_leaves_grad_mode_on():
+    """HF's rotary embedding runs under wrap_with_set_grad_enabled; a fake run failing in such a
+    region once left grad mode off for the user's first real step (its backward then failed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopart.memory import SavedCounter
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return _fails_with_grad_off(x)
+    gm = torch.fx.symbolic_trace(M())
+    with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="an op that fails"):
+        SavedCounter(gm, mode, {}, 1, 1, lambda name, shape: shape, set()).count(torch.empty(2))
+    assert torch.is_grad_enabled()

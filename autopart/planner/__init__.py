@@ -7,10 +7,12 @@ a search over layouts that keeps those that fit in memory.
 """
 from __future__ import annotations
 
+from autopart.gc_paused import gc_paused
 from autopart.planner.cluster import PRESETS, Cluster, cluster
 from autopart.planner.cost import CostModel, Estimate, Layout
 
 
+@gc_paused
 def plan(target: str, spec: str | None, *, gpus: int, batch: int, cluster: str | Cluster = "a100-80gb-selene",
          precision: str | None = None, optimizer: str = "adam", simulate_top: int = 24, **knobs) -> list[Estimate]:
     """Ranked layouts of FILE.py:NAME (config `spec`) for `gpus` devices and a global `batch`."""

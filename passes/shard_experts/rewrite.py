@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from autopart.errors import node_error
-from autopart.ir import EP_LOCAL, META_EP
+from autopart.ir import EP_LOCAL, META_EP, graph_module
 from autopart.localize import attribute
 from autopart.ops import ep as ep_ops
 
@@ -40,7 +40,7 @@ class _Rewriter:
         root = {n.target: attribute(self.old, n.target) for n in self.old.graph.nodes
                 if n.op == "get_attr"}
         root[COMM] = ep_ops.EPComm(self.ep)
-        gm = fx.GraphModule(root, self.g)
+        gm = graph_module(root, self.g)
         gm.recompile()
         return gm
 

@@ -3,6 +3,7 @@ and the vocabulary-parallel embeddings. Plain data out: a TensorParallelPlan."""
 from __future__ import annotations
 
 import heapq
+from collections import ChainMap
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +66,7 @@ def _linear_use(n: fx.Node, params) -> LinearUse | None:
 @dataclass
 class _Region:
     seeds: list
-    pl: dict
+    pl: ChainMap            # the region's own placements over the committed ones (read-through)
     activations: set
     rows: set = field(default_factory=set)
     ces: set = field(default_factory=set)
@@ -183,7 +184,9 @@ def _grow(seeds, committed, ctx, unpullable=frozenset()) -> _Region:
     """Shard the seeds' outputs and carry the shard forward until every path closes."""
     if len(seeds) > 16:
         raise _Reject(seeds[0].name, "too many projections pulled into one region")
-    region = _Region(seeds=list(seeds), pl=dict(committed), activations=ctx.activations)
+    # an overlay, not a copy: copying every committed placement per region (and per node
+    # visited) made deciding a 128-layer model quadratic in its size
+    region = _Region(seeds=list(seeds), pl=ChainMap({}, committed), activations=ctx.activations)
     seed_names = {s.name for s in seeds}
     frontier: list[int] = []
     for s in seeds:
@@ -269,7 +272,7 @@ def _carry_into(node, region, linears, tp, unpullable):
     sliced: dict = {}     # inputs this node reads through a local slice (R -> Shard)
     for _ in range(8):
         try:
-            out = carry(node, {**region.pl, **sliced}, tp)
+            out = carry(node, ChainMap(sliced, region.pl), tp)
         except NoRule as e:
             raise _Reject(node.name, str(e)) from None
         if isinstance(out, Need):
@@ -338,7 +341,9 @@ def _check_params(region, ctx, plan) -> None:
 
 
 def _in_features(use: LinearUse, region) -> int:
-    x = next(n for n in region.pl if isinstance(n, fx.Node) and n.name == use.x)
+    def named(placed):
+        return next((n for n in placed if isinstance(n, fx.Node) and n.name == use.x), None)
+    x = named(region.pl.maps[0]) or named(region.pl)     # the region's own first: far fewer
     return int(shape_of(x)[-1])
 
 
@@ -370,7 +375,7 @@ def _commit(region, plan, committed, linears) -> None:
         plan.params[use.weight] = ParamShard(use.in_dim, (_in_features(use, region),))
     plan.vocab_loss |= region.ces
     plan.scatters.update(region.scatters)
-    for node, p in region.pl.items():
+    for node, p in region.pl.maps[0].items():     # what the committed ones do not hold yet
         if isinstance(node, fx.Node) and (isinstance(p, (Shard, tuple)) or p is P):
             committed[node] = R if p is P else p
 

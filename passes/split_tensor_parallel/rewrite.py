@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from autopart.errors import node_error
-from autopart.ir import META_TP, Program, TensorParallelPlan
+from autopart.ir import META_TP, Program, TensorParallelPlan, graph_module
 from autopart.localize import attribute
 from autopart.ops import tp as tp_ops
 from autopart.placement import (P, R, Shard, ndim)
@@ -51,7 +51,7 @@ def rewrite(program: Program, plan: TensorParallelPlan) -> fx.GraphModule:
     g.lint()
     root = {name: attribute(old, name) for name in _attr_targets(old)}
     root[COMM] = tp_ops.TPComm(plan.tp)
-    return fx.GraphModule(root, g)
+    return graph_module(root, g)
 
 
 def _padding_idx(embedding: fx.Node) -> tuple:
