@@ -134,7 +134,7 @@ class ActivationCache:
         self.put(sig, chunk, acts)
         return acts
 
-    def signature(self, chunk: ChunkProgram, local_shape) -> str:
+    def signature(self, chunk: ChunkProgram, local_shape) -> tuple:
         """chunk_signature, made once per chunk: the program check and the memory table both
         ask (one cache serves one program's chunks, with one local shape rule)."""
         hit = self._signatures.get(id(chunk))
@@ -142,7 +142,7 @@ class ActivationCache:
             hit = self._signatures[id(chunk)] = (chunk, chunk_signature(chunk, local_shape))
         return hit[1]
 
-    def lookup(self, sig: str, chunk: ChunkProgram) -> ChunkActivations | None:
+    def lookup(self, sig: tuple, chunk: ChunkProgram) -> ChunkActivations | None:
         """The count made for another chunk of signature `sig`, per-layer bytes renamed to
         `chunk`'s layers; None if none was made."""
         hit = self._seen.get(sig)
@@ -153,22 +153,23 @@ class ActivationCache:
         return dataclasses.replace(acts, per_layer={rename.get(k, k): v
                                                     for k, v in acts.per_layer.items()})
 
-    def put(self, sig: str, chunk: ChunkProgram, acts: ChunkActivations) -> None:
+    def put(self, sig: tuple, chunk: ChunkProgram, acts: ChunkActivations) -> None:
         """Keep `chunk`'s count (made here or by the program checker's fake run) for the chunks
         of the same signature."""
         if acts.exact:       # an estimate reads program.costs by node name: not shareable
             self._seen[sig] = (chunk.layers, acts)
 
 
-def chunk_signature(chunk: ChunkProgram, local_shape=lambda name, shape: shape) -> str:
+def chunk_signature(chunk: ChunkProgram, local_shape=lambda name, shape: shape) -> tuple:
     """Everything chunk_activations reads, names left out: boundaries, and per node its op, target,
     arguments (nodes by position), meta shape and dtype, and which of the chunk's layers it is in;
     a weight by its local shape, dtype and trainability; a recomputed region by its own graph."""
-    head = [(str(x.shape), str(x.dtype)) for x in chunk.recvs + chunk.sends]
-    return repr((head, chunk.is_last, _graph_signature(chunk.gm, chunk.layers, local_shape)))
+    head = tuple((tuple(x.shape), x.dtype) for x in chunk.recvs + chunk.sends)
+    # a tuple, compared by hash: printing its shapes' sympy sizes cost more than the fake run
+    return head, chunk.is_last, _graph_signature(chunk.gm, chunk.layers, local_shape)
 
 
-def _graph_signature(gm: fx.GraphModule, layers: tuple, local_shape) -> list:
+def _graph_signature(gm: fx.GraphModule, layers: tuple, local_shape) -> tuple:
     paths, index, first = set(layers), {}, {}
     out = []
     for i, n in enumerate(gm.graph.nodes):
@@ -182,9 +183,9 @@ def _graph_signature(gm: fx.GraphModule, layers: tuple, local_shape) -> list:
         target = n.target if n.op in ("call_function", "call_method", "output") \
             else None if n.op == "placeholder" else _attr_signature(gm, n.target, layers, local_shape)
         layer = layer_of(n, paths)
-        out.append((n.op, str(target), repr(args), _meta_signature(n.meta.get("val")),
+        out.append((n.op, target, repr(args), _meta_signature(n.meta.get("val")),
                     layers.index(layer) if layer is not None else None))
-    return out
+    return tuple(out)
 
 
 def _attr_signature(gm: fx.GraphModule, target: str, layers: tuple, local_shape):
@@ -206,7 +207,8 @@ def _is_p2p(n: fx.Node) -> bool:
 
 def _meta_signature(val):
     if isinstance(val, torch.Tensor):
-        return ("T", str(tuple(val.shape)), str(val.dtype))
+        return ("T", tuple(d.node.expr if isinstance(d, torch.SymInt) else d for d in val.shape),
+                val.dtype)
     if isinstance(val, (list, tuple)):
         return tuple(_meta_signature(v) for v in val)
     return repr(val)

@@ -376,8 +376,7 @@ class _MemoryModel:
         """`parts` (the compute-only cut, segment indices) if it is within the bounds of the
         least relative excess (module docstring), else the cut that is."""
         k, n = len(parts) + 1, len(seg_costs)
-        segs = [(frozenset().union(*self.reads[a:b]), sum(self.act[a:b]))
-                for a, b in zip(edges, edges[1:])]
+        segs = self._segments(edges)
         bounds = [0, *parts, n]
         current = max(self.part(edges[bounds[c]], edges[bounds[c + 1]], c) for c in range(k))
         self.bound = current
@@ -400,6 +399,22 @@ class _MemoryModel:
         mem = _least(lambda m: fits(cost, m), 0.0, self.bound)
         return fits(cost, mem)
 
+    def _segments(self, edges: list[int]) -> list[tuple]:
+        """Per segment: (bytes and largest of the parameters no other segment reads, the
+        parameters others read too, activation bytes). The greedy search runs ~100 times over
+        every segment; only the shared parameters need a set difference there."""
+        reads = [frozenset().union(*self.reads[a:b]) for a, b in zip(edges, edges[1:])]
+        seen: dict = {}
+        for r in reads:
+            for p in r:
+                seen[p] = seen.get(p, 0) + 1
+        out = []
+        for r, (a, b) in zip(reads, zip(edges, edges[1:])):
+            own = [self.param_bytes[p] for p in r if seen[p] == 1]
+            out.append((sum(own), max(own, default=0.0),
+                        frozenset(p for p in r if seen[p] > 1), sum(self.act[a:b])))
+        return out
+
     def _greedy(self, segs, seg_costs, k: int, max_cost: float, max_mem: float):
         """Cut points of k parts, each run as far as both bounds allow while leaving a segment
         for every later part; None if a part cannot hold even its first segment. Exact (it
@@ -410,14 +425,15 @@ class _MemoryModel:
             last = n - (k - 1 - c)
             j, cost, held, state, largest, act = i, 0.0, set(), 0.0, 0.0, 0.0
             while j < last:
-                params, seg_act = segs[j]
-                new = [self.param_bytes[p] for p in params - held]
-                grown = (cost + seg_costs[j], state + sum(new), max([largest, *new]), act + seg_act)
+                own, own_max, shared, seg_act = segs[j]
+                new = [self.param_bytes[p] for p in shared - held] if shared else []
+                grown = (cost + seg_costs[j], state + own + sum(new),
+                         max([largest, own_max, *new]), act + seg_act)
                 if (grown[0] > max_cost * (1 + 1e-12)
                         or self._bytes(*grown[1:], c) > max_mem * (1 + 1e-12)):
                     break
                 cost, state, largest, act = grown
-                held |= params
+                held |= shared
                 j += 1
             if j == i:
                 return None
