@@ -8,9 +8,9 @@ from autopart import _C  # noqa: F401  (the C++ core must import, or nothing wor
 from autopart.compiler import Compiled, Plan, RankProgram, compile
 from autopart.errors import AutopartError
 from autopart.mesh import Mesh
-from autopart.materialize import materialize
+from autopart.materialize import materialize, meta_device
 from autopart.runtime import ParallelModel, parallelize
 
 __version__ = "0.1.0"
 __all__ = ["AutopartError", "Compiled", "Mesh", "ParallelModel", "Plan", "RankProgram",
-           "compile", "materialize", "parallelize"]
+           "compile", "materialize", "meta_device", "parallelize"]

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
+from autopart.materialize import meta_device
 from autopart.mesh import Mesh
 from autopart.schedule import SCHEDULES, ScheduleError
 
@@ -229,7 +230,7 @@ def _check_writable(folder: Path) -> None:
 def _build(module, name: str, spec: str | None, batch: int, meta: bool,
            loss_name: str | None = None) -> _Built:
     """Build the model (on meta when asked or when too large), its inputs, target and loss."""
-    with torch.device("meta"):                   # counting parameters allocates nothing
+    with meta_device():               # counting parameters allocates and initializes nothing
         model, cfg, extra = _make(module, name, spec, batch, "meta")
     n_params = sum(p.numel() for p in _unique_params(model))
     meta = meta or n_params > META_THRESHOLD

@@ -34,7 +34,7 @@ def child(model: str, pp: int, dp: int, tp: int, v: int, microbatches: int | Non
 
     cfg = config(model)
     t1 = time.perf_counter()
-    with torch.device("meta"):
+    with autopart.meta_device():        # as `autopart compile` builds it: no init on meta
         gpt = GPT(cfg)
     t_build = time.perf_counter() - t1
     m = microbatches or pp * v

@@ -54,6 +54,25 @@ def test_materialize_is_per_module_and_order_free():
     assert not torch.equal(a.transformer.h[0].mlp.c_fc.weight, a.transformer.h[1].mlp.c_fc.weight)
 
 
+def test_meta_device_skips_initialization_and_materializes_the_same():
+    """Under autopart.meta_device() torch.nn.init does nothing (a meta tensor has no values) and is
+    itself again afterwards; the model materializes to the same weights as one built under
+    torch.device("meta"), a Hugging Face model (which calls torch.nn.init in _init_weights) too."""
+    real_normal = torch.nn.init.normal_
+    for case, init in ((MetaCase("gpt"), None), (MetaCase("llama", model="llama"), "_init_weights")):
+        with autopart.meta_device():
+            assert torch.nn.init.normal_ is not real_normal
+            fast, _ = construct(case)
+        assert torch.nn.init.normal_ is real_normal
+        with torch.device("meta"):
+            slow, _ = construct(case)
+        assert all(p.is_meta for p in fast.parameters())
+        for m in (fast, slow):
+            autopart.materialize(m, seed=3, init_fn=getattr(m, init) if init else None)
+        for (n, p), q in zip(fast.named_parameters(), slow.parameters()):
+            assert torch.equal(p, q), n
+
+
 def test_materialize_rebuilds_non_persistent_buffers():
     """A Hugging Face Llama's RoPE inv_freq (non-persistent, computed in __init__) is recomputed
     from the module's constructor, without user code."""
