@@ -1,7 +1,5 @@
 """``python -m autopart ...``: the same as the ``autopart`` command."""
-import sys
-
-from autopart.cli import main
+from autopart.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -54,6 +54,8 @@ def child(model: str, pp: int, dp: int, tp: int, v: int, microbatches: int | Non
         "chunks": len(compiled.plan.chunk_layers),
         "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }))
+    from autopart.cli import exit_now
+    exit_now(0)               # ends as the `autopart` command does: no interpreter teardown
 
 
 def run_once(args) -> dict:

@@ -195,6 +195,15 @@ def test_python_dash_m():
     assert json.loads(done.stdout)["ranks"][0] == "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1".split()
 
 
+def test_the_command_exits_without_teardown_but_flushed_and_with_exit_handlers():
+    """exit_now (the end of every `autopart` command): output written without a newline, the
+    atexit handlers' output and the exit code all reach the caller."""
+    code = ("import atexit; from autopart.cli import exit_now; "
+            "atexit.register(lambda: print(' bye')); print('out', end=''); exit_now(3)")
+    done = run(sys.executable, "-c", code)
+    assert (done.returncode, done.stdout) == (3, "out bye\n"), done.stderr
+
+
 def test_python_dash_m_error_has_no_traceback():
     done = run(sys.executable, "-m", "autopart", "schedule", "--pp", "3", "--microbatches", "4", "--virtual-stages", "2")
     assert done.returncode == 2
