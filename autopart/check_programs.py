@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopart.errors import AutopartError, node_error
-from autopart.ir import META_TP, Boundary, ChunkProgram, sym_shape
+from autopart.ir import META_TP, REDUCED_DTYPES, Boundary, ChunkProgram, sym_shape
 from autopart.memory import (ActivationCache, ChunkActivations, SavedCounter, boundary_bytes,
                              local_shaper, storage_key)
 from autopart.ops import registry
@@ -60,7 +60,7 @@ def check_rank_programs(compiled, runs: ActivationCache | None = None) -> dict:
     plan, program = compiled.plan, compiled.program
     b, s = plan.microbatch_size, program.seq_len
     local = local_shaper(program, plan.mesh)
-    runs = ActivationCache() if runs is None else runs
+    runs = ActivationCache(REDUCED_DTYPES[plan.precision]) if runs is None else runs
     seen: set = set()
     skipped: list = []
     for chunk in program.chunks:
@@ -68,7 +68,7 @@ def check_rank_programs(compiled, runs: ActivationCache | None = None) -> dict:
         if sig in seen:
             continue
         seen.add(sig)
-        reason, acts = check_chunk(chunk, program, b, s, local)
+        reason, acts = check_chunk(chunk, program, b, s, local, runs.reduced)
         if reason:
             skipped.append((chunk.chunk, *reason))
         if acts is not None:
@@ -76,21 +76,24 @@ def check_rank_programs(compiled, runs: ActivationCache | None = None) -> dict:
     return {"checked": len(seen), "skipped": skipped, "seconds": time.perf_counter() - start}
 
 
-def check_chunk(chunk: ChunkProgram, program, b: int, s: int | None, local_shape):
+def check_chunk(chunk: ChunkProgram, program, b: int, s: int | None, local_shape,
+                reduced: torch.dtype | None = None):
     """Forward and backward of one chunk on fake tensors, parameters of the shapes
     `local_shape(name, full shape)` gives. Returns (None, what its forward saved for backward),
-    or ((node, reason), None) if a data-dependent op stopped the check part way.
+    or ((node, reason), None) if a data-dependent op stopped the check part way. `reduced`
+    (bf16) runs it under autocast to that dtype, as the runtime runs it.
 
     A program built on the meta device runs as a CPU program (_FakeRunner._device), as the memory
     table has always counted it; one that runs only on meta (its graph asserts the meta device,
     as HF's rotary embedding does) is checked there and its bytes left to the memory table."""
-    runner = _FakeRunner(chunk, program, b, s, local_shape, cpu=True)
+    runner = _FakeRunner(chunk, program, b, s, local_shape, cpu=True, reduced=reduced)
     try:
         return runner.check()
     except AutopartError:
         if not runner.moved:
             raise
-    return _FakeRunner(chunk, program, b, s, local_shape, cpu=False).check()[0], None
+    return _FakeRunner(chunk, program, b, s, local_shape, cpu=False,
+                       reduced=reduced).check()[0], None
 
 
 class _FakeRunner(SavedCounter):
@@ -99,11 +102,14 @@ class _FakeRunner(SavedCounter):
     AutopartError naming it. With `cpu`, meta tensors and devices are made CPU ones."""
 
     def __init__(self, chunk: ChunkProgram, program, b: int, s: int | None, local_shape,
-                 cpu: bool):
+                 cpu: bool, reduced: torch.dtype | None = None):
         super().__init__(chunk.gm, FakeTensorMode(allow_non_fake_inputs=True), program.symbols,
-                         b, s or 1, local_shape, set(chunk.layers))
+                         b, s or 1, local_shape, set(chunk.layers), reduced=reduced)
         self.chunk, self.program, self.b_s = chunk, program, (b, s)
         self.cpu, self.moved = cpu, False      # moved: a meta device was made a CPU one
+        vals = [ph.meta.get("val") for ph in self.placeholders]
+        self.device_type = self._device(next((v for v in vals if isinstance(v, torch.Tensor)),
+                                             None)).type     # where autocast applies
         self.params: list = []
         self.where = f"pipeline rank {chunk.rank}, chunk {chunk.chunk}"
 

@@ -20,7 +20,7 @@ from autopart.arguments import check_arguments
 from autopart.capture import capture, check_on_example
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
-from autopart.ir import Plan, Program, RankProgram
+from autopart.ir import REDUCED_DTYPES, Plan, Program, RankProgram
 from autopart.localize import localize_chunk
 from autopart.mesh import Mesh
 from autopart.pass_runner import Pass, PassResult, run_passes
@@ -36,7 +36,7 @@ from autopart.passes.split_backward import split_backward
 def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
               sequence_parallel: bool, recompute: str = "none", memory_budget: int | None = None,
               optimizer: str = "adam", schedule: sched.Schedule | None = None,
-              zero: int = 0) -> list[Pass]:
+              zero: int = 0, precision: str = "fp32") -> list[Pass]:
     """The compiler's passes in order, with the Program fields each reads and fills.
 
     shard_experts runs first (ep > 1 only), so that split_tensor_parallel counts each expert
@@ -60,7 +60,8 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
         *([Pass("recompute_activations", recompute_activations,
                 requires=("chunks", "costs", "stages"), provides=("recompute",),
                 options=dict(mode=recompute, budget=memory_budget, optimizer=optimizer, mesh=mesh,
-                             schedule=schedule, microbatch_size=microbatch_size))]
+                             schedule=schedule, microbatch_size=microbatch_size, zero=zero,
+                             precision=precision))]
           if recompute != "none" or memory_budget is not None else []),
         # zero-bubble schedules only (I/W actions): the chunks' backwards as I and W programs,
         # traced from the final chunks (recomputation's rewrite included)
@@ -155,7 +156,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
                        sequence_parallel=sequence_parallel, recompute=recompute,
                        memory_budget=budget, optimizer=optimizer, schedule=the_schedule,
-                       zero=zero)
+                       zero=zero, precision=precision)
     program, results = run_passes(program, passes, dump_dir)
     stages = program.stages
     if stages.num_chunks != the_schedule.num_chunks:
@@ -174,7 +175,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)
     from autopart.check_programs import check_rank_programs
     from autopart.memory import ActivationCache
-    compiled.activation_runs = ActivationCache()
+    compiled.activation_runs = ActivationCache(REDUCED_DTYPES[precision])
     compiled.check = check_rank_programs(compiled, compiled.activation_runs)
     compiled.seconds = time.perf_counter() - start
     return compiled

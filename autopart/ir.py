@@ -30,6 +30,11 @@ META_EP = "ep"            # shard_experts: EP_LOCAL on nodes that compute on thi
 EP_LOCAL = "local experts"
 
 
+# precision -> the dtype of compute and of floating transfers (None: as compiled, fp32); bf16
+# runs each step under torch.autocast to it (runtime/step.py), and the memory model counts so
+REDUCED_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
 def graph_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
     """A GraphModule whose Python code is made on first use (`.code`, printing, a call), not
     when it is built: passes build whole-model and per-chunk modules that a 3072-rank compile
@@ -176,6 +181,8 @@ class RecomputePlan:
     optimizer: str = "adam"                          # sgd | sgd-momentum | adam
     budget: int | None = None                        # bytes per rank, or None
     recompute_flops: dict = field(default_factory=dict)  # chunk -> extra forward FLOPs (sympy)
+    zero: int = 0                                    # ZeRO level the state is counted at
+    precision: str = "fp32"                          # bf16: activations counted under autocast
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@
                  set of received gradients.
 
 Precision changes no state byte: bf16 (autopart.compiler.PRECISIONS) runs forward and backward under autocast
-with fp32 parameters, which are the master weights, and fp32 gradients.
+with fp32 parameters, which are the master weights, and fp32 gradients. It changes the
+activations: the fake run is made under the same autocast, so what autograd saves is counted in
+the dtypes it has then (bf16 matmul outputs, fp32 where autocast keeps fp32).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopart.analysis import evaluate, layer_of
 from autopart.errors import AutopartError
-from autopart.ir import BATCH, SEQ, Boundary, ChunkProgram, Program, sym_shape
+from autopart.ir import BATCH, REDUCED_DTYPES, SEQ, Boundary, ChunkProgram, Program, sym_shape
 from autopart.ops import op_info
 from autopart.ops.comm import GroupComm
 
@@ -97,14 +99,16 @@ class ChunkActivations:
 
 
 def chunk_activations(chunk: ChunkProgram, program: Program, b: int, s: int | None,
-                      local_shape=lambda name, shape: shape) -> ChunkActivations:
+                      local_shape=lambda name, shape: shape,
+                      reduced: torch.dtype | None = None) -> ChunkActivations:
     """Run `chunk` forward on fake tensors at microbatch b, sequence s, and count the storages
-    autograd saves. `local_shape(param name, full shape)` gives a rank's shard shape."""
+    autograd saves. `local_shape(param name, full shape)` gives a rank's shard shape; `reduced`
+    (bf16) runs it under autocast to that dtype, as the runtime does."""
     sends = sum((boundary_bytes(x) for x in chunk.sends), sympy.Integer(0))
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             run = SavedCounter(chunk.gm, mode, program.symbols, b, s or 1, local_shape,
-                                set(chunk.layers))
+                               set(chunk.layers), reduced=reduced)
             args = [_fake_recv(r, b, s) for r in chunk.recvs]
             args += [_fake_input(ph, program, b, s) for ph in run.placeholders[len(chunk.recvs):]]
             run.count(*args)
@@ -118,7 +122,8 @@ class ActivationCache:
     parameter, node and layer names (the middle pipeline ranks of a model of repeated layers)
     share one fake run, per-layer bytes renamed to each chunk's own layers."""
 
-    def __init__(self):
+    def __init__(self, reduced: torch.dtype | None = None):
+        self.reduced = reduced      # bf16: counted under autocast (REDUCED_DTYPES)
         self._seen: dict = {}       # signature -> (layers of the chunk that ran, its result)
         self.runs = 0               # fake runs made (the rest were reused)
         self._signatures: dict = {}   # id(chunk) -> (chunk, its signature)
@@ -130,7 +135,7 @@ class ActivationCache:
         if hit is not None:
             return hit
         self.runs += 1
-        acts = chunk_activations(chunk, program, b, s, local_shape)
+        acts = chunk_activations(chunk, program, b, s, local_shape, self.reduced)
         self.put(sig, chunk, acts)
         return acts
 
@@ -218,8 +223,10 @@ class SavedCounter(fx.Interpreter):
     """Runs a graph on fake tensors under saved-tensor hooks; each saved storage is counted once,
     as a formula: its concrete size at (b, s) times how its producer's shape grows with b, s."""
 
-    def __init__(self, gm, mode, symbols, b, s, local_shape, layers, params=None):
+    def __init__(self, gm, mode, symbols, b, s, local_shape, layers, params=None, reduced=None,
+                 device_type: str = "cpu"):
         super().__init__(gm, garbage_collect_values=False)
+        self.reduced, self.device_type = reduced, device_type     # autocast, as the runtime
         self.mode, self.symbols, self.b, self.s = mode, symbols, b, s
         self.local_shape, self.layers = local_shape, layers
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -239,6 +246,7 @@ class SavedCounter(fx.Interpreter):
         # wrap_with_set_grad_enabled) can leave grad mode off, and the next real forward would
         # build no graph: the context manager puts back the mode found on entry
         with torch.set_grad_enabled(torch.is_grad_enabled()), \
+                torch.autocast(self.device_type, self.reduced, enabled=self.reduced is not None), \
                 torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             return self.run(*args)
 
@@ -296,7 +304,8 @@ class SavedCounter(fx.Interpreter):
         sub = self.fetch_attr(n.args[0].target)
         args = [self.env[a] if isinstance(a, fx.Node) else a for a in n.args[1:]]
         inner = SavedCounter(sub, self.mode, self.symbols, self.b, self.s, self.local_shape,
-                              self.layers, params=set(self.weights) | set(self.sizes))
+                             self.layers, params=set(self.weights) | set(self.sizes),
+                             reduced=self.reduced, device_type=self.device_type)
         inner.growths = self.growths
         inner.count(*args)
         return inner.total()
@@ -459,7 +468,8 @@ class MemoryTable(Mapping):
         self.zero = getattr(compiled, "zero", 0)
         self._acts: dict = {}
         # the program checker's fake runs counted the saved tensors already (check_programs.py)
-        self._runs = getattr(compiled, "activation_runs", None) or ActivationCache()
+        self._runs = getattr(compiled, "activation_runs", None) or \
+            ActivationCache(REDUCED_DTYPES[self.precision])
         self._cache: dict = {}
 
     def __getitem__(self, rank: int) -> dict[str, int]:
@@ -562,13 +572,16 @@ def _rank_chunks_local(program, mesh, pp: int):
 
 def pp_rank_memory(program: Program, mesh, schedule, b: int, optimizer: str, pp: int,
                    acts: dict | None = None, state: dict | None = None,
-                   cache: ActivationCache | None = None) -> dict[str, int]:
+                   cache: ActivationCache | None = None, zero: int = 0,
+                   precision: str = "fp32") -> dict[str, int]:
     """The memory dict of pipeline rank `pp` (tp/ep rank 0) before a Compiled exists."""
     s = program.seq_len
     chunks = _rank_chunks_local(program, mesh, pp)
-    out = dict(state) if state is not None else state_bytes(program, chunks, mesh, optimizer)
+    out = dict(state) if state is not None else state_bytes(program, chunks, mesh, optimizer,
+                                                            precision, zero)
     if acts is None:
-        local, cache = local_shaper(program, mesh), cache or ActivationCache()
+        local = local_shaper(program, mesh)
+        cache = cache or ActivationCache(REDUCED_DTYPES[precision])
         acts = {c.chunk: cache.get(c, program, b, s, local) for c in chunks}
     peak, in_flight = activation_peak(schedule.ranks[pp], acts, b, s)
     out["activations"] = int(peak)
@@ -582,10 +595,10 @@ def check_budget(program: Program, *, mesh, schedule, microbatch_size: int) -> N
     rp = program.recompute
     if rp.budget is None:
         return
-    cache = ActivationCache()
+    cache = ActivationCache(REDUCED_DTYPES[rp.precision])
     for pp in range(mesh.pp):
         mem = pp_rank_memory(program, mesh, schedule, microbatch_size, rp.optimizer, pp,
-                             cache=cache)
+                             cache=cache, zero=rp.zero, precision=rp.precision)
         if mem["total"] > rp.budget:
             raise budget_error(pp, mem, rp.budget, rp.mode, mesh)
 
@@ -607,12 +620,13 @@ def budget_error(pp: int, mem: dict, budget: int, mode: str, mesh) -> AutopartEr
 
 
 def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbatch_size: int,
-                     budget: int, optimizer: str, rewrite) -> dict:
+                     budget: int, optimizer: str, rewrite, zero: int = 0,
+                     precision: str = "fp32") -> dict:
     """(chunk, layer) -> none|selective|full: per pipeline rank, start from none and, while the
     rank is over budget, take the step (none->selective, ->full) saving the most peak bytes per
     recomputed FLOP, until it fits; full everywhere that still does not fit is an error."""
     b, s = microbatch_size, program.seq_len
-    local, cache = local_shaper(program, mesh), ActivationCache()
+    local, cache = local_shaper(program, mesh), ActivationCache(REDUCED_DTYPES[precision])
     choices = {}
     for pp in range(mesh.pp):
         mine = [c for c in program.chunks if c.rank == pp]
@@ -627,7 +641,8 @@ def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbat
                                            for _, _, names in regions.values()
                                            for x in names if x in program.costs) / n
         current = {(c.chunk, layer): "none" for c in mine for layer in layers[c.chunk]}
-        state = state_bytes(program, _rank_chunks_local(program, mesh, pp), mesh, optimizer)
+        state = state_bytes(program, _rank_chunks_local(program, mesh, pp), mesh, optimizer,
+                            precision, zero)
         while True:
             acts = _mixed(mine, layers, current, variants)
             mem = pp_rank_memory(program, mesh, schedule, b, optimizer, pp, acts, state)

@@ -56,7 +56,7 @@ _BETWEEN = {aten.div.Tensor, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
 
 def recompute_activations(program: Program, *, mode: str = "none", budget: int | None = None,
                           optimizer: str = "adam", mesh=None, schedule=None,
-                          microbatch_size: int = 1):
+                          microbatch_size: int = 1, zero: int = 0, precision: str = "fp32"):
     """Return (program with rewritten .chunks and .recompute, report)."""
     if mode not in MODES:
         raise AutopartError(f"recompute={mode!r} is not one of {', '.join(MODES)}")
@@ -69,10 +69,12 @@ def recompute_activations(program: Program, *, mode: str = "none", budget: int |
         from autopart import memory
         choices = memory.choose_recompute(program, layers, mesh=mesh, schedule=schedule,
                                           microbatch_size=microbatch_size, budget=budget,
-                                          optimizer=optimizer, rewrite=rewrite_chunk)
+                                          optimizer=optimizer, rewrite=rewrite_chunk,
+                                          zero=zero, precision=precision)
     else:
         choices = {(c, layer): mode for c, per in layers.items() for layer in per}
-    plan = RecomputePlan(mode=mode, optimizer=optimizer, budget=budget)
+    plan = RecomputePlan(mode=mode, optimizer=optimizer, budget=budget, zero=zero,
+                         precision=precision)
     chunks = []
     for c in program.chunks:
         mine = {layer: choices.get((c.chunk, layer), "none") for layer in layers[c.chunk]}

@@ -115,6 +115,25 @@ def test_auto_fits_the_budget_choosing_the_cheapest():
     assert set(_compile("auto", memory_budget=hi * 2).program.recompute.choices.values()) == {"none"}
 
 
+def test_the_budget_counts_zero1_state_and_bf16_activations():
+    """The budget check counts what the memory table counts: ZeRO-1's 1/dp slices of optimizer
+    state (a budget that zero=1 fits, zero=0 does not) and activations under bf16 autocast."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 128, (8, 16))
+
+    def compile_(budget=None, **kw):
+        return autopart.compile(GPT(CFG), autopart.Mesh(pp=2, dp=2), (x,), loss_fn=lm_loss,
+                                target=x, microbatches=2, memory_budget=budget, **kw)
+    for kw in (dict(zero=1), dict(precision="bf16")):
+        table = compile_(**kw).memory
+        fits = max(table[r]["total"] for r in range(4))
+        compile_(fits, **kw)                      # exactly the table's peak: fits
+        with pytest.raises(AutopartError, match="pipeline rank 0"):
+            compile_(fits)                        # zero=0 / fp32 needs more
+        with pytest.raises(AutopartError, match="pipeline rank"):
+            compile_(fits - 1, **kw)
+
+
 def test_auto_that_cannot_fit_names_rank_bytes_budget_and_remedy():
     with pytest.raises(AutopartError) as e:
         _compile("auto", memory_budget="100KB")

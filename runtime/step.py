@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from autopart.errors import AutopartError
-from autopart.ir import Plan, RankProgram
+from autopart.ir import REDUCED_DTYPES, Plan, RankProgram
 from autopart.runtime.executor import StepContext, run_actions
 
 
@@ -67,8 +67,6 @@ class StepDriver:
         return out
 
 
-# precision -> the dtype of compute and of floating transfers (None: as compiled, fp32)
-REDUCED_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def compute_precision(precision: str, device: torch.device):

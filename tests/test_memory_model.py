@@ -33,7 +33,11 @@ CASES_2 = [
             recompute="selective", **M4),
     MemCase("gpt-dp2-full", dp=2, recompute="full", microbatches=2),
 ]
-GROUPS = {("mem", 4): CASES_4, ("mem", 2): CASES_2}
+# bf16 (autocast): the fake run counts what autograd saves under the same autocast
+CASES_BF16 = [MemCase("gpt8-pp2-1f1b-none-bf16", pp=2, n_layer=8, precision="bf16", **M4),
+              MemCase("gpt8-pp2-1f1b-full-bf16", pp=2, n_layer=8, precision="bf16",
+                      recompute="full", **M4)]
+GROUPS = {("mem", 4): CASES_4, ("mem", 2): CASES_2, ("mem-bf16", 2): CASES_BF16}
 FAST = {"gpt-pp4-1f1b-none", "gpt-pp4-1f1b-full", "gpt8-pp2-interleaved-v2-none",
         "gpt8-pp2-interleaved-v2-full-momentum"}
 
