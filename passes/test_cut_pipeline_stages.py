@@ -382,3 +382,15 @@ def test_state_copies_count_adam_and_zero():
     assert cps._state_copies("adam", 1, 2) == 2 + 3 / 2      # moments and fp32 master over dp=2
     with pytest.raises(AutopartError, match="optimizer='lion'"):
         cps._state_copies("lion", 0, 1)
+
+
+def test_full_recomputation_keeps_only_each_layer_input():
+    """Under recompute="full" the cut's activation bytes per layer are the bytes entering it
+    (recompute_activations keeps only a layer's input), not its nodes' outputs."""
+    from types import SimpleNamespace
+    compute = [SimpleNamespace(name=n) for n in ("emb", "a1", "b1", "c1", "a2", "b2", "head")]
+    act = [10.0, 7.0, 7.0, 5.0, 7.0, 7.0, 30.0]           # each node's output bytes
+    cross = [0.0, 10.0, 17.0, 15.0, 5.0, 12.0, 7.0, 30.0]  # bytes live across each gap
+    layers = [SimpleNamespace(nodes={"a1", "b1", "c1"}), SimpleNamespace(nodes={"a2", "b2"})]
+    assert cps._layer_inputs_only(compute, act, layers, cross) == \
+        [10.0, 10.0, 0.0, 0.0, 5.0, 0.0, 30.0]
