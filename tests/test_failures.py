@@ -79,6 +79,7 @@ def test_nonfinite_step_is_skipped_on_request():
         assert r["losses"][2] == r["losses"][2] and abs(r["losses"][2]) < 1e3, r   # finite again
 
 
+@pytest.mark.full      # 32 s; the fast tier keeps the killed-rank case, the full one 4-rank hangs
 def test_unresponsive_rank_makes_the_others_fail_within_the_timeout_pp2():
     # rank 1 sleeps 2 * TIMEOUT_S + 5 s in step 2: rank 0 must give up after TIMEOUT_S, well
     # before the default group's 300 s, with an error rather than waiting for rank 1
