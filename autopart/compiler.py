@@ -53,7 +53,8 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
         Pass("cut_pipeline_stages", cut_pipeline_stages, requires=("costs",), provides=("stages",),
              options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size,
                           schedule=schedule, optimizer=optimizer, zero=zero, dp=mesh.dp,
-                          recompute=recompute)),
+                          recompute=recompute, memory_budget=memory_budget,
+                          precision=precision)),
         Pass("emit_rank_programs", emit_rank_programs, requires=("stages", "tp"),
              provides=("chunks",)),
         # after emit: it rewrites the emitted chunks, and its memory model needs the cut and
@@ -178,6 +179,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     from autopart.memory import ActivationCache
     compiled.activation_runs = ActivationCache(REDUCED_DTYPES[precision])
     compiled.check = check_rank_programs(compiled, compiled.activation_runs)
+    from autopart.memory import check_budget
+    check_budget(compiled)      # after the check: its fake runs count the activations
     compiled.seconds = time.perf_counter() - start
     return compiled
 

@@ -603,15 +603,16 @@ def pp_rank_memory(program: Program, mesh, schedule, b: int, optimizer: str, pp:
     return out
 
 
-def check_budget(program: Program, *, mesh, schedule, microbatch_size: int) -> None:
-    """Raise unless every pipeline rank fits program.recompute.budget."""
-    rp = program.recompute
-    if rp.budget is None:
+def check_budget(compiled) -> None:
+    """Raise unless every pipeline rank fits the compile's memory budget
+    (compiled.program.recompute.budget), by the memory table: the program check's fake runs
+    serve it, one per distinct chunk."""
+    rp = compiled.program.recompute
+    if rp is None or rp.budget is None:
         return
-    cache = ActivationCache(REDUCED_DTYPES[rp.precision])
+    mesh = compiled.plan.mesh
     for pp in range(mesh.pp):
-        mem = pp_rank_memory(program, mesh, schedule, microbatch_size, rp.optimizer, pp,
-                             cache=cache, zero=rp.zero, precision=rp.precision)
+        mem = compiled.memory[mesh.rank(pp=pp)]
         if mem["total"] > rp.budget:
             raise budget_error(pp, mem, rp.budget, rp.mode, mesh)
 

@@ -4,6 +4,8 @@
     python bench/compile_time.py --model megatron-1t --pp 64 --virtual-stages 2
     python bench/compile_time.py --model gpt3-175b --pp 16 --dp 8 --repeat 3
     python bench/compile_time.py --model megatron-1t --pp 64 --tp 8 --dp 6   # 3072 ranks
+    python bench/compile_time.py --model megatron-1t --pp 64 --tp 8 --dp 6 \
+        --recompute full --memory-budget 80GB --precision bf16    # as the paper ran it, A100-80GB
 
 Each run is a fresh `python` subprocess (imports, model build on the meta device, capture,
 passes, emission), timed from outside; the child reports its own breakdown and ru_maxrss.
@@ -23,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(model: str, pp: int, dp: int, tp: int, v: int, microbatches: int | None) -> None:
+def child(model: str, pp: int, dp: int, tp: int, v: int, microbatches: int | None,
+          options: dict) -> None:
     """Runs in the subprocess: compile once, print the breakdown as JSON."""
     t0 = time.perf_counter()
     import torch
@@ -41,7 +44,7 @@ def child(model: str, pp: int, dp: int, tp: int, v: int, microbatches: int | Non
     x, = example_inputs(cfg, dp * m, "meta")
     compiled = autopart.compile(gpt, autopart.Mesh(pp=pp, dp=dp, tp=tp), (x,), loss_fn=lm_loss, target=x,
                                 microbatches=m, virtual_stages=v,
-                                schedule="interleaved-1f1b" if v > 1 else "1f1b")
+                                schedule="interleaved-1f1b" if v > 1 else "1f1b", **options)
     passes = {p.name: p.seconds for p in compiled.passes}
     t2 = time.perf_counter()
     compiled.explain()      # what `autopart compile` prints: the memory table is most of it
@@ -52,6 +55,8 @@ def child(model: str, pp: int, dp: int, tp: int, v: int, microbatches: int | Non
         "passes": passes, "compile_total": compiled.seconds, "explain": t_explain,
         "params": cfg.n_params(), "ranks": len(compiled.programs),
         "chunks": len(compiled.plan.chunk_layers),
+        "distinct_chunks": compiled.check["checked"],
+        "max_over_mean_cost": max(compiled.program.stages.chunk_cost) / (sum(compiled.program.stages.chunk_cost) / pp / v),
         "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }))
     from autopart.cli import exit_now
@@ -63,6 +68,9 @@ def run_once(args) -> dict:
            "--dp", str(args.dp), "--tp", str(args.tp), "--virtual-stages", str(args.virtual_stages)]
     if args.microbatches:
         cmd += ["--microbatches", str(args.microbatches)]
+    for flag in ("recompute", "memory_budget", "precision"):
+        if getattr(args, flag) is not None:
+            cmd += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
@@ -86,17 +94,25 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--virtual-stages", type=int, default=1)
     p.add_argument("--microbatches", type=int, default=None, help="default pp * virtual stages")
+    p.add_argument("--recompute", default=None, help="compile's recompute= (default none)")
+    p.add_argument("--memory-budget", default=None,
+                   help="compile's memory_budget= per rank, e.g. 80GB: the cut is then "
+                        "compute-optimal among the cuts that fit it")
+    p.add_argument("--precision", default=None, help="compile's precision= (default fp32)")
     p.add_argument("--repeat", type=int, default=1, help="runs; the table shows the fastest")
     p.add_argument("--target", type=float, default=30.0, help="seconds, whole process")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.model, args.pp, args.dp, args.tp, args.virtual_stages, args.microbatches)
+        options = {k: getattr(args, k) for k in ("recompute", "memory_budget", "precision")
+                   if getattr(args, k) is not None}
+        child(args.model, args.pp, args.dp, args.tp, args.virtual_stages, args.microbatches, options)
         return
     runs = [run_once(args) for _ in range(args.repeat)]
     best = min(runs, key=lambda r: r["process_wall"])
     print(f"{args.model} ({best['params'] / 1e9:.1f}B parameters) pp={args.pp} dp={args.dp} tp={args.tp} "
-          f"v={args.virtual_stages}: {best['ranks']} ranks, {best['chunks']} chunks, meta device")
+          f"v={args.virtual_stages}: {best['ranks']} ranks, {best['chunks']} chunks "
+          f"({best['distinct_chunks']} distinct), meta device")
     rows = [("python + torch + autopart import", best["import"]),
             ("build GPT on the meta device", best["build_meta_model"]),
             ("capture (torch.export) + schedule + simulation + checks",
@@ -109,6 +125,7 @@ def main() -> None:
     width = max(len(name) for name, _ in rows)
     for name, seconds in rows:
         print(f"{name.ljust(width)}  {seconds:7.2f} s")
+    print(f"{'largest chunk compute / mean'.ljust(width)}  {best['max_over_mean_cost']:7.2f}")
     rss = best["maxrss_bytes"] / 2**30
     print(f"{'peak memory (ru_maxrss)'.ljust(width)}  {rss:7.2f} GiB   "
           f"(the fp32 weights alone: {best['params'] * 4 / 2**30:,.0f} GiB)")

@@ -53,13 +53,15 @@ _STEP_TEMPORARIES = {"sgd": 0, "sgd-momentum": 0, "adam": 2}
 def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
                         microbatch_size: int = 1, schedule=None, optimizer: str = "adam",
                         zero: int = 0, dp: int = 1, memory_weight: float = MEMORY_WEIGHT,
-                        recompute: str = "none"):
+                        recompute: str = "none", memory_budget: float | None = None,
+                        precision: str = "fp32"):
     """Return (program with .stages = StagePlan, report dict): len(chunk_ranks) chunks, chunk k
     on pipeline rank chunk_ranks[k]; balanced by program.costs (the analyze_costs pass) within
     the memory bound (module docstring). `schedule` (autopart.schedule.Schedule) gives the
     microbatches in flight per chunk (one each without it); `optimizer`, `zero` and `dp` the
     copies of each parameter a rank keeps; `recompute` ("full": a layer keeps its input only)
-    what a layer's activations are."""
+    what a layer's activations are; `memory_budget` (bytes per rank) the capacity the cut must
+    fit, compute-optimal within it; `precision` ("bf16": floating activations at 2 bytes)."""
     costs: dict[str, NodeCost] = program.costs
     k = len(chunk_ranks)
     graph = program.gm.graph
@@ -79,9 +81,10 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     layers = detect_layers(program)
     memory = _MemoryModel(program, compute, b, s, _in_flight(schedule, k),
                           _state_copies(optimizer, zero, dp), memory_weight,
-                          0 if zero and dp > 1 else _STEP_TEMPORARIES[optimizer])
+                          0 if zero and dp > 1 else _STEP_TEMPORARIES[optimizer], precision)
     if recompute == "full":
         memory.act = _layer_inputs_only(compute, memory.act, layers, cross_bytes)
+    memory.budget = memory_budget
     cuts = _choose_cuts(compute, cost, cross_bytes, k, layers, memory)
     bounds = [0, *cuts, len(compute)]
     chunk_of = {n.name: c for c in range(k) for n in compute[bounds[c]:bounds[c + 1]]}
@@ -366,7 +369,7 @@ class _MemoryModel:
     """Per-chunk memory of a candidate cut (module docstring), and the cut within its bound."""
 
     def __init__(self, program: Program, compute, b: int, s, in_flight: list[int],
-                 copies: float, weight: float, temporaries: int = 0):
+                 copies: float, weight: float, temporaries: int = 0, precision: str = "fp32"):
         graph = program.gm.graph
         divisor = {}
         for plan, size in ((getattr(program, "tp", None), "tp"), (getattr(program, "ep", None), "ep")):
@@ -381,10 +384,12 @@ class _MemoryModel:
                 t = owner.get_parameter(name)
                 self.param_bytes[name] = t.numel() * t.element_size() / divisor.get(name, 1)
             self.reads.append(frozenset(read))
-        self.act = [evaluate(program.costs[n.name].out_bytes, b, s) for n in compute]
+        self.act = [evaluate(program.costs[n.name].out_bytes, b, s) * _act_scale(n, precision)
+                    for n in compute]
         self.in_flight, self.copies, self.weight = in_flight, copies, weight
         self.temporaries = temporaries
         self.bound: float | None = None
+        self.budget: float | None = None      # bytes per rank the cut must fit, if known
 
     def part(self, lo: int, hi: int, chunk: int) -> float:
         """Bytes chunk `chunk` holds if it computes nodes lo..hi-1."""
@@ -406,6 +411,10 @@ class _MemoryModel:
             return parts
         best_cost = max(sum(seg_costs[bounds[c]:bounds[c + 1]]) for c in range(k))
         fits = functools.partial(self._greedy, segs, seg_costs, k)
+        if self.budget is not None:
+            within = self._within_budget(fits, current, parts, best_cost, sum(seg_costs))
+            if within is not None:
+                return within
         least = _least(lambda m: fits(float("inf"), m), 0.0, current)
         if least is None or least <= 0:   # the greedy search found nothing better
             return parts
@@ -419,6 +428,19 @@ class _MemoryModel:
         self.bound = mem_bound(t)
         cost = _least(lambda c: fits(c, self.bound), max(seg_costs), t * best_cost)
         mem = _least(lambda m: fits(cost, m), 0.0, self.bound)
+        return fits(cost, mem)
+
+    def _within_budget(self, fits, current: float, parts, best_cost: float, total: float):
+        """The compute-optimal cut whose every chunk fits self.budget (module docstring), or
+        None if no cut does."""
+        if current <= self.budget:
+            self.bound = self.budget
+            return parts
+        cost = _least(lambda c: fits(c, self.budget), best_cost, total)
+        if cost is None:
+            return None
+        self.bound = self.budget
+        mem = _least(lambda m: fits(cost, m), 0.0, self.budget)
         return fits(cost, mem)
 
     def _segments(self, edges: list[int]) -> list[tuple]:
@@ -462,6 +484,16 @@ class _MemoryModel:
             cuts.append(j)
             i = j
         return cuts[:-1] if i == n else None
+
+
+def _act_scale(node: fx.Node, precision: str) -> float:
+    """bf16 runs under autocast: a floating fp32 output is counted at 2 bytes an element. Ops
+    autocast keeps in fp32 (norms, softmax) are under-counted; the memory table, from fake runs
+    under autocast, is exact. This estimate only steers the cut."""
+    val = node.meta.get("val")
+    if precision == "bf16" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
+        return 0.5
+    return 1.0
 
 
 def _least(feasible, lo: float, hi: float):

@@ -32,7 +32,7 @@ import torch.utils.checkpoint
 
 from autopart.analysis import layer_of
 from autopart.errors import AutopartError
-from autopart.ir import ChunkProgram, Program, RecomputePlan
+from autopart.ir import ChunkProgram, Program, RecomputePlan, graph_module
 from autopart.ops import op_info
 
 aten = torch.ops.aten
@@ -86,10 +86,8 @@ def recompute_activations(program: Program, *, mode: str = "none", budget: int |
         plan.choices.update({(c.chunk, layer): (kind if layer in applied else "none")
                              for layer, kind in mine.items()})
         plan.recompute_flops[c.chunk] = _region_flops(program, regions)
-    if mode == "auto" or budget is not None:
-        from autopart import memory
-        memory.check_budget(program.replace(chunks=tuple(chunks), recompute=plan), mesh=mesh,
-                            schedule=schedule, microbatch_size=microbatch_size)
+    # the budget itself is checked by compile() after the program check, whose fake runs count
+    # the saved tensors once per distinct chunk (memory.check_budget)
     report = {"mode": mode, "recomputed": {f"{c}:{layer}": kind for (c, layer), kind
                                            in plan.choices.items() if kind != "none"},
               "skipped": plan.skipped}
@@ -118,10 +116,12 @@ def rewrite_chunk(chunk: ChunkProgram, choices: dict[str, str]):
     """A copy of `chunk` whose layers marked selective/full run under checkpoint.
 
     Returns (chunk, {submodule: (layer, kind, node names)}, [(layer, reason) not rewritten])."""
+    if all(kind == "none" for kind in choices.values()):
+        return chunk, {}, []        # nothing to rewrite: no copy (a budget check alone)
     graph = fx.Graph()
     out = graph.graph_copy(chunk.gm.graph, {})
     graph.output(out)
-    gm = fx.GraphModule(chunk.gm, graph, class_name=type(chunk.gm).__name__)
+    gm = graph_module(chunk.gm, graph, class_name=type(chunk.gm).__name__)
     per_layer = _layer_nodes(dataclasses.replace(chunk, gm=gm))
     regions, skipped = {}, []
     for layer, kind in choices.items():
@@ -251,7 +251,7 @@ def extract_region(gm: fx.GraphModule, region: list[fx.Node], name: str, layer: 
         env[n] = sub.node_copy(n, env.__getitem__)
     sub.output(tuple(env[o] for o in outputs))
     sub.lint()
-    gm.add_submodule(name, fx.GraphModule(torch.nn.Module(), sub, class_name="Recompute"))
+    gm.add_submodule(name, graph_module(torch.nn.Module(), sub, class_name="Recompute"))
     with gm.graph.inserting_before(first_use):
         fn = gm.graph.get_attr(name)
         call = gm.graph.create_node("call_function", torch.utils.checkpoint.checkpoint,

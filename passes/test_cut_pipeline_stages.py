@@ -304,11 +304,43 @@ def big_vocab():
     return model, program.replace(costs=costs)
 
 
-def _memory_cut(program, pp, weight=cps.MEMORY_WEIGHT, microbatches=1):
+def _memory_cut(program, pp, weight=cps.MEMORY_WEIGHT, microbatches=1, budget=None):
     schedule = make_schedule("1f1b", pp, microbatches)
     out, report = cps.cut_pipeline_stages(program, chunk_ranks=schedule.chunk_ranks,
-                                          schedule=schedule, memory_weight=weight)
+                                          schedule=schedule, memory_weight=weight,
+                                          memory_budget=budget)
     return out.stages, report
+
+
+def test_a_budget_the_compute_cut_fits_keeps_the_compute_cut(big_vocab):
+    """Without a budget the cut trades compute for memory on big_vocab (the test above); with a
+    device that holds the compute-only cut's largest chunk, nothing is traded."""
+    model, program = big_vocab
+    compute_only, report = _memory_cut(program, 4, weight=0)
+    roomy = max(report["chunk_memory_bytes"]) * 1.001
+    plan, report = _memory_cut(program, 4, budget=roomy)
+    assert plan.chunk_of == compute_only.chunk_of
+    assert report["memory_bound_bytes"] == roomy
+    assert plan.chunk_of != _memory_cut(program, 4)[0].chunk_of   # the trade would have moved it
+
+
+def test_a_tight_budget_gets_the_least_compute_that_fits(big_vocab):
+    """A budget between the least largest chunk memory and the compute-only cut's: every chunk
+    fits it (state counted from the parameters' shapes, 1% for activations) and no chunk
+    computes more than under the budget-blind trade; a budget nothing fits falls back to it."""
+    model, program = big_vocab
+    compute_only, _ = _memory_cut(program, 4, weight=0)
+    traded, _ = _memory_cut(program, 4)
+    least = _best_whole_layer_max(model, 4)
+    worst = max(_state_bytes_per_chunk(program, compute_only))
+    budget = (least + worst) / 2
+    plan, report = _memory_cut(program, 4, budget=budget)
+    _check_complete(program, plan)
+    assert max(_state_bytes_per_chunk(program, plan)) <= budget * 1.01
+    assert max(report["chunk_memory_bytes"]) <= budget
+    assert max(compute_only.chunk_cost) <= max(plan.chunk_cost) <= max(traded.chunk_cost)
+    hopeless, _ = _memory_cut(program, 4, budget=least / 10)
+    assert hopeless.chunk_of == traded.chunk_of
 
 
 def test_memory_bound_moves_layers_off_the_embedding_rank(big_vocab):
