@@ -115,7 +115,10 @@ def pp_rank(rank: int, world: int, opts: dict) -> dict:
         x = torch.randint(0, cfg.vocab_size, (m * mbs, cfg.block_size), generator=g)
         y = torch.randint(0, cfg.vocab_size, (m * mbs, cfg.block_size), generator=g)
         example = dict(mesh=autopart.Mesh(pp=2), example_inputs=(x,), target=y)
-        kw = dict(loss_fn=lm_loss, microbatches=m, schedule="1f1b")
+        # a memory budget the compute-only cut fits: the cut is then compute-optimal, whole
+        # blocks here, which torch's stages (built from whole blocks) can mirror
+        kw = dict(loss_fn=lm_loss, microbatches=m, schedule="1f1b",
+                  memory_budget=opts["memory_budget"])
         entry = {"microbatch_size": mbs, "microbatches": m}
         if opts["cold_only"]:
             _, entry["compile_s"], entry["inductor_s"] = _compile(
@@ -133,6 +136,9 @@ def pp_rank(rank: int, world: int, opts: dict) -> dict:
             pipe = torch_pipeline(copy.deepcopy(plain), eager.compiled, eager.coords["pp"], m,
                                   "1f1b")
             runners["torch"] = lambda: _torch_step(pipe, x, y)
+            if opts["torch_compile"]:
+                runners["torch_compiled"], entry["torch_compile_s"] = _torch_compiled(
+                    plain, eager.compiled, eager.coords["pp"], m, x, y)
         except RuntimeError as e:      # a cut inside a block: compiled vs eager only
             entry["torch_skipped"] = str(e)
         ms = _alternate(runners, opts["steps"], opts["warmup"])
@@ -140,8 +146,26 @@ def pp_rank(rank: int, world: int, opts: dict) -> dict:
         if "torch" in ms:
             entry["compiled_vs_torch"] = ms["compiled"] / ms["torch"]
         entry["compiled_vs_eager"] = ms["compiled"] / ms["eager"]
+        if "torch_compiled" in ms:
+            entry["compiled_vs_torch_compiled"] = ms["compiled"] / ms["torch_compiled"]
+            entry["torch_compiled_vs_torch"] = ms["torch_compiled"] / ms["torch"]
         out[label] = entry
     return out
+
+
+def _torch_compiled(plain, compiled, rank: int, m: int, x, y):
+    """torch pipelining with each block compiled in place by torch.compile, as torchtitan
+    compiles its blocks: what Inductor alone gives the peer. Returns (step, seconds of its
+    first step, where Dynamo and Inductor compile)."""
+    from pipeline_vs_torch import torch_pipeline
+    model = copy.deepcopy(plain)
+    for block in model.transformer.h:
+        block.compile()
+    pipe = torch_pipeline(model, compiled, rank, m, "1f1b")
+    dist.barrier()
+    start = time.perf_counter()
+    _torch_step(pipe, x, y)
+    return (lambda: _torch_step(pipe, x, y)), _slowest(time.perf_counter() - start)
 
 
 def tp_rank(rank: int, world: int, opts: dict) -> dict:
@@ -191,7 +215,7 @@ def run(opts: dict) -> dict:
 def table(results: dict) -> str:
     lines = [f"{'case':<16} {'mbs':>4} {'compiled':>9} {'eager':>9} {'baseline':>9} "
              f"{'c/base':>7} {'c/eager':>8} {'cold s':>7} {'warm s':>7} {'ind s':>6} "
-             f"{'eager s':>7}"]
+             f"{'eager s':>7} {'torch+c':>9} {'c/t+c':>6} {'t+c/t':>6}"]
     for label, e in results.items():
         base = e.get("torch_ms", e.get("dtensor_ms"))
         ratio = e.get("compiled_vs_torch", e.get("compiled_vs_dtensor"))
@@ -200,12 +224,15 @@ def table(results: dict) -> str:
                      f"{e['eager_ms']:>8.1f}m {base} {ratio} "
                      f"{e['compiled_vs_eager']:>8.2f} {e['cold_compile_s']:>7.1f} "
                      f"{e['warm_compile_s']:>7.1f} {e['warm_inductor_s']:>6.1f} "
-                     f"{e['eager_setup_s']:>7.1f}")
+                     f"{e['eager_setup_s']:>7.1f} " + _torch_compiled_cells(e))
     lines.append("baseline: torch.distributed.pipelining (pp rows), DTensor (tp row); times are "
                  "median step ms, slowest rank; cold/warm: parallelize + first step with "
                  "compile=True, empty / filled Inductor cache; ind s: of warm s, the seconds in "
                  "Inductor (imports, cache loads); eager s: parallelize + first step with "
-                 "compile=False in the same process (capture, imports already warm)")
+                 "compile=False in the same process (capture, imports already warm); torch+c: "
+                 "torch pipelining with every block torch.compile'd (torchtitan's way), c/t+c "
+                 "compiled autopart against it, t+c/t what torch.compile gives torch's own "
+                 "pipeline (the ceiling Inductor sets on this machine)")
     for label, e in results.items():
         if "torch_skipped" in e:
             lines.append(f"{label}: no torch pipelining baseline: {e['torch_skipped']}")
@@ -215,6 +242,13 @@ def table(results: dict) -> str:
                      f"{w['autograd_cache_hit']} hits / {w['autograd_cache_miss']} misses")
     lines.append(f"load average at the end: {os.getloadavg()[0]:.1f}")
     return "\n".join(lines)
+
+
+def _torch_compiled_cells(e: dict) -> str:
+    if "torch_compiled_ms" not in e:
+        return f"{'-':>9} {'-':>6} {'-':>6}"
+    return (f"{e['torch_compiled_ms']:>8.1f}m {e['compiled_vs_torch_compiled']:>6.2f} "
+            f"{e['torch_compiled_vs_torch']:>6.2f}")
 
 
 def main(argv=None) -> int:
@@ -229,6 +263,11 @@ def main(argv=None) -> int:
     p.add_argument("--tp-hidden", type=int, default=256)
     p.add_argument("--tp-batch", type=int, default=8)
     p.add_argument("--tp-seq", type=int, default=128)
+    p.add_argument("--memory-budget", default="16GB",
+                   help="parallelize's memory_budget for the pp rows: one the compute-only cut "
+                        "fits, so the cut is compute-optimal (whole blocks, as torch's stages)")
+    p.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
+                   help="skip the torch pipelining + torch.compile'd blocks column")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0)

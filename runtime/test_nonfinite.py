@@ -32,3 +32,22 @@ def test_a_non_contiguous_gradient():
     g[29, 39] = float("inf")
     assert not nonfinite._all_finite(g, block=7)
     assert nonfinite._all_finite(torch.ones(40, 30).t(), block=7)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_small_gradients_are_checked_together_and_named(bad):
+    """Gradients of at most `block` elements go through one multi-tensor max-norm; the names
+    found are exactly the bad ones, whatever the dtype, above or below the block size."""
+    params = {}
+    for i, (shape, dtype) in enumerate([((3, 4), torch.float32), ((5,), torch.bfloat16),
+                                        ((40, 30), torch.float32), ((7,), torch.float32)]):
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p.grad = torch.full(shape, 1e30 if dtype == torch.float32 else 1.0, dtype=dtype)
+        params[f"p{i}"] = p
+    params["none"] = torch.nn.Parameter(torch.zeros(2))       # no gradient: skipped
+    assert nonfinite._nonfinite_grads(params, block=100) == []
+    params["p1"].grad[4] = bad
+    params["p2"].grad.t()[29, 39] = bad                        # above the block: blockwise
+    params["p3"].grad[0] = bad
+    assert sorted(nonfinite._nonfinite_grads(params, block=100)) == ["p1", "p2", "p3"]
+    assert sorted(nonfinite._nonfinite_grads(params)) == ["p1", "p2", "p3"]   # all small
