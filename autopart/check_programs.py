@@ -26,9 +26,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopart.errors import AutopartError, node_error
-from autopart.ir import META_TP, REDUCED_DTYPES, Boundary, ChunkProgram, sym_shape
+from autopart.ir import META_TP, REDUCED_DTYPES, ChunkProgram
 from autopart.memory import (ActivationCache, ChunkActivations, SavedCounter, boundary_bytes,
-                             local_shaper, storage_key)
+                             chunk_inputs, local_shaper, storage_key)
 from autopart.ops import registry
 from autopart.ops.comm import GroupComm
 from autopart.ops import ep as ep_ops
@@ -117,10 +117,7 @@ class _FakeRunner(SavedCounter):
         """(None, saved bytes) or ((node, reason), None); raises AutopartError."""
         chunk, (b, s) = self.chunk, self.b_s
         with self.mode:
-            args = [self._fake(r.concrete_shape(b, s), r.dtype, ph.meta.get("val"))
-                    .requires_grad_(r.differentiable)
-                    for r, ph in zip(chunk.recvs, self.placeholders)]
-            args += [self._input(ph) for ph in self.placeholders[len(chunk.recvs):]]
+            args = chunk_inputs(chunk, self.placeholders, self.program, b, s, self._device)
             try:
                 outs = self.count(*args)
             except _DataDependent as e:
@@ -132,16 +129,6 @@ class _FakeRunner(SavedCounter):
             _backward(chunk, self, outs, args, self.where)
         sends = sum((boundary_bytes(x) for x in chunk.sends), sympy.Integer(0))
         return None, ChunkActivations(self.total(), self.per_layer(), self.transient, sends)
-
-    def _input(self, ph: fx.Node) -> torch.Tensor:
-        val, (b, s) = ph.meta["val"], self.b_s
-        shape = _concrete(sym_shape(val, self.program.symbols), b, s) if self.program.dynamic \
-            else tuple(val.shape)
-        t = self._fake(shape, val.dtype, val)
-        return t if val.dtype.is_floating_point or val.dtype.is_complex else t.zero_()
-
-    def _fake(self, shape, dtype, like) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self._device(like))
 
     def _device(self, like) -> torch.device:
         """`like`'s device (a tensor's or a device), CPU if none; with `cpu`, CPU for meta. Ops
@@ -219,10 +206,6 @@ def _producing_pass(n: fx.Node) -> str:
     if isinstance(placement, (Shard, tuple)):
         return f"split_tensor_parallel (the node runs on a tensor-parallel shard {placement})"
     return "emit_rank_programs (the node as copied into this chunk)"
-
-
-def _concrete(shape: tuple, b: int, s: int | None) -> tuple:
-    return Boundary("", shape, torch.float32, 0, 0).concrete_shape(b, s)
 
 
 def _check_sends(chunk: ChunkProgram, outs, b: int, s: int | None, where: str) -> None:

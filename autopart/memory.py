@@ -110,9 +110,7 @@ def chunk_activations(chunk: ChunkProgram, program: Program, b: int, s: int | No
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             run = SavedCounter(chunk.gm, mode, program.symbols, b, s or 1, local_shape,
                                set(chunk.layers), reduced=reduced)
-            args = [_fake_recv(r, b, s) for r in chunk.recvs]
-            args += [_fake_input(ph, program, b, s) for ph in run.placeholders[len(chunk.recvs):]]
-            run.count(*args)
+            run.count(*chunk_inputs(chunk, run.placeholders, program, b, s))
     except Exception:  # noqa: BLE001  (data-dependent sizes, e.g. dropless MoE: estimate instead)
         return _estimate(chunk, program, sends)
     return ChunkActivations(run.total(), run.per_layer(), run.transient, sends)
@@ -363,18 +361,23 @@ def storage_key(t: torch.Tensor):
     return storage._cdata if storage.nbytes() else None
 
 
-def _fake_recv(r: Boundary, b: int, s: int | None) -> torch.Tensor:
-    t = torch.empty(r.concrete_shape(b, s), dtype=r.dtype, device="cpu")
-    return t.requires_grad_(True) if r.differentiable else t
-
-
-def _fake_input(ph: fx.Node, program: Program, b: int, s: int | None) -> torch.Tensor:
-    val = ph.meta["val"]
-    shape = (Boundary("", sym_shape(val, program.symbols), val.dtype, 0, 0).concrete_shape(b, s)
-             if program.dynamic else tuple(val.shape))
-    if val.dtype.is_floating_point:
-        return torch.empty(shape, dtype=val.dtype, device="cpu")
-    return torch.zeros(shape, dtype=val.dtype, device="cpu")
+def chunk_inputs(chunk: ChunkProgram, placeholders: list, program: Program, b: int,
+                 s: int | None, device=lambda val: torch.device("cpu")) -> list[torch.Tensor]:
+    """Empty tensors for a chunk's placeholders at microbatch b, sequence s: the boundaries it
+    receives (requiring grad where the sender's value does), then its own inputs (integers
+    zeroed: they index). `device(meta val)` says where each is made. The memory model's and the
+    program check's fake runs both start here."""
+    args = []
+    for r, ph in zip(chunk.recvs, placeholders):
+        t = torch.empty(r.concrete_shape(b, s), dtype=r.dtype, device=device(ph.meta.get("val")))
+        args.append(t.requires_grad_(r.differentiable))
+    for ph in placeholders[len(chunk.recvs):]:
+        val = ph.meta["val"]
+        shape = (Boundary("", sym_shape(val, program.symbols), val.dtype, 0, 0).concrete_shape(b, s)
+                 if program.dynamic else tuple(val.shape))
+        t = torch.empty(shape, dtype=val.dtype, device=device(val))
+        args.append(t if val.dtype.is_floating_point or val.dtype.is_complex else t.zero_())
+    return args
 
 
 def boundary_bytes(x: Boundary) -> sympy.Expr:
