@@ -11,6 +11,7 @@ over modules).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,13 +47,16 @@ def graph_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.G
 
 def sym_shape(val, symbols: dict) -> tuple:
     """A FakeTensor's shape as sympy expressions in b and s."""
-    out = []
-    for d in val.shape:
-        if isinstance(d, torch.SymInt):
-            out.append(sympy.sympify(d.node.expr).xreplace(symbols))
-        else:
-            out.append(sympy.Integer(int(d)))
-    return tuple(out)
+    dims = tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in val.shape)
+    return _sym_shape(dims, tuple(symbols.items()))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _sym_shape(dims: tuple, symbols: tuple) -> tuple:
+    # cached: a 1T compile asks ~10k times for a few hundred distinct shapes
+    table = dict(symbols)
+    return tuple(sympy.Integer(d) if isinstance(d, int) else sympy.sympify(d).xreplace(table)
+                 for d in dims)
 
 
 @dataclass(frozen=True)
