@@ -10,6 +10,10 @@ repeat of the layer: that text (its signature) and the input shapes key one comp
 which every repeat calls with its own parameters. A 128-layer model compiles as many artifacts
 as a 2-layer one.
 
+Under precision="bf16" the step runs in autocast: a segment is compiled on its first call inside
+it, so AOTAutograd's trace records autocast's casts in the graph (and runs the artifact with
+autocast off), the same artifact serving every repeat; the autocast dtype is part of the key.
+
 Segments go to Inductor directly (torch._inductor.compile_fx on the fx graph), not through
 torch.compile: the graphs are already ATen, so Dynamo would only re-trace them and add guards
 (a few microseconds per call, per segment) that our own key (shapes, strides, dtypes,
@@ -261,7 +265,8 @@ class SegmentCompiler:
         return CompiledSegment(self, seg.signature, seg.label, seg.gm, seg.modules)
 
     def get(self, seg: "CompiledSegment", args: tuple):
-        key = (seg.signature, torch.is_grad_enabled(), tuple(map(_layout, args)))
+        key = (seg.signature, torch.is_grad_enabled(), _autocast_state(args),
+               tuple(map(_layout, args)))
         fn = self.cache.get(key)
         if fn is None:
             fn = self.cache[key] = self._compile(seg, list(args))
@@ -287,6 +292,16 @@ class SegmentCompiler:
             fn = seg.gm
         self.report.seconds += time.perf_counter() - start
         return fn
+
+
+def _autocast_state(args: tuple):
+    """The autocast dtype the segment runs under (precision="bf16"), or None. An artifact is
+    traced under it (AOTAutograd records autocast's casts into the graph and then runs the
+    artifact with autocast off), so it belongs in the key."""
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def _layout(a):

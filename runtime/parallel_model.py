@@ -216,7 +216,8 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     `compile=True`: the chunk programs run through Inductor, each distinct layer compiled once
     and reused by its repeats (autopart/runtime/compiled.py); `explain()` then adds this rank's
     compile seconds. `compile="cudagraphs"` (CUDA, static shapes): the compiled segments also
-    replay as CUDA graphs.
+    replay as CUDA graphs. With precision="bf16" each segment is traced under the step's
+    autocast, so its graph holds the casts, and AOTAutograd runs the artifact with autocast off.
 
     `zero_bucket_size` (zero=1): gradient elements per reduce-scatter and all-gather (default
     40M, Megatron-LM's bucket size); a rank's transient memory for them is one bucket
@@ -226,9 +227,6 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     zero_bucket_size = check_bucket_size(zero_bucket_size, zero)
     if compile not in (False, True, "cudagraphs"):
         raise AutopartError(f"compile={compile!r}: expected False, True or 'cudagraphs'")
-    if compile and precision != "fp32":
-        raise AutopartError(f"compile=True with precision={precision!r}: compiled programs run "
-                            "fp32 only so far.\n  remedy: precision='fp32', or compile=False")
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
                             "first (or use autopart.compile to inspect without processes)")

@@ -48,6 +48,7 @@ class BCase(Case):
     clip: float | None = None
     round_cuts: bool = True     # the reference rounds at the pipeline cuts (False: to measure it)
     noise: str = "none"         # which BOUNDS: none | kernels (ep) | tp
+    compile: bool = False       # parallelize(compile=True): the chunks run through Inductor
 
 
 def reference_step(model, inputs: tuple, target, loss_fn, microbatch: int, device_type: str):
@@ -153,7 +154,8 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
                               microbatches=case.microbatches, schedule=case.schedule,
                               virtual_stages=case.virtual_stages, zero=case.zero,
                               sequence_parallel=case.sequence_parallel,
-                              precision="bf16", timeout=timedelta(seconds=120))
+                              precision="bf16", timeout=timedelta(seconds=120),
+                              compile=case.compile)
     opt = pm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ref32_opt = torch.optim.SGD(ref32.parameters(), lr=0.1)
@@ -210,7 +212,16 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
             "wire": {k: wire.dtypes(k) for k in ("isend", "irecv", "all_reduce",
                                                          "all_gather", "reduce_scatter",
                                                          "all_to_all")},
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start,
+            "inductor": _inductor_report(pm)}
+
+
+def _inductor_report(pm) -> dict | None:
+    """compile=True: what Inductor made on this rank (artifacts, eager fallbacks)."""
+    if pm.inductor is None:
+        return None
+    report = pm.inductor.report
+    return {"artifacts": report.artifacts, "fallbacks": dict(report.fallbacks)}
 
 
 def _grad(p, mine, name: str) -> torch.Tensor:

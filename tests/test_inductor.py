@@ -94,7 +94,6 @@ def test_cli_compile_flag(capsys):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(compile="yes"), "compile='yes': expected False, True or 'cudagraphs'"),
-    (dict(compile=True, precision="bf16"), "compile=True with precision='bf16'"),
 ])
 def test_bad_compile_arguments(kwargs, message):
     model, x, y = _gpt(2)

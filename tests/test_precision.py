@@ -29,6 +29,10 @@ CASES = [
     BCase("switch-dp2-ep2", model="switch", dp=2, ep=2, microbatches=2, noise="kernels"),
     BCase("gpt4-tp2", model="gpt4", tp=2, microbatches=2, noise="tp"),
     BCase("gpt4-tp2-sp", model="gpt4", tp=2, microbatches=2, sequence_parallel=True, noise="tp"),
+    # compile=True: Inductor computes a fused run of bf16 elementwise ops in fp32 and rounds
+    # once, where eager rounds after every op: the kernels bound (measured in the note)
+    BCase("gpt4-pp2-compiled", model="gpt4", pp=2, microbatches=2, compile=True,
+          noise="kernels"),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 BY_NAME = {c.name: c for c in CASES}
@@ -53,7 +57,15 @@ def test_bf16_matches_the_recipe_on_the_plain_model(name, spawn_cache):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("name", ["gpt4-pp2", "gpt4-pp2-zb-v"])
+def test_compiled_bf16_runs_inductor_artifacts(spawn_cache):
+    """The compiled case above really ran compiled code: artifacts on every rank, no layer
+    left eager."""
+    for r in _results("gpt4-pp2-compiled", spawn_cache):
+        assert r["inductor"]["artifacts"] >= 1 and not r["inductor"]["fallbacks"], r["inductor"]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", ["gpt4-pp2", "gpt4-pp2-zb-v", "gpt4-pp2-compiled"])
 def test_pipeline_transfers_carry_bf16(name, spawn_cache):
     for r in _results(name, spawn_cache):
         for kind in ("isend", "irecv"):
