@@ -37,7 +37,12 @@ from tests._workers import Case, _local_view, build
 # from bf16 logits: 1e-4 (measured <= 2.3e-5). Each case also measures the fp32 plain model
 # against the bf16 reference (~4e-3 on "grad" and "step1"): where the bound is 1e-6 or 1e-3 the
 # check tells bf16 compute from fp32; for tp, the test checks the dtypes on the wire instead.
-BOUNDS = {"none": 1e-6, "kernels": 1e-3, "tp": 2e-2}      # for "grad" and "step1", per case.noise
+#
+# compile=True ("compiled"): Inductor's bf16 kernels round at other points than eager's (a fused
+# run of ops is rounded once; its attention and matmul epilogues are its own): 2e-3 (measured on
+# gpt4 pp=2: grad 9.3e-4 and 5.1e-4, loss 6.7e-6). That is within 2x of the fp32-vs-bf16 gap, so
+# as for tp the tests check the dtypes on the wire, and that artifacts ran, instead.
+BOUNDS = {"none": 1e-6, "kernels": 1e-3, "tp": 2e-2, "compiled": 2e-3}   # "grad", "step1"
 UPDATE_BOUND, LOSS_BOUND = 2e-2, 1e-4
 
 
@@ -47,7 +52,7 @@ class BCase(Case):
     zero: int = 0
     clip: float | None = None
     round_cuts: bool = True     # the reference rounds at the pipeline cuts (False: to measure it)
-    noise: str = "none"         # which BOUNDS: none | kernels (ep) | tp
+    noise: str = "none"         # which BOUNDS: none | kernels (ep) | tp | compiled
     compile: bool = False       # parallelize(compile=True): the chunks run through Inductor
 
 
@@ -205,7 +210,7 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
         if not err <= bounds[what]:
             problems.append(f"{what}: relative error {err:.3g} > {bounds[what]} "
                             f"(fp32 vs bf16 plain: {gap[what]:.3g})")
-    if case.noise != "tp" and not gap["step1"] > 10 * bounds["step1"]:
+    if case.noise not in ("tp", "compiled") and not gap["step1"] > 10 * bounds["step1"]:
         problems.append(f"test setup: fp32 differs from the bf16 reference by {gap['step1']:.3g}, "
                         f"not > 10x the bound {bounds['step1']}: the check cannot tell them apart")
     return {"case": case.name, "rank": rank, "problems": problems, "errors": errors, "gap": gap,
