@@ -528,14 +528,9 @@ class MemoryTable(Mapping):
         # chunks (a GraphModule each) only to count bytes is most of a 3072-rank table's time
         chunks = [ch for ch in program.chunks if ch.rank == pp]
         local = _RankShapes(plan, c["tp"], self.mesh.ep_rank(rank))
-        out = state_bytes(program, chunks, self.mesh, self.optimizer, self.precision, self.zero,
-                          local=local)
-        acts = self.activations(rank)
-        peak, in_flight = activation_peak(compiled.schedule.ranks[pp], acts, b, s)
-        out["activations"] = int(peak)
-        out["buffers"] = int(buffer_bytes(acts, in_flight, b, s))
-        out["total"] = sum(out[k] for k in KEYS[:-1])
-        return out
+        state = state_bytes(program, chunks, self.mesh, self.optimizer, self.precision,
+                            self.zero, local=local)
+        return with_activations(state, compiled.schedule.ranks[pp], self.activations(rank), b, s)
 
 
 class _RankShapes:
@@ -586,20 +581,12 @@ def _rank_chunks_local(program, mesh, pp: int):
             for ch in program.chunks if ch.rank == pp]
 
 
-def pp_rank_memory(program: Program, mesh, schedule, b: int, optimizer: str, pp: int,
-                   acts: dict | None = None, state: dict | None = None,
-                   cache: ActivationCache | None = None, zero: int = 0,
-                   precision: str = "fp32") -> dict[str, int]:
-    """The memory dict of pipeline rank `pp` (tp/ep rank 0) before a Compiled exists."""
-    s = program.seq_len
-    chunks = _rank_chunks_local(program, mesh, pp)
-    out = dict(state) if state is not None else state_bytes(program, chunks, mesh, optimizer,
-                                                            precision, zero)
-    if acts is None:
-        local = local_shaper(program, mesh)
-        cache = cache or ActivationCache(REDUCED_DTYPES[precision])
-        acts = {c.chunk: cache.get(c, program, b, s, local) for c in chunks}
-    peak, in_flight = activation_peak(schedule.ranks[pp], acts, b, s)
+def with_activations(state: dict, actions, acts: dict, b: int, s) -> dict[str, int]:
+    """`state` (state_bytes' dict) plus the activations and p2p buffers of a rank that runs
+    `actions` with its chunks' `acts`, and the total: the memory table's row and the one
+    choose_recompute weighs."""
+    out = dict(state)
+    peak, in_flight = activation_peak(actions, acts, b, s)
     out["activations"] = int(peak)
     out["buffers"] = int(buffer_bytes(acts, in_flight, b, s))
     out["total"] = sum(out[k] for k in KEYS[:-1])
@@ -662,7 +649,7 @@ def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbat
                             precision, zero)
         while True:
             acts = _mixed(mine, layers, current, variants)
-            mem = pp_rank_memory(program, mesh, schedule, b, optimizer, pp, acts, state)
+            mem = with_activations(state, schedule.ranks[pp], acts, b, s)
             if mem["total"] <= budget:
                 break
             step = _best_step(current, variants, flops, b, s)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+COMPILE_OPTIONS = ("recompute", "memory_budget", "precision")    # passed to compile as given
 
 
 def child(model: str, pp: int, dp: int, tp: int, v: int, microbatches: int | None,
@@ -68,7 +69,7 @@ def run_once(args) -> dict:
            "--dp", str(args.dp), "--tp", str(args.tp), "--virtual-stages", str(args.virtual_stages)]
     if args.microbatches:
         cmd += ["--microbatches", str(args.microbatches)]
-    for flag in ("recompute", "memory_budget", "precision"):
+    for flag in COMPILE_OPTIONS:
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -104,8 +105,7 @@ def main() -> None:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        options = {k: getattr(args, k) for k in ("recompute", "memory_budget", "precision")
-                   if getattr(args, k) is not None}
+        options = {k: getattr(args, k) for k in COMPILE_OPTIONS if getattr(args, k) is not None}
         child(args.model, args.pp, args.dp, args.tp, args.virtual_stages, args.microbatches, options)
         return
     runs = [run_once(args) for _ in range(args.repeat)]

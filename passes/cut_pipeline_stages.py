@@ -81,10 +81,10 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     layers = detect_layers(program)
     memory = _MemoryModel(program, compute, b, s, _in_flight(schedule, k),
                           _state_copies(optimizer, zero, dp), memory_weight,
-                          0 if zero and dp > 1 else _STEP_TEMPORARIES[optimizer], precision)
+                          0 if zero and dp > 1 else _STEP_TEMPORARIES[optimizer], precision,
+                          memory_budget)
     if recompute == "full":
         memory.act = _layer_inputs_only(compute, memory.act, layers, cross_bytes)
-    memory.budget = memory_budget
     cuts = _choose_cuts(compute, cost, cross_bytes, k, layers, memory)
     bounds = [0, *cuts, len(compute)]
     chunk_of = {n.name: c for c in range(k) for n in compute[bounds[c]:bounds[c + 1]]}
@@ -369,7 +369,8 @@ class _MemoryModel:
     """Per-chunk memory of a candidate cut (module docstring), and the cut within its bound."""
 
     def __init__(self, program: Program, compute, b: int, s, in_flight: list[int],
-                 copies: float, weight: float, temporaries: int = 0, precision: str = "fp32"):
+                 copies: float, weight: float, temporaries: int = 0, precision: str = "fp32",
+                 budget: float | None = None):
         graph = program.gm.graph
         divisor = {}
         for plan, size in ((getattr(program, "tp", None), "tp"), (getattr(program, "ep", None), "ep")):
@@ -389,7 +390,7 @@ class _MemoryModel:
         self.in_flight, self.copies, self.weight = in_flight, copies, weight
         self.temporaries = temporaries
         self.bound: float | None = None
-        self.budget: float | None = None      # bytes per rank the cut must fit, if known
+        self.budget = budget      # bytes per rank the cut must fit, if known
 
     def part(self, lo: int, hi: int, chunk: int) -> float:
         """Bytes chunk `chunk` holds if it computes nodes lo..hi-1."""
