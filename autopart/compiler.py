@@ -221,7 +221,9 @@ class RankPrograms(Mapping):
 
     def _chunks(self, rank: int, copy: bool) -> tuple:
         c = self.mesh.coords(rank)
-        return tuple(localize_chunk(ch, self.plan, c["tp"], self.mesh.ep_rank(rank), copy=copy)
+        made: dict = {}     # one slice per shared tensor on this rank (see localize_module)
+        return tuple(localize_chunk(ch, self.plan, c["tp"], self.mesh.ep_rank(rank), copy=copy,
+                                    made=made)
                      for ch in self.chunks if ch.rank == c["pp"])
 
     def __iter__(self):

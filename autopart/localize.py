@@ -55,18 +55,20 @@ def rank_slice(plan: Plan, name: str, full: torch.Tensor, tp_rank: int, ep_rank:
 
 
 def localize_chunk(chunk: ChunkProgram, plan: Plan, tp_rank: int, ep_rank: int, *,
-                   copy: bool) -> ChunkProgram:
-    """`chunk` as the rank with these tp and ep indices runs it (see localize_module)."""
+                   copy: bool, made: dict | None = None) -> ChunkProgram:
+    """`chunk` as the rank with these tp and ep indices runs it (see localize_module). Chunks
+    of one rank localized with one `made` share the slices of the tensors they share."""
     mesh = plan.mesh
     gm = localize_module(chunk.gm, tp_shards=plan.tp_shards if mesh.tp > 1 else {},
                          tp=(mesh.tp, tp_rank), ep_shards=plan.ep_shards if mesh.ep > 1 else {},
-                         ep=(mesh.ep, ep_rank), copy=copy)
+                         ep=(mesh.ep, ep_rank), copy=copy, made=made)
     return chunk if gm is chunk.gm else dataclasses.replace(chunk, gm=gm)
 
 
 def localize_module(gm: fx.GraphModule, *, tp_shards: dict[str, ParamShard] = {},
                     tp: tuple[int, int] = (1, 0), ep_shards: dict[str, ParamShard] = {},
-                    ep: tuple[int, int] = (1, 0), copy: bool) -> fx.GraphModule:
+                    ep: tuple[int, int] = (1, 0), copy: bool,
+                    made: dict | None = None) -> fx.GraphModule:
     """The same graph with one rank's slices of its sharded parameters and comm modules of its
     own: `tp` and `ep` are (axis size, this rank's index on the axis).
 
@@ -88,11 +90,13 @@ def localize_module(gm: fx.GraphModule, *, tp_shards: dict[str, ParamShard] = {}
             attrs[node.target] = type(value)(*comms[type(value)])
             changed = True
         elif node.target in cuts:
-            local = value.detach()
-            for sh, size, rank in cuts[node.target]:
-                local = shard_tensor(local, sh.dim, sh.sections, size, rank)
-            attrs[node.target] = nn.Parameter(local.clone() if copy else local,
-                                              requires_grad=value.requires_grad)
+            if id(value) not in made:
+                local = value.detach()
+                for sh, size, rank in cuts[node.target]:
+                    local = shard_tensor(local, sh.dim, sh.sections, size, rank)
+                made[id(value)] = (value, nn.Parameter(local.clone() if copy else local,
+                                                       requires_grad=value.requires_grad))
+            attrs[node.target] = made[id(value)][1]   # the full tensor kept: its id stays its own
             changed = True
         else:
             attrs[node.target] = value
