@@ -213,10 +213,24 @@ def _param_atol(case: Case) -> float:
 
 def _compare(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float,
              problems: list[str]) -> float:
-    """Record a problem unless `actual` is close to `expected`; returns the max absolute error."""
+    """Record a problem unless `actual` is close to `expected`; returns the max absolute error.
+
+    A non-finite element (NaN, inf) in either tensor is a problem, whatever the other holds:
+    `err > tol` is False for a NaN error, so without this check a NaN would pass."""
     actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
     if actual.shape != expected.shape:
         problems.append(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+        return float("inf")
+    finite = True
+    for side, t in (("actual", actual), ("expected", expected)):
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            i = int(bad.reshape(-1).nonzero()[0])
+            problems.append(f"{what}: {int(bad.sum())} of {t.numel()} elements of the {side} "
+                            f"value are not finite ({int(t.isnan().sum())} NaN); first at flat "
+                            f"index {i}: {float(t.reshape(-1)[i])!r}")
+            finite = False
+    if not finite:
         return float("inf")
     err = (actual - expected).abs()
     bad = err > atol + rtol * expected.abs()
