@@ -92,7 +92,7 @@ class Cluster:
 
 
 # The constants below were fitted by autopart/planner/fit.py on the five rows of
-# ../shared/reference/megatron_table1_given.json only (A100). H100 and H200 reuse them: no
+# autopart/planner/data/megatron_table1_given.json only (A100). H100 and H200 reuse them: no
 # measurements of ours to fit them on, so those presets are the A100's efficiencies at their specs.
 _FITTED = dict(gemm_efficiency=0.6649, gemm_half_dim=31.19, attention_score_bytes=6.220, intra_efficiency=0.9285,
                inter_efficiency=0.9922, memory_efficiency=0.9284, latency_s=1e-5)
