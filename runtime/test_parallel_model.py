@@ -101,9 +101,16 @@ def test_parallelize_needs_a_process_group():
         autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=loss_fn, target=target)
 
 
-def test_parallelize_needs_real_weights(one_rank):
+def test_parallelize_of_a_meta_model_names_the_buffers_it_cannot_compute(one_rank):
+    """A meta-device model is materialized rank by rank (autopart/materialize.py), which needs its
+    buffers' values: Extras computes `scale` and `shift` in its constructor, next to children with
+    parameters, so autopart cannot rebuild them and must say so, naming them and the remedy (a
+    bare "meta device" would match any meta error, e.g. a missing reset_parameters)."""
     _, loss_fn, inputs, target = build(Case("x", model="extras"))
     with torch.device("meta"):
         model = Extras()
-    with pytest.raises(autopart.AutopartError, match="meta device"):
+    with pytest.raises(autopart.AutopartError, match=(
+            r"(?s)^cannot compute the buffers \['scale', 'shift'\] of Extras at '<root>' on the "
+            r"meta device: .*it has children with parameters, which a rebuild would allocate "
+            r"too\..*remedy: .*pass init_fn=\.\.\. that fills it$")):
         autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=loss_fn, target=target)
