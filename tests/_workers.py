@@ -555,3 +555,9 @@ def activation_bytes(rank: int, world: int, seq: int = 64) -> dict:
         loss.backward()
         out[name] = sum(dict(saved).values())     # each storage once
     return out
+
+
+# AUTOPART_TEST_NCCL_CONTRACT=1: every rank process (they all import this module) runs with
+# batch_isend_irecv keeping NCCL's contract (tests/nccl_contract.py)
+from tests import nccl_contract as _nccl_contract  # noqa: E402
+_nccl_contract.install_from_env()
