@@ -3,6 +3,7 @@
     mesh = autopart.Mesh(dp=2, pp=2)
     compiled = autopart.compile(model, mesh, (tokens,))        # inspect, no processes needed
     pm = autopart.parallelize(model, mesh, (tokens,), ...)     # train, under torch.distributed
+    report = autopart.verify(build, mesh, (tokens,), ...)      # rehearse: layout vs plain model
 """
 from autopart import _C  # noqa: F401  (the C++ core must import, or nothing works)
 from autopart.compiler import Compiled, Plan, RankProgram, compile
@@ -10,7 +11,9 @@ from autopart.errors import AutopartError
 from autopart.mesh import Mesh
 from autopart.materialize import materialize, meta_device
 from autopart.runtime import ParallelModel, parallelize
+from autopart.verification import VerifyReport, verify
 
 __version__ = "0.1.0"
 __all__ = ["AutopartError", "Compiled", "Mesh", "ParallelModel", "Plan", "RankProgram",
-           "compile", "materialize", "meta_device", "parallelize"]
+           "VerifyReport",
+           "compile", "materialize", "meta_device", "parallelize", "verify"]

@@ -18,6 +18,7 @@ from autopart.compile_cli import add_compile_command
 from autopart.export_cli import add_export_command
 from autopart.plan_cli import add_calibrate_command, add_plan_command
 from autopart.schedule import SCHEDULES, Schedule, SimResult, make_schedule, simulate
+from autopart.verify_cli import add_verify_command
 
 
 def _add_schedule_command(subparsers: argparse._SubParsersAction) -> None:
@@ -138,8 +139,8 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_schedule_command, add_compile_command, add_export_command, _add_trace_command,
-    add_plan_command, add_calibrate_command)
+    _add_schedule_command, add_compile_command, add_verify_command, add_export_command,
+    _add_trace_command, add_plan_command, add_calibrate_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

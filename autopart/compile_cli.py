@@ -50,6 +50,26 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n" + "\n".join(
             line for line in __doc__.splitlines() if line.startswith("    autopart compile")))
+    add_layout_arguments(p)
+    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"),
+                   help="the optimizer whose state the memory model counts (default adam)")
+    p.add_argument("--emit", metavar="DIR", default=None,
+                   help="write each distinct rank program to DIR/rank{pp_rank}.py")
+    p.add_argument("--rank", type=int, default=None, help="print this global rank's program code")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.add_argument("--meta", action="store_true",
+                   help="build the model on the meta device (automatic above ~1e9 parameters)")
+    p.add_argument("--compile", action="store_true",
+                   help="report what parallelize(compile=True) would compile with Inductor: "
+                        "each rank's segments and the distinct artifacts its layers share")
+    p.set_defaults(run=run_compile)
+    return p
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and layout flags `autopart compile` and `autopart verify` share: FILE.py:NAME,
+    --config, --mesh, --batch, --microbatches, --schedule, --virtual-stages,
+    --sequence-parallel, --recompute, --memory-budget, --precision, --zero, --loss-fn."""
     p.add_argument("target", metavar="FILE.py:NAME",
                    help="a model class or a function returning the model [, inputs [, target]]")
     p.add_argument("--config", default=None,
@@ -70,28 +90,15 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
                         "--memory-budget)")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="bytes per rank, e.g. 20GB or 512MiB (checked; auto chooses under it)")
-    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"),
-                   help="the optimizer whose state the memory model counts (default adam)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: compute, pipeline transfers and tp collectives in bf16, fp32 master "
                         "weights and gradients (default fp32)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1),
                    help="1: ZeRO-1, optimizer state and fp32 master slice sharded over dp, as "
                         "the memory lines count it (default 0)")
-    p.add_argument("--emit", metavar="DIR", default=None,
-                   help="write each distinct rank program to DIR/rank{pp_rank}.py")
-    p.add_argument("--rank", type=int, default=None, help="print this global rank's program code")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.add_argument("--loss-fn", default=None, metavar="NAME",
                    help="a function in FILE.py turning (output, target) into the loss (default: "
                         "the file's lm_loss when it has one; else the model returns its loss)")
-    p.add_argument("--meta", action="store_true",
-                   help="build the model on the meta device (automatic above ~1e9 parameters)")
-    p.add_argument("--compile", action="store_true",
-                   help="report what parallelize(compile=True) would compile with Inductor: "
-                        "each rank's segments and the distinct artifacts its layers share")
-    p.set_defaults(run=run_compile)
-    return p
 
 
 @gc_paused
@@ -112,14 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     from autopart.compiler import compile as autopart_compile
 
     start = time.perf_counter()
-    mesh = Mesh.parse(args.mesh)
-    if args.microbatches is not None and args.microbatches < 1:
-        raise _UsageError(f"--microbatches {args.microbatches} must be at least 1")
-    microbatches = args.microbatches if args.microbatches is not None else mesh.pp
-    schedule = args.schedule or ("interleaved-1f1b" if args.virtual_stages > 1 else "1f1b")
-    batch = args.batch if args.batch is not None else mesh.dp * microbatches
-    if batch < 1:
-        raise _UsageError(f"--batch {batch} must be positive")
+    mesh, microbatches, schedule, batch = layout(args)
     if args.rank is not None:
         mesh.coords(args.rank)        # a rank outside the mesh fails before the slow part
     if args.emit:
@@ -165,6 +165,19 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\n# global rank {args.rank} (pp={c['pp']}, dp={c['dp']}, tp={c['tp']})")
         print(compiled.programs[args.rank].code, end="")
     return 0
+
+
+def layout(args: argparse.Namespace) -> tuple[Mesh, int, str, int]:
+    """(mesh, microbatches, schedule, global batch) from the layout flags, defaults filled in."""
+    mesh = Mesh.parse(args.mesh)
+    if args.microbatches is not None and args.microbatches < 1:
+        raise _UsageError(f"--microbatches {args.microbatches} must be at least 1")
+    microbatches = args.microbatches if args.microbatches is not None else mesh.pp
+    schedule = args.schedule or ("interleaved-1f1b" if args.virtual_stages > 1 else "1f1b")
+    batch = args.batch if args.batch is not None else mesh.dp * microbatches
+    if batch < 1:
+        raise _UsageError(f"--batch {batch} must be positive")
+    return mesh, microbatches, schedule, batch
 
 
 def _peak_rss_bytes() -> int:
@@ -228,14 +241,15 @@ def _check_writable(folder: Path) -> None:
 
 
 def _build(module, name: str, spec: str | None, batch: int, meta: bool,
-           loss_name: str | None = None) -> _Built:
-    """Build the model (on meta when asked or when too large), its inputs, target and loss."""
+           loss_name: str | None = None, adjust=None) -> _Built:
+    """Build the model (on meta when asked or when too large), its inputs, target and loss.
+    `adjust(config) -> config` (autopart verify's --shrink) changes the config first."""
     with meta_device():               # counting parameters allocates and initializes nothing
-        model, cfg, extra = _make(module, name, spec, batch, "meta")
+        model, cfg, extra = _make(module, name, spec, batch, "meta", adjust)
     n_params = sum(p.numel() for p in _unique_params(model))
     meta = meta or n_params > META_THRESHOLD
     if not meta:
-        model, cfg, extra = _make(module, name, spec, batch, "cpu")
+        model, cfg, extra = _make(module, name, spec, batch, "cpu", adjust)
     device = "meta" if meta else "cpu"
     inputs, target = extra if extra is not None else (None, None)
     if inputs is None:
@@ -252,11 +266,15 @@ def _build(module, name: str, spec: str | None, batch: int, meta: bool,
     return _Built(model, inputs, target, loss_fn, meta, n_params)
 
 
-def _make(module, name: str, spec: str | None, batch: int, device: str):
-    """(model, config, (inputs, target) or None) from NAME in `module`."""
+def _make(module, name: str, spec: str | None, batch: int, device: str, adjust=None):
+    """(model, config, (inputs, target) or None) from NAME in `module`; `adjust(config)`, when
+    given, changes the config before the model is built (a function's model is rebuilt from
+    its adjusted `.config`, as `type(model)(config)`, and its returned inputs are dropped)."""
     obj = getattr(module, name)
     if isinstance(obj, type) and issubclass(obj, nn.Module):
         cfg = _config(module, spec)
+        if adjust is not None:
+            cfg = adjust(cfg)
         try:
             model = obj(cfg) if cfg is not None else obj()
         except Exception as e:   # noqa: BLE001  (a bad config: say which, without a traceback)
@@ -292,6 +310,18 @@ def _make(module, name: str, spec: str | None, batch: int, device: str):
     extra = None
     if len(parts) > 1:
         extra = (parts[1], parts[2] if len(parts) > 2 else None)
+    if adjust is not None:
+        cfg = getattr(model, "config", None)
+        new = adjust(cfg)
+        if new is not cfg:
+            try:
+                with torch.device(device):
+                    model = type(model)(new)
+            except Exception as e:  # noqa: BLE001
+                raise _UsageError(f"rebuilding {type(model).__name__} from its changed config "
+                                  f"failed ({type(e).__name__}: {e}); make NAME a model class "
+                                  f"built from --config") from e
+            extra = None
     return model, getattr(model, "config", None), extra
 
 

@@ -1,0 +1,587 @@
+"""Rehearse a layout before a cluster run: train it and the plain model side by side, compare.
+
+`autopart.verify(...)` (and `autopart verify`, autopart/verify_cli.py) runs the mesh as real
+processes, trains `steps` optimizer steps of the compiled layout (`autopart.parallelize`) and of
+a deep copy of the plain model taken before parallelize, on the same batch in every rank
+process, and compares the loss of every step and every parameter after the last step: each rank
+compares the shard it holds (`local_view`: its tensor-parallel slice, its experts) with the same
+slice of the plain model's parameter. The result is a `VerifyReport`: per parameter group (a
+layer, the embeddings, the head, a norm), the largest difference, PASS/FAIL against the stated
+tolerance and the first parameter that differs, in the plain model's order.
+
+Tolerances (fp32; `tolerance=(rtol, atol)` overrides): a parallel run sums the same products in
+another order (per microbatch, then across microbatches, stages and replicas), so it agrees to
+fp32 round-off, not bits. SGD: |parallel - plain| <= 1e-6 + 1e-5 * |plain| (measured max errors
+~5e-7 on values up to ~1 in tests/_workers.py, where a missing microbatch, replica or tied-weight
+share is a >= 12% error). Adam: atol 1e-5 for everything, since Adam divides each gradient
+element by its own running magnitude, so an element whose gradient is within a few hundred ulps
+of zero moves by a visibly different fraction of lr=1e-3 (measured up to 1.6e-6); 1e-5 is still
+1% of one Adam step. A non-finite value (NaN, inf) on either side is always a FAIL. bf16 is
+refused: its results differ from the fp32 plain model by ~4e-3 relative (README, Mixed
+precision), too much for an elementwise check to tell a wrong layout from rounding; the layout is
+the same in fp32, so rehearse it in fp32.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from autopart.errors import AutopartError
+from autopart.mesh import Mesh
+
+DEFAULT_TOLERANCE = {"sgd": (1e-5, 1e-6), "adam": (1e-5, 1e-5)}   # (rtol, atol), fp32
+LEARNING_RATE = {"sgd": 0.1, "adam": 1e-3}
+MAX_WORLD = 8            # ranks run as processes on this machine
+SPAWN_TIMEOUT = 600.0    # seconds for the whole spawned run (compile and training, every rank)
+PG_TIMEOUT = 120.0       # the default process group's, and parallelize's
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+@dataclass
+class GroupRow:
+    """One parameter group (a layer, an embedding, the head, a norm): its largest difference over
+    every parameter and rank, and the first parameter (plain model order) that differs."""
+    group: str
+    parameters: int                  # parameter tensors in the group
+    elements: int                    # elements of the plain model's tensors
+    max_diff: float                  # largest |parallel - plain| on any rank (inf: non-finite)
+    ok: bool
+    first_differing: str | None = None
+    detail: str | None = None        # what differs in first_differing, on which rank
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.ok else "FAIL"
+
+
+@dataclass
+class StepLoss:
+    step: int
+    parallel: float
+    plain: float
+    diff: float
+    ok: bool
+
+
+@dataclass
+class VerifyReport:
+    """What `autopart.verify` found. `ok`: every loss and parameter within the tolerance.
+    `str(report)` is the table `autopart verify` prints; `to_dict()` its JSON."""
+    ok: bool
+    mesh: str
+    world: int
+    steps: int
+    optimizer: str
+    lr: float
+    rtol: float
+    atol: float
+    losses: list[StepLoss]
+    groups: list[GroupRow]
+    first_differing: str | None          # the first differing parameter in the plain model
+    unused: list[str] = field(default_factory=list)     # no gradient in the plain model; no rank holds it
+    problems: list[str] = field(default_factory=list)   # anything else that differs
+    notes: list[str] = field(default_factory=list)      # what verify changed (shrink, dropout)
+    seconds: float = 0.0
+
+    @property
+    def max_diff(self) -> float:
+        return max([g.max_diff for g in self.groups] + [s.diff for s in self.losses], default=0.0)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for g, row in zip(out["groups"], self.groups):
+            g["verdict"] = row.verdict
+        out["max_diff"] = self.max_diff
+        return _json_safe(out)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
+        out = [f"tolerance: |parallel - plain| <= {self.atol:g} + {self.rtol:g} * |plain| "
+               f"(fp32, {self.optimizer}); non-finite values always fail", ""]
+        out.append(f"{'step':>4}  {'loss parallel':>14}  {'loss plain':>14}  {'|diff|':>9}  verdict")
+        for s in self.losses:
+            out.append(f"{s.step:>4}  {s.parallel:>14.8f}  {s.plain:>14.8f}  {_num(s.diff):>9}  "
+                       f"{'PASS' if s.ok else 'FAIL'}")
+        out.append("")
+        width = max([len("group")] + [len(g.group) for g in self.groups])
+        out.append(f"{'group':<{width}}  {'params':>6}  {'elements':>9}  {'max |diff|':>10}  "
+                   f"verdict  first differing parameter")
+        for g in self.groups:
+            first = "" if g.first_differing is None else f"{g.first_differing}: {g.detail}"
+            out.append(f"{g.group:<{width}}  {g.parameters:>6}  {g.elements:>9}  "
+                       f"{_num(g.max_diff):>10}  {g.verdict:<7}  {first}".rstrip())
+        if self.unused:
+            out.append(f"not compared (no gradient in the plain model, held by no rank): "
+                       f"{', '.join(self.unused)}")
+        out += [f"problem: {p}" for p in self.problems]
+        out.append("")
+        bad = [g.group for g in self.groups if not g.ok]
+        bad_steps = [s.step for s in self.losses if not s.ok]
+        if self.ok:
+            out.append(f"PASS: {self.steps} steps of {self.optimizer} on {self.mesh} "
+                       f"match the plain model: {len(self.losses)} losses, "
+                       f"{len(self.groups)} parameter groups; largest difference "
+                       f"{_num(self.max_diff)} ({self.seconds:.0f} s)")
+        else:
+            what = []
+            if bad_steps:
+                what.append(f"loss at step {', '.join(map(str, bad_steps))}")
+            if bad:
+                what.append(f"{len(bad)} of {len(self.groups)} parameter groups "
+                            f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+            if self.problems:
+                what.append(f"{len(self.problems)} other problem(s)")
+            first = f"; first differing parameter: {self.first_differing}" \
+                if self.first_differing else ""
+            out.append(f"FAIL: the layout {self.mesh} differs from the plain model: "
+                       f"{'; '.join(what)}{first}")
+        return out
+
+
+def _num(x: float) -> str:
+    return f"{x:.2e}" if math.isfinite(x) else str(x)
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)          # "inf", "nan": JSON has no such numbers
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+# -- grouping and comparing -----------------------------------------------------------------------
+
+def group_of(name: str) -> str:
+    """A parameter's group: its name up to the first numbered component (a layer:
+    `transformer.h.0`, `model.layers.3`), else its module (`transformer.wte`, `lm_head`,
+    `model.norm`)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def local_view(pm, rank: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """name, plain tensor -> the part of it `rank` holds (its tensor-parallel shard, or its
+    experts: rows ep_rank*E/ep .. of dim 0, ep_rank = dp index mod ep)."""
+    from autopart.localize import shard_tensor
+    shards, tp = pm.compiled.plan.tp_shards, pm.mesh.tp
+    experts, ep = pm.compiled.plan.ep_shards, pm.mesh.ep
+    tp_rank = pm.mesh.coords(rank)["tp"]
+    ep_rank = pm.mesh.coords(rank)["dp"] % ep
+
+    def view(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in experts:
+            return tensor.chunk(ep, dim=0)[ep_rank]
+        if name not in shards:
+            return tensor
+        return shard_tensor(tensor, shards[name].dim, shards[name].sections, tp, tp_rank)
+    return view
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float
+            ) -> tuple[float, str | None]:
+    """(max |actual - expected|, None when within the tolerance else what differs). A non-finite
+    element on either side differs (its error is inf)."""
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
+    if actual.shape != expected.shape:
+        return math.inf, f"shape {tuple(actual.shape)} != plain {tuple(expected.shape)}"
+    for side, t in (("parallel", actual), ("plain", expected)):
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            i = int(bad.reshape(-1).nonzero()[0])
+            return math.inf, (f"{int(bad.sum())} non-finite elements in the {side} value, first "
+                              f"at flat index {i}: {float(t.reshape(-1)[i])!r}")
+    if actual.numel() == 0:
+        return 0.0, None
+    err = (actual - expected).abs()
+    bad = err > atol + rtol * expected.abs()
+    worst = float(err.max())
+    if not bad.any():
+        return worst, None
+    i = int(err.argmax())
+    return worst, (f"{int(bad.sum())} of {err.numel()} elements differ, max {worst:.3g} at "
+                   f"flat index {i} ({float(actual.reshape(-1)[i]):.8g} vs plain "
+                   f"{float(expected.reshape(-1)[i]):.8g})")
+
+
+def _close(a: float, b: float, rtol: float, atol: float) -> bool:
+    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= atol + rtol * abs(b)
+
+
+def tolerance_for(optimizer: str, tolerance=None) -> tuple[float, float]:
+    if optimizer not in DEFAULT_TOLERANCE:
+        raise AutopartError(f"optimizer={optimizer!r}: verify trains with 'sgd' (lr 0.1) or "
+                            f"'adam' (lr 1e-3)")
+    if tolerance is None:
+        return DEFAULT_TOLERANCE[optimizer]
+    if isinstance(tolerance, (int, float)):
+        return float(tolerance), float(tolerance)
+    rtol, atol = tolerance
+    if not (rtol >= 0 and atol >= 0):
+        raise AutopartError(f"tolerance={tolerance!r}: rtol and atol must be >= 0")
+    return float(rtol), float(atol)
+
+
+# -- one rank -------------------------------------------------------------------------------------
+
+def _zero_dropout(model: nn.Module) -> list[str]:
+    """Dropout masks are random and drawn differently by each layout: p=0 for the rehearsal."""
+    changed = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            changed.append(name)
+            m.p = 0.0
+    return changed
+
+
+def _plain_loss(ref: nn.Module, inputs: tuple, loss_fn, target):
+    out = ref(*inputs)
+    loss = loss_fn(out, target) if loss_fn is not None else out
+    if isinstance(loss, tuple):      # (loss, statistics): the model's own convention
+        loss = loss[0]
+    return loss
+
+
+def verify_rank(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn=None,
+                target=None, steps: int = 3, optimizer: str = "sgd", tolerance=None,
+                timeout: float = PG_TIMEOUT, perturb: str | None = None,
+                **parallelize_kwargs) -> dict:
+    """This rank's half of verify (inside an initialized process group, on every rank): train
+    the layout and the plain model `steps` steps on `example_inputs`; return plain data that
+    `merge` turns into the report. `perturb` (tests only): a plain parameter's name, nudged by
+    1e-3 in the plain copy before training, so the layout must be reported as differing."""
+    import torch.distributed as dist
+    from autopart.runtime import parallelize
+
+    rtol, atol = tolerance_for(optimizer, tolerance)
+    rank = dist.get_rank()
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+        else (example_inputs,)
+    dropped = _zero_dropout(model)
+    ref = copy.deepcopy(model)            # the unmodified model, before parallelize touches it
+    ref_params = dict(ref.named_parameters())
+    order = [n for n, p in ref_params.items() if p.requires_grad]
+    numel = {n: ref_params[n].numel() for n in order}
+    if perturb is not None:
+        with torch.no_grad():
+            ref_params[perturb].add_(1e-3)
+    parallelize_kwargs.setdefault("optimizer", optimizer)   # the memory model's optimizer
+    pm = parallelize(model, mesh, inputs, loss_fn=loss_fn, target=target,
+                     timeout=timedelta(seconds=timeout), **parallelize_kwargs)
+    cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
+    opt = pm.optimizer(cls, lr=LEARNING_RATE[optimizer])
+    ref_opt = cls(ref.parameters(), lr=LEARNING_RATE[optimizer])
+    losses, had_grad = [], set()
+    for _ in range(steps):
+        loss = pm.train_step(*inputs, target=target)
+        ref_loss = _plain_loss(ref, inputs, loss_fn, target)
+        ref_loss.backward()
+        losses.append((float(loss), float(ref_loss)))
+        had_grad |= {n for n in order if ref_params[n].grad is not None}
+        opt.step(), opt.zero_grad()
+        ref_opt.step(), ref_opt.zero_grad()
+    mine = local_view(pm, rank)
+    params = {}
+    for name, p in pm.named_parameters():
+        diff, detail = compare(p, mine(name, ref_params[name]), rtol, atol)
+        params[name] = (diff, detail)
+    return {"rank": rank, "losses": losses, "params": params, "order": order, "numel": numel,
+            "had_grad": sorted(had_grad), "dropout": dropped}
+
+
+def merge(per_rank: list[dict], *, mesh: Mesh, steps: int, optimizer: str, tolerance=None,
+          notes: list[str] | None = None, seconds: float = 0.0) -> VerifyReport:
+    """Every rank's `verify_rank` result -> the report."""
+    rtol, atol = tolerance_for(optimizer, tolerance)
+    first = per_rank[0]
+    order, numel = first["order"], first["numel"]
+    problems = []
+    losses = []
+    for step, (par, plain) in enumerate(first["losses"], 1):
+        others = {r["losses"][step - 1][0] for r in per_rank}
+        if len(others) > 1:
+            problems.append(f"step {step}: ranks returned different losses {sorted(others)}")
+        losses.append(StepLoss(step, par, plain, abs(par - plain) if math.isfinite(par - plain)
+                               else math.inf, _close(par, plain, rtol, atol)))
+    # per parameter: worst over the ranks holding it, and the first rank that differs
+    worst: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for r in sorted(per_rank, key=lambda r: r["rank"]):
+        for name, (diff, detail) in r["params"].items():
+            worst[name] = max(worst.get(name, 0.0), diff)
+            if detail is not None and name not in failed:
+                failed[name] = f"rank {r['rank']}: {detail}"
+    had_grad = set(first["had_grad"])
+    unused = [n for n in order if n not in worst and n not in had_grad]
+    for n in order:
+        if n not in worst and n in had_grad:
+            failed[n] = "no rank holds it, but it has a gradient in the plain model"
+            worst[n] = math.inf
+    groups: dict[str, GroupRow] = {}
+    for n in order:
+        if n in unused:
+            continue
+        g = groups.setdefault(group_of(n), GroupRow(group_of(n), 0, 0, 0.0, True))
+        g.parameters += 1
+        g.elements += numel[n]
+        g.max_diff = max(g.max_diff, worst[n])
+        if n in failed and g.ok:
+            g.ok, g.first_differing, g.detail = False, n, failed[n]
+    first_bad = next((n for n in order if n in failed), None)
+    dropped = first.get("dropout") or []
+    notes = list(notes or [])
+    if dropped:
+        notes.append(f"dropout set to 0 in {len(dropped)} module(s) (random masks differ "
+                     f"between layouts): {', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''}")
+    ok = (all(s.ok for s in losses) and all(g.ok for g in groups.values()) and not problems)
+    return VerifyReport(ok=ok, mesh=str(mesh), world=mesh.world_size, steps=steps,
+                        optimizer=optimizer, lr=LEARNING_RATE[optimizer], rtol=rtol, atol=atol,
+                        losses=losses, groups=list(groups.values()), first_differing=first_bad,
+                        unused=unused, problems=problems, notes=notes, seconds=seconds)
+
+
+# -- the Python API -------------------------------------------------------------------------------
+
+def check_mesh(mesh: Mesh) -> None:
+    if mesh.world_size > MAX_WORLD:
+        raise AutopartError(
+            f"mesh {mesh} has {mesh.world_size} ranks; verify runs each rank as a process on "
+            f"this machine, at most {MAX_WORLD}: rehearse a smaller mesh with the same axes "
+            f"(e.g. smaller dp)")
+
+
+def _api_rank(rank: int, world: int, build: Callable, mesh: Mesh, inputs, kwargs: dict) -> dict:
+    torch.manual_seed(0)
+    return verify_rank(build(), mesh, inputs, **kwargs)
+
+
+def verify(model: nn.Module | Callable[[], nn.Module], mesh: Mesh | str, example_inputs, *,
+           loss_fn: Callable | None = None, target: torch.Tensor | None = None, steps: int = 3,
+           optimizer: str = "sgd", tolerance: float | tuple[float, float] | None = None,
+           timeout: float = SPAWN_TIMEOUT, **parallelize_kwargs) -> VerifyReport:
+    """Train the layout `parallelize(model, mesh, ...)` and the plain model `steps` steps on the
+    batch `example_inputs` (and `target`), and compare every loss and parameter.
+
+    Two ways to call it:
+
+    - `model` a zero-argument function building the model (module level, so the rank processes
+      can import it), with no process group: verify starts `mesh.world_size` local Gloo
+      processes (at most 8), each seeds torch with 0 and calls it, and returns the report here.
+      The function must build the same model each time (seeded initialisation does).
+
+          report = autopart.verify(build_model, autopart.Mesh(tp=2, pp=2), (tokens,),
+                                   loss_fn=lm_loss, target=targets, schedule="zb-v",
+                                   microbatches=4)
+          print(report); assert report.ok
+
+    - `model` a module, inside an initialized process group of `mesh.world_size` ranks (like
+      `parallelize`; each rank calls it with the same model and batch): every rank returns the
+      same report. The model is consumed as parallelize consumes it; the plain copy is taken
+      first.
+
+    `optimizer`: "sgd" (lr 0.1) or "adam" (lr 1e-3); `tolerance`: (rtol, atol), or one number
+    for both, default (1e-5, 1e-6) for sgd and (1e-5, 1e-5) for adam (module docstring: why).
+    Other keyword arguments go to `parallelize` (microbatches, schedule, virtual_stages,
+    sequence_parallel, recompute, zero, ...). nn.Dropout modules get p=0 on both sides (their
+    masks are random); the report's notes say so. `timeout`: seconds for the spawned run.
+    """
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    mesh = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
+    if not isinstance(mesh, Mesh):
+        raise AutopartError(f"mesh must be an autopart.Mesh or a string like 'tp=2,pp=2', "
+                            f"not {type(mesh).__name__}")
+    if parallelize_kwargs.get("precision", "fp32") != "fp32":
+        raise AutopartError("verify compares with the fp32 plain model elementwise; bf16 differs "
+                            "from it by ~4e-3 by design: rehearse the layout with precision='fp32'")
+    if steps < 1:
+        raise AutopartError(f"steps={steps}: verify trains at least one step")
+    tolerance_for(optimizer, tolerance)
+    kwargs = dict(loss_fn=loss_fn, target=target, steps=steps, optimizer=optimizer,
+                  tolerance=tolerance, **parallelize_kwargs)
+    summary = dict(mesh=mesh, steps=steps, optimizer=optimizer, tolerance=tolerance)
+    if dist.is_initialized():
+        if not isinstance(model, nn.Module):
+            torch.manual_seed(0)
+            model = model()
+        mine = verify_rank(model, mesh, example_inputs, **kwargs)
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        return merge(per_rank, **summary, seconds=time.perf_counter() - start)
+    if isinstance(model, nn.Module):
+        raise AutopartError(
+            "autopart.verify with a model needs torch.distributed.init_process_group first (each "
+            "rank calls it, like parallelize); without a process group pass a zero-argument "
+            "module-level function that builds the model, and verify starts the ranks itself")
+    if not callable(model):
+        raise AutopartError(f"model must be an nn.Module or a function building one, "
+                            f"not {type(model).__name__}")
+    check_mesh(mesh)
+    from autopart.runtime.launch import spawn
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+        else (example_inputs,)
+    per_rank = spawn(_api_rank, mesh.world_size, model, mesh, inputs, kwargs, timeout=timeout,
+                     pg_timeout=PG_TIMEOUT)
+    return merge(per_rank, **summary, seconds=time.perf_counter() - start)
+
+
+# -- shrinking a config ---------------------------------------------------------------------------
+
+# Config fields by role, in the spellings of examples/gpt.py, examples/switch.py,
+# examples/llama_meta.py and Hugging Face configs; the first one a config has is used.
+WIDTH = ("n_embd", "hidden_size", "d_model", "dim")
+HEADS = ("n_head", "num_attention_heads", "n_heads", "encoder_attention_heads")
+DECODER_HEADS = ("decoder_attention_heads",)
+KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+HEAD_DIM = ("head_dim",)
+LAYERS = ("n_layer", "num_hidden_layers", "n_layers", "num_layers", "encoder_layers")
+DECODER_LAYERS = ("decoder_layers",)
+FFN = ("d_ff", "intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
+       "moe_intermediate_size", "shared_expert_intermediate_size")
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+TOP_K = ("top_k", "num_experts_per_tok")
+VOCAB = ("vocab_size",)
+POSITIONS = ("block_size", "n_positions", "max_position_embeddings", "seq_len", "max_seq_len")
+GROUP = ("group_size",)
+DROPOUT = re.compile(r"(dropout|pdrop|drop_prob|dropout_prob|dropout_rate)$")
+
+SHRUNK_HEAD_DIM = 16
+SHRUNK_SEQ = 32
+SHRUNK_VOCAB = 256
+
+
+def _fields(cfg) -> dict[str, Any]:
+    import dataclasses
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    if hasattr(cfg, "to_dict"):        # a Hugging Face PretrainedConfig
+        out = dict(cfg.to_dict())
+        for alias in getattr(cfg, "attribute_map", {}):
+            out.setdefault(alias, getattr(cfg, alias, None))
+        return out
+    return dict(vars(cfg)) if hasattr(cfg, "__dict__") else {}
+
+
+def _first(fields: dict, names: tuple) -> str | None:
+    return next((n for n in names if isinstance(fields.get(n), int)
+                 and not isinstance(fields.get(n), bool)), None)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def config_changes(cfg, mesh: Mesh, virtual_stages: int = 1, shrink: bool = True
+                   ) -> dict[str, tuple[Any, Any]]:
+    """{field: (old, new)}: dropout fields to 0 (always), and with `shrink` the width and depth
+    made small while the layout keeps its structure: heads and k/v heads divisible by tp where
+    they were, at least pp * virtual_stages layers, experts divisible by ep, the vocabulary
+    divisible by tp. A config the full layout cannot take (heads not divisible by tp, fewer
+    layers than chunks, ...) is an error here, not hidden by the smaller sizes."""
+    f = _fields(cfg)
+    changes: dict[str, tuple[Any, Any]] = {}
+    for name, value in f.items():
+        if DROPOUT.search(name) and isinstance(value, float) and value > 0:
+            changes[name] = (value, 0.0)
+    if not shrink:
+        return changes
+    tp, ep, chunks = mesh.tp, mesh.ep, mesh.pp * virtual_stages
+
+    def need(ok: bool, what: str):
+        if not ok:
+            raise AutopartError(f"--shrink: {what}; the full layout cannot take this config "
+                                f"either, so there is nothing to rehearse: fix it first")
+
+    def put(name: str | None, new):
+        if name is not None and new != f[name]:
+            changes[name] = (f[name], new)
+
+    width, heads = _first(f, WIDTH), _first(f, HEADS)
+    kv = _first(f, KV_HEADS)
+    if width is None or heads is None:
+        raise AutopartError(f"--shrink: the config ({type(cfg).__name__}) has no width and head "
+                            f"count fields among {', '.join(WIDTH)} / {', '.join(HEADS)}")
+    h, w = f[heads], f[width]
+    need(h % tp == 0, f"{heads}={h} is not divisible by tp={tp}")
+    k = f[kv] if kv is not None else h
+    if k == h:                            # multi-head attention
+        new_h = _round_up(min(h, 4), tp)
+        new_k = new_h
+    else:                                 # grouped/multi-query: keep whether kv divides by tp
+        new_k = _round_up(min(k, 2), tp) if k % tp == 0 else k
+        group = h // k
+        r = min(group, 2)
+        while (new_k * r) % tp:
+            r += 1
+        new_h = new_k * r
+    hd = min(w // h, SHRUNK_HEAD_DIM)
+    hd += hd % 2                          # rotary embeddings need an even head size
+    new_w = new_h * hd
+    put(heads, new_h)
+    put(_first(f, DECODER_HEADS), new_h)
+    put(kv, new_k if kv is not None else None)
+    put(width, new_w)
+    if _first(f, HEAD_DIM) is not None:
+        put("head_dim", hd)
+    for name in FFN:
+        if _first(f, (name,)) is not None:
+            put(name, _round_up(max(1, round(f[name] * new_w / w)), tp))
+    for names in (LAYERS, DECODER_LAYERS):
+        layers = _first(f, names)
+        if layers is not None:
+            need(names is DECODER_LAYERS or f[layers] >= chunks,
+                 f"{layers}={f[layers]} is fewer than pp*virtual_stages={chunks} chunks")
+            put(layers, max(min(f[layers], 2), chunks))
+    experts = _first(f, EXPERTS)
+    if experts is not None:
+        e = f[experts]
+        need(e % ep == 0, f"{experts}={e} is not divisible by ep={ep}")
+        top = _first(f, TOP_K)
+        put(experts, _round_up(max(min(e, 4), f[top] if top else 1), ep))
+    vocab = _first(f, VOCAB)
+    if vocab is not None:
+        v = f[vocab]
+        need(v % tp == 0, f"{vocab}={v} is not divisible by tp={tp} (pad it to a multiple, "
+                          f"as Megatron does)")
+        put(vocab, _round_up(min(v, SHRUNK_VOCAB), tp))
+    seq = _first(f, POSITIONS)
+    if seq is not None:
+        put(seq, min(f[seq], SHRUNK_SEQ))
+        new_seq = min(f[seq], SHRUNK_SEQ)
+        group_field = _first(f, GROUP)
+        if group_field is not None and f[group_field] > new_seq:
+            put(group_field, new_seq)
+    return changes
+
+
+def apply_changes(cfg, changes: dict[str, tuple[Any, Any]]):
+    """A copy of `cfg` (a dataclass or a Hugging Face config) with the changes made."""
+    import dataclasses
+    new = {k: v for k, (_, v) in changes.items()}
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.replace(cfg, **new)
+    out = copy.deepcopy(cfg)
+    for k, v in new.items():
+        setattr(out, k, v)
+    return out
+
+
+def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k} {old}->{new}" for k, (old, new) in changes.items())
