@@ -23,7 +23,8 @@ from __future__ import annotations
 import sympy
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                          DynamicOutputShapeException, FakeTensorMode)
 
 from autopart.errors import AutopartError, node_error
 from autopart.ir import META_TP, REDUCED_DTYPES, ChunkProgram
@@ -173,6 +174,10 @@ class _FakeRunner(SavedCounter):
             return super().run_node(n)
         except (AutopartError, _DataDependent):
             raise
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            # an expert dispatch inside a node that holds a region (a recomputed layer calls its
+            # ops through checkpoint): the same stop as a dispatch at top level
+            raise _DataDependent(n) from None
         except Exception as e:  # noqa: BLE001  (any failure of the op is the program's)
             raise _node_failure(n, self.env, e, self.where) from e
 

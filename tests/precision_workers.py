@@ -160,7 +160,8 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
                               virtual_stages=case.virtual_stages, zero=case.zero,
                               sequence_parallel=case.sequence_parallel,
                               precision="bf16", timeout=timedelta(seconds=120),
-                              compile=case.compile)
+                              compile=case.compile,
+                              recompute=getattr(case, "recompute", "none"))
     opt = pm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ref32_opt = torch.optim.SGD(ref32.parameters(), lr=0.1)

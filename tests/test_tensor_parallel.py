@@ -22,8 +22,16 @@ FAST_2 = [
 FAST_4 = [
     Case("gpt-tp2xpp2", model="gpt4", tp=2, pp=2, microbatches=2),
     Case("gpt-tp4", model="gpt4", tp=4, microbatches=2),
+    # a V schedule puts the first and the last chunk on one rank: the tied embedding's vocab
+    # shard must stay one Parameter there (each chunk's copy got half the gradient, silently)
+    Case("gpt-tp2xpp2-zbv-tied", model="gpt4", tp=2, pp=2, schedule="zb-v", virtual_stages=2,
+         microbatches=4),
 ]
 FULL_4 = [
+    Case("hf-tp2xpp2-zbv-tied", model="hf", tp=2, pp=2, schedule="zb-v", virtual_stages=2,
+         batch=4, seq=32, microbatches=4),
+    Case("gpt-tp2xpp2-dualpipev-tied", model="gpt4", tp=2, pp=2, schedule="dualpipe-v",
+         virtual_stages=2, microbatches=4),
     Case("gpt-tp4-sp", model="gpt4", tp=4, sequence_parallel=True),
     Case("gpt-tp2xpp2-interleaved-sp", tp=2, pp=2, schedule="interleaved-1f1b",
          virtual_stages=2, sequence_parallel=True, microbatches=2),

@@ -1,0 +1,242 @@
+"""The composition matrix: every pair of feature values in at least one case, each case trained
+3 steps against the plain model (tests/test_composition.py runs it).
+
+AXES is the whole table. A case is one value per axis; `allowed` says which combinations make
+sense (an ep axis needs a mixture-of-experts model and dp to shard over; sequence parallelism
+needs tp; ...). `combos` builds a covering array over the allowed combinations: every pair of
+axis values that some allowed combination holds appears in at least one case (checked again by
+`uncovered_pairs`, written separately). Every case runs pp=2 with 4 microbatches, so
+the schedule axis always matters.
+
+A combination autopart does not support must be refused by `parallelize` naming both features:
+REFUSED lists them (feature pair -> what the error must name), and the matrix expects the refusal.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tests import _workers
+
+AXES: dict[str, tuple] = {
+    "schedule":   ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v"),
+    "tp":         ("1", "2", "2+sp"),            # 2+sp: tensor and sequence parallelism
+    "dp":         (1, 2),
+    "ep":         (1, 2),                        # experts over ep of the dp ranks (moe only)
+    "recompute":  ("none", "selective", "full"),
+    "zero":       (0, 1),
+    "precision":  ("fp32", "bf16"),
+    "compile":    (False, True),                 # the chunks through Inductor
+    "embeddings": ("tied", "untied"),
+    "reuse":      ("on", "off"),                 # layer reuse at capture (AUTOPART_LAYER_REUSE)
+    "model":      ("gpt", "hf-gpt2", "hf-mixtral"),
+}
+V_SCHEDULES = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipe-v": 2}   # virtual stages per rank
+PP, MICROBATCHES, MAX_WORLD = 2, 4, 8
+
+
+def allowed(values: dict) -> bool:
+    """Whether a (partial) assignment of axis values names a combination worth running."""
+    get = values.get
+    if get("ep") == 2 and (get("model") not in (None, "hf-mixtral") or get("dp") == 1):
+        return False
+    if get("zero") == 1 and get("dp") == 1:          # ZeRO shards over data-parallel replicas
+        return False
+    tp = 2 if get("tp") in ("2", "2+sp") else 1
+    world = PP * tp * (get("dp") or 1)
+    # Inductor compiles every distinct layer in every rank: 8 ranks on a 2-core machine is
+    # minutes per case, so compiled cases stay at 4 ranks (every pair still has a case)
+    if get("compile") and world > 4:
+        return False
+    return world <= MAX_WORLD
+
+
+@dataclass(frozen=True)
+class Combo:
+    schedule: str
+    tp: str
+    dp: int
+    ep: int
+    recompute: str
+    zero: int
+    precision: str
+    compile: bool
+    embeddings: str
+    reuse: str
+    model: str
+
+    @property
+    def name(self) -> str:
+        parts = [self.model, self.embeddings, self.schedule, f"tp{self.tp}", f"dp{self.dp}"]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"rc-{self.recompute}"] if self.recompute != "none" else []
+        parts += [f"zero{self.zero}"] if self.zero else []
+        parts += [self.precision] if self.precision != "fp32" else []
+        parts += ["compiled"] if self.compile else []
+        parts += ["noreuse"] if self.reuse == "off" else []
+        return "-".join(parts)
+
+    def case(self) -> "CCase":
+        tp = 2 if self.tp != "1" else 1
+        noise = "tp" if tp > 1 else "compiled" if self.compile else \
+            "kernels" if self.ep > 1 else "none"
+        return CCase(name=self.name, model=f"c-{self.model}-{self.embeddings}", pp=PP, dp=self.dp,
+                     tp=tp, ep=self.ep, sequence_parallel=self.tp == "2+sp",
+                     schedule=self.schedule, virtual_stages=V_SCHEDULES.get(self.schedule, 1),
+                     microbatches=MICROBATCHES, recompute=self.recompute, zero=self.zero,
+                     precision=self.precision, compile=self.compile, reuse=self.reuse == "on",
+                     noise=noise, clip=None if self.precision == "bf16" else 0.05)
+
+
+def _world(values: dict) -> int:
+    return PP * (1 if values["tp"] == "1" else 2) * values["dp"]
+
+
+def _cost(values: dict) -> int:
+    """What a case costs to run here, in rough units: ranks, more for Inductor and bf16's
+    second reference."""
+    return _world(values) * (3 if values["compile"] else 1) + (values["precision"] == "bf16")
+
+
+def combos() -> list[Combo]:
+    """The covering array, greedy and deterministic: over every allowed combination, repeatedly
+    take the one holding the most pairs not yet covered (ties: the cheapest, then the first in
+    AXES order), until every pair an allowed combination holds is covered."""
+    names = list(AXES)
+    full = [dict(zip(names, v)) for v in itertools.product(*AXES.values())]
+    full = [v for v in full if allowed(v)]
+    index: dict = {}
+    pairs = torch.tensor([[index.setdefault(p, len(index)) for p in
+                           itertools.combinations(((a, v[a]) for a in names), 2)] for v in full])
+    cost = torch.tensor([_cost(v) for v in full], dtype=torch.float64)
+    covered = torch.zeros(len(index), dtype=torch.bool)
+    rows = []
+    while not covered.all():
+        gain = (~covered[pairs]).sum(1).double()
+        best = int(torch.argmax(gain * 1000 - cost))     # gain first, then cost, then order
+        rows.append(Combo(**full[best]))
+        covered[pairs[best]] = True
+    return rows
+
+
+def uncovered_pairs(rows: list[Combo]) -> list:
+    """Pairs of axis values that some allowed full combination holds but no row does."""
+    names = list(AXES)
+    possible = set()
+    for full in itertools.product(*AXES.values()):
+        if allowed(dict(zip(names, full))):
+            possible.update(itertools.combinations(zip(names, full), 2))
+    seen = set()
+    for row in rows:
+        seen.update(itertools.combinations(zip(names, (getattr(row, a) for a in names)), 2))
+    return sorted(possible - seen, key=str)
+
+
+def fast_slice(rows: list[Combo]) -> list[Combo]:
+    """Cases for the fast tier: every schedule, and every axis value at least once, greedily
+    taking among the cases that add an unseen value one of the fewest ranks, then the most new
+    values per unit of cost (ties: the first)."""
+    want = {(a, v) for a, vs in AXES.items() for v in vs}
+    chosen: list[Combo] = []
+    while want:
+        def gain(c):
+            return {(a, getattr(c, a)) for a in AXES} & want
+        best = max(rows, key=lambda c: (bool(gain(c)), -_world(vars(c)),
+                                        len(gain(c)) / _cost(vars(c)), -rows.index(c)))
+        chosen.append(best)
+        want -= gain(best)
+    return chosen
+
+
+@dataclass(frozen=True)
+class CCase(_workers.Case):
+    """A composition case (tests/_workers.Case plus the axes it lacks)."""
+    recompute: str = "none"
+    zero: int = 0
+    precision: str = "fp32"
+    compile: bool = False
+    reuse: bool = True
+    noise: str = "none"          # bf16 only: which precision_workers.BOUNDS applies
+    round_cuts: bool = True      # bf16 only: the reference rounds at the pipeline cuts
+
+    def options(self) -> dict:
+        """parallelize's keyword arguments beyond tests/_workers.Case's."""
+        return dict(recompute=self.recompute, zero=self.zero, compile=self.compile)
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+VOCAB = 128
+
+
+def _logits_loss(out, target):
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def _gpt(tied: bool):
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    cfg = GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=16,
+                    tie_weights=tied)
+    return GPT(cfg), lm_loss
+
+
+def _hf_gpt2(tied: bool):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  tie_word_embeddings=tied)
+    return transformers.GPT2LMHeadModel(cfg), _logits_loss
+
+
+def _hf_mixtral(tied: bool):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, num_experts_per_tok=2,
+                                     num_local_experts=4, tie_word_embeddings=tied)
+    return transformers.MixtralForCausalLM(cfg), _logits_loss
+
+
+def _register() -> None:
+    for name, make in (("gpt", _gpt), ("hf-gpt2", _hf_gpt2), ("hf-mixtral", _hf_mixtral)):
+        for emb in ("tied", "untied"):
+            def build(case, seed, device, make=make, tied=emb == "tied"):
+                torch.manual_seed(seed)
+                model, loss_fn = make(tied)
+                g = torch.Generator().manual_seed(seed + 1)
+                x = torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)
+                y = torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)
+                return model.to(device), loss_fn, (x.to(device),), y.to(device)
+            _workers.FAMILIES[f"c-{name}-{emb}"] = build
+
+
+_register()
+
+
+# -- the rank function ----------------------------------------------------------------------------
+
+def run_composition(rank: int, world: int, cases: list) -> list[dict]:
+    """Rank function: each case against the plain model (fp32: tests/_workers.equivalence; bf16:
+    tests/precision_workers.bf16_equivalence, against the written-out bf16 recipe)."""
+    from tests.precision_workers import run_bf16_cases
+    out = []
+    for case in cases:
+        os.environ["AUTOPART_LAYER_REUSE"] = "1" if case.reuse else "0"
+        if case.precision == "bf16":
+            [result] = run_bf16_cases(rank, world, [case])
+        else:
+            [result] = _workers.run_cases(rank, world, [case])
+        out.append(result)
+        if any(p.startswith("raised on rank") for p in result["problems"]):
+            out += [{"case": c.name, "rank": rank,
+                     "problems": [f"not run: case {case.name!r} failed before it"]}
+                    for c in cases[len(out):]]
+            break
+    return out

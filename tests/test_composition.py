@@ -1,0 +1,58 @@
+"""The composition matrix (tests/composition.py): every pair of feature values, each case trained
+3 steps against the plain model, or refused by parallelize naming both features.
+
+The fast tier runs a slice (every schedule, every axis value at least once); the full tier runs
+the rest. Cases of one world size share one spawn per tier.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests import composition as cm
+from tests._workers import assert_all_ranks_equal_plain, run_group
+
+ROWS = cm.combos()
+FAST = set(cm.fast_slice(ROWS))
+CASES = {row.name: row.case() for row in ROWS}
+TIMEOUT = 900.0
+
+
+def _param(row: cm.Combo):
+    marks = () if row in FAST else (pytest.mark.full,)
+    return pytest.param(row.name, id=row.name, marks=marks)
+
+
+def _group(spawn_cache, name: str) -> list[dict]:
+    """This case's per-rank results, from the one spawn of its tier and world size."""
+    row = next(r for r in ROWS if r.name == name)
+    case = CASES[name]
+    tier = "fast" if row in FAST else "full"
+    same = [CASES[r.name] for r in ROWS if (r in FAST) == (row in FAST)
+            and CASES[r.name].world == case.world]
+    results = run_group(spawn_cache, ("composition", tier, case.world), same, TIMEOUT,
+                        rank_fn=cm.run_composition)
+    return results[name]
+
+
+@pytest.mark.parametrize("name", [_param(r) for r in ROWS])
+def test_case_trains_like_the_plain_model(spawn_cache, name):
+    assert_all_ranks_equal_plain(CASES[name], _group(spawn_cache, name))
+
+
+def test_every_allowed_pair_is_covered():
+    assert cm.uncovered_pairs(ROWS) == []
+    assert all(cm.allowed({a: getattr(r, a) for a in cm.AXES}) for r in ROWS)
+    assert len({r.name for r in ROWS}) == len(ROWS), "case names must be unique"
+
+
+def test_the_fast_slice_has_every_schedule_and_every_axis_value():
+    for axis, values in cm.AXES.items():
+        assert {getattr(r, axis) for r in FAST} == set(values), axis
+
+
+def test_the_constraints_refuse_what_cannot_run():
+    assert not cm.allowed({"model": "gpt", "ep": 2, "dp": 2})        # no experts to shard
+    assert not cm.allowed({"model": "hf-mixtral", "ep": 2, "dp": 1})  # ep is carved out of dp
+    assert not cm.allowed({"zero": 1, "dp": 1})                       # nothing to shard over
+    assert not cm.allowed({"tp": "2", "dp": 2, "compile": True})      # 8 ranks of Inductor
+    assert cm.allowed({"tp": "2+sp", "dp": 2, "ep": 2, "model": "hf-mixtral"})
