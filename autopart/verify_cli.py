@@ -75,7 +75,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"autopart verify {args.target}" + (f" --config {args.config}" if args.config else "")
               + f": {mesh}, as local processes; schedule "
-              f"{job['parallel']['schedule']}, {job['parallel']['microbatches']} microbatches, "
+              f"{job['parallel']['schedule']}, microbatches {job['parallel']['microbatches']}, "
               f"batch {job['batch']}")
         print(f"model: {prepared['n_params']:,} parameters; {args.steps} steps of "
               f"{args.optimizer} (lr {V.LEARNING_RATE[args.optimizer]:g}) on one random batch "
