@@ -13,7 +13,8 @@ them (in the order they were posted: a pair's messages match in posting order), 
 the end of the step: nothing on this rank reads a sent tensor again and the peer's receive is what
 orders the transfer, so a rank never idles until its peer has posted the matching receive. With
 NCCL a wait only orders the compute stream after the transfer, so the host never blocks; with
-Gloo it blocks until the data is there. `hoist_receives` moves receives earlier in the lists,
+Gloo it blocks until the data is there. NCCL also returns one work for a whole batch where Gloo
+returns one per op (_Batch): a receive is waited on through whichever work covers it. `hoist_receives` moves receives earlier in the lists,
 before the computes that precede their use, where the validator proves that safe.
 """
 from __future__ import annotations
@@ -53,14 +54,15 @@ class StepContext:
     grads_out: dict = field(default_factory=dict)  # (chunk, mb) -> grads of inputs to send back
     saved: dict = field(default_factory=dict)      # (chunk, mb) -> split forward's saved values
     for_weight: dict = field(default_factory=dict)  # (chunk, mb) -> what W reads, after I
-    posted: list = field(default_factory=list)     # [(store, key, works, action, posted at)]
+    posted: list = field(default_factory=list)     # [(store, key, batch, op indices, action,
+                                                   #   posted at, specs)]
     losses: list = field(default_factory=list)
     stats: list = field(default_factory=list)      # per microbatch: the model's other outputs
 
 
 def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
     """Run `actions` (this rank's list from the schedule) in order; returns microbatch losses."""
-    sends: list = []        # works of this step's sends, waited on at its end
+    sends: list = []        # (batch, indices of its sends): waited on at the step's end
     i = 0
     while i < len(actions):
         if actions[i].kind in _COMM:
@@ -79,8 +81,8 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
                                   f"{ctx.step}: {e}") from e
             i += 1
     _wait_received(ctx, None)
-    for action, work, peer in sends:
-        _wait(work, f"could not deliver {action} to rank {peer}", ctx)
+    for batch, indices in sends:
+        batch.wait(indices, ctx)
     return ctx.losses
 
 
@@ -95,13 +97,6 @@ def _wait(work, what: str, ctx: StepContext) -> None:
     except RuntimeError as e:
         raise PeerFailure(f"rank {dist.get_rank()} {what} at step {ctx.step}: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from e
-
-
-def _peer_of(action, ctx: StepContext) -> int:
-    """The global rank at the other end of a transfer action."""
-    chunk = ctx.chunks[action.chunk]
-    specs = chunk.sends if action.kind in ("SEND_F", "RECV_B") else chunk.recvs
-    return ctx.peer(specs[0].peer_rank) if specs else -1
 
 
 def _compute(action, ctx: StepContext) -> None:
@@ -143,56 +138,73 @@ def _now(ctx: StepContext) -> float:
     return time.perf_counter()
 
 
+class _Batch:
+    """One batch_isend_irecv. Gloo returns a work per op; NCCL coalesces the batch and returns ONE
+    work for all its ops (torch's batch_isend_irecv, `supports_coalescing` branch), and a receive
+    buffer holds its data only after that work was waited on. So an op is complete when its own
+    work was waited on, or the batch's one work: `wait` takes the indices of the ops needed and
+    waits on whichever works cover them, each once. The batch keeps its ops, which hold the sent
+    tensors, until the step's end (NCCL reads a sent tensor whenever its kernel runs)."""
+
+    __slots__ = ("ops", "what", "works", "pending")
+
+    def __init__(self, ops: list, what: list[str]):
+        self.ops, self.what = ops, what          # what[i]: what a failed wait for op i means
+        self.works = dist.batch_isend_irecv(ops)
+        self.pending = set(range(len(self.works)))
+
+    def wait(self, indices, ctx: StepContext) -> None:
+        coalesced = len(self.works) != len(self.ops)
+        for i in (range(len(self.works)) if coalesced else indices):
+            if i in self.pending:
+                what = self.what[i] if not coalesced else \
+                    "was waiting for the batch [" + "; ".join(self.what) + "]"
+                _wait(self.works[i], what, ctx)
+                self.pending.discard(i)
+
+
 def _communicate(batch, ctx: StepContext) -> list:
-    """Post one batch; return its sends' works, to be waited on at the end of the step. Its
-    receives are waited on when a compute first needs one of them (_wait_received)."""
-    ops, landing = [], []
+    """Post one batch; return [(the _Batch, indices of its sends)], to be waited on at the end
+    of the step. Its receives are waited on when a compute first needs one of them
+    (_wait_received)."""
+    ops, landing, what = [], [], []
     start = _now(ctx)
     for a in batch:
         key = (a.chunk, a.microbatch)
         chunk = ctx.chunks[a.chunk]
-        if a.kind == "SEND_F":
-            for spec, t in zip(chunk.sends, ctx.outs[key]):
-                ops.append(dist.P2POp(dist.isend, _on_wire(t.detach(), ctx).contiguous(),
-                                      ctx.peer(spec.peer_rank), ctx.group))
-        elif a.kind == "SEND_B":
-            for spec, g in zip(chunk.recvs, ctx.grads_out.pop(key)):
-                if spec.differentiable:
-                    ops.append(dist.P2POp(dist.isend, _on_wire(g, ctx).contiguous(),
-                                          ctx.peer(spec.peer_rank), ctx.group))
-        elif a.kind == "RECV_F":
-            bufs = [_empty(spec, ctx, wire=True) for spec in chunk.recvs]
-            landing.append((ctx.acts, key, bufs, a, len(ops), chunk.recvs))
-            ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank), ctx.group)
-                    for s, b in zip(chunk.recvs, bufs)]
-        else:  # RECV_B: gradients of this chunk's outputs, from the next chunk
-            specs = [s for s in chunk.sends if s.differentiable]
+        if a.kind in ("SEND_F", "SEND_B"):
+            if a.kind == "SEND_F":
+                pairs = [(spec, t.detach()) for spec, t in zip(chunk.sends, ctx.outs[key])]
+            else:
+                pairs = [(spec, g) for spec, g in zip(chunk.recvs, ctx.grads_out.pop(key))
+                         if spec.differentiable]
+            for spec, t in pairs:
+                peer = ctx.peer(spec.peer_rank)
+                ops.append(dist.P2POp(dist.isend, _on_wire(t, ctx).contiguous(), peer, ctx.group))
+                what.append(f"could not deliver {a} to rank {peer}")
+        else:
+            if a.kind == "RECV_F":
+                store, specs = ctx.acts, chunk.recvs
+            else:   # RECV_B: gradients of this chunk's outputs, from the next chunk
+                store, specs = ctx.grads_in, [s for s in chunk.sends if s.differentiable]
             bufs = [_empty(spec, ctx, wire=True) for spec in specs]
-            landing.append((ctx.grads_in, key, bufs, a, len(ops), specs))
-            ops += [dist.P2POp(dist.irecv, b, ctx.peer(s.peer_rank), ctx.group)
-                    for s, b in zip(specs, bufs)]
-    works = dist.batch_isend_irecv(ops) if ops else []
-    sends = [w for op, w in zip(ops, works) if op.op is dist.isend]  # a work holds its tensor
-    sent_by = [a for a in batch if a.kind in ("SEND_F", "SEND_B")
-               for _ in range(_count_sends(a, ctx))]
-    sends = [(a, w, _peer_of(a, ctx)) for a, w in zip(sent_by, sends)]
-    for store, key, bufs, a, first, specs in landing:
+            landing.append((store, key, bufs, a, range(len(ops), len(ops) + len(bufs)), specs))
+            for s, b in zip(specs, bufs):
+                peer = ctx.peer(s.peer_rank)
+                ops.append(dist.P2POp(dist.irecv, b, peer, ctx.group))
+                what.append(f"was waiting for {a} from rank {peer}")
+    if not ops:
+        return []
+    posted = _Batch(ops, what)
+    for store, key, bufs, a, indices, specs in landing:
         store[key] = bufs
-        ctx.posted.append((store, key, works[first:first + len(bufs)], a, start, specs))
+        ctx.posted.append((store, key, posted, indices, a, start, specs))
     if ctx.trace is not None:
         end = _now(ctx)
         for a in batch:
             if a.kind in ("SEND_F", "SEND_B"):
                 ctx.trace.record(a, start, end)
-    return sends
-
-
-def _count_sends(action, ctx: StepContext) -> int:
-    """How many tensors a send action posts (one isend each)."""
-    chunk = ctx.chunks[action.chunk]
-    if action.kind == "SEND_F":
-        return len(chunk.sends)
-    return sum(1 for s in chunk.recvs if s.differentiable)
+    return [(posted, [i for i, op in enumerate(ops) if op.op is dist.isend])]
 
 
 def _wait_received(ctx: StepContext, needed) -> None:
@@ -202,10 +214,9 @@ def _wait_received(ctx: StepContext, needed) -> None:
                                       for s, k, *_ in ctx.posted):
         return
     while ctx.posted:
-        store, key, works, action, posted, specs = ctx.posted.pop(0)
+        store, key, batch, indices, action, posted, specs = ctx.posted.pop(0)
         start = _now(ctx)
-        for w in works:
-            _wait(w, f"was waiting for {action} from rank {_peer_of(action, ctx)}", ctx)
+        batch.wait(indices, ctx)
         if ctx.reduced is not None:    # back to the dtype the receiving program was compiled for
             store[key] = [b.to(s.dtype) for b, s in zip(store[key], specs)]
         if ctx.trace is not None:   # the slice is the time this rank waited for the data

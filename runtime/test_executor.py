@@ -27,10 +27,15 @@ _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
 class ThreadComm:
-    """Stands in for torch.distributed inside the executor: isend/irecv between threads."""
+    """Stands in for torch.distributed inside the executor: isend/irecv between threads.
 
-    def __init__(self, wait_s: float = 60.0):
-        self.wait_s = wait_s
+    coalesce=False: Gloo's contract, one work per op. coalesce=True: NCCL's, one work for the
+    whole batch (torch's batch_isend_irecv coalesces on NCCL), the receive buffers poisoned (NaN,
+    or the largest integer) when the batch is posted and filled only when that work is waited
+    on: a receive read without waiting on the work that covers it shows as NaN or a bad index."""
+
+    def __init__(self, wait_s: float = 60.0, coalesce: bool = False):
+        self.wait_s, self.coalesce = wait_s, coalesce
         self._lock = threading.Lock()
         self._queues: dict = {}
         self._local = threading.local()
@@ -51,6 +56,9 @@ class ThreadComm:
     def set_rank(self, rank: int) -> None:
         self._local.rank = rank
 
+    def get_rank(self) -> int:      # the executor names this rank in a failed wait's message
+        return self._local.rank
+
     def _queue(self, src: int, dst: int) -> queue.Queue:
         with self._lock:
             return self._queues.setdefault((src, dst), queue.Queue())
@@ -66,11 +74,34 @@ class ThreadComm:
                 works.append(_Done())
             else:
                 works.append(_Recv(self._queue(o.peer, me), o.tensor, self.wait_s))
-        return works
+                if self.coalesce:
+                    _poison(o.tensor)
+        return [_Coalesced(works)] if self.coalesce else works
 
 
 class _Done:
     def wait(self):
+        return True
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).max)
+
+
+class _Coalesced:
+    """NCCL's one work for a batch: waiting it completes (and fills) every op of the batch."""
+
+    def __init__(self, works: list):
+        self.works, self.done = works, False
+
+    def wait(self):
+        if not self.done:       # as a real work: waiting twice is harmless
+            for w in self.works:
+                w.wait()
+            self.done = True
         return True
 
 
@@ -87,7 +118,7 @@ class _Recv:
         return True
 
 
-def _run_pipeline(case: Case, monkeypatch) -> tuple:
+def _run_pipeline(case: Case, monkeypatch, coalesce: bool = False) -> tuple:
     """Compile `case` (pp ranks, dp=1) and run every rank's actions in its own thread."""
     model, loss_fn, inputs, target = build(case)
     ref = copy.deepcopy(model)
@@ -95,7 +126,7 @@ def _run_pipeline(case: Case, monkeypatch) -> tuple:
                                 target=target, microbatches=case.microbatches,
                                 schedule=case.schedule, virtual_stages=case.virtual_stages)
     plan = compiled.plan
-    comm = ThreadComm()
+    comm = ThreadComm(coalesce=coalesce)
     monkeypatch.setattr(executor, "dist", comm)
     names = compiled.program.inputs
     batch = dict(zip(names, list(inputs) + ([target] if target is not None else [])))
@@ -203,6 +234,27 @@ def test_pipeline_equals_plain(case: Case, monkeypatch):
                                sorted(float(x) for x in expected), rtol=RTOL, atol=ATOL)
     _assert_grads_equal(model, ref, loss_fn, inputs, target)
     _assert_one_batch_per_run_of_transfers(compiled, comm)
+
+
+# NCCL's contract (one work per batch, receives filled on its wait): the schedules whose batches
+# mix sends and receives (1F1B's steady state: SEND_F then RECV_B), interleaved, and Toy's int64
+# and bool boundaries (a missed wait reads an index out of range)
+COALESCED = [PIPELINES[1], PIPELINES[2], PIPELINES[4], PIPELINES[7]]
+
+
+@pytest.mark.parametrize("case", COALESCED, ids=[c.name for c in COALESCED])
+def test_pipeline_equals_plain_when_batches_coalesce(case: Case, monkeypatch):
+    model, ref, loss_fn, inputs, target, compiled, comm, losses = _run_pipeline(
+        case, monkeypatch, coalesce=True)
+    last = compiled.plan.chunk_ranks[-1]
+    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches)
+    assert len(losses[last]) == case.microbatches
+    torch.testing.assert_close(sorted(float(x) for x in losses[last]),
+                               sorted(float(x) for x in expected), rtol=RTOL, atol=ATOL)
+    _assert_grads_equal(model, ref, loss_fn, inputs, target)
+    assert any(len(ops) > 1 and ops[0][0] == "send" and any(o[0] == "recv" for o in ops)
+               for batches in comm.batches.values() for ops in batches), \
+        "no batch posts a send before a receive: the case does not exercise the contract"
 
 
 def test_non_float_boundaries_cross_forward_only(monkeypatch):
