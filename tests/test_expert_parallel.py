@@ -115,11 +115,22 @@ def test_compile_shards_experts_and_explains():
     c = autopart.compile(model, autopart.Mesh(dp=2, ep=2, pp=2), inputs, microbatches=2)
     assert set(c.plan.ep_shards) == {"transformer.h.1.mlp.c_fc", "transformer.h.1.mlp.c_proj",
                                      "transformer.h.3.mlp.c_fc", "transformer.h.3.mlp.c_proj"}
+    # values, not shapes: ep rank e (dp index mod ep) holds rows 2e, 2e+1 of the plain model's
+    # experts, so the two ep ranks of a stage hold different experts, which together are all 4
+    plain = dict(model.named_parameters())
+    mesh = autopart.Mesh(dp=2, ep=2, pp=2)
+    held: dict = {}
     for rank in range(4):
         params = c.programs[rank].parameters()
         for name, p in params.items():
             if name in c.plan.ep_shards:
-                assert p.shape[0] == 2, (rank, name)
+                ep_rank = mesh.coords(rank)["dp"] % 2
+                assert torch.equal(p, plain[name][2 * ep_rank:2 * ep_rank + 2]), (rank, name)
+                held.setdefault(name, {})[ep_rank] = p
+    assert set(held) == set(c.plan.ep_shards)
+    for name, by_ep in held.items():
+        assert not torch.equal(by_ep[0], by_ep[1]), f"{name}: both ep ranks hold the same experts"
+        assert torch.equal(torch.cat([by_ep[0], by_ep[1]]), plain[name]), name
     # the expert region of each layer stays in one chunk
     for chunk in c.program.chunks:
         names = {n.target.__name__ for n in chunk.gm.graph.nodes if n.op == "call_function"
@@ -135,7 +146,8 @@ def test_compile_shards_experts_and_explains():
 @pytest.mark.full
 def test_switch_c_compiles_on_meta_with_pipeline_and_expert_parallelism():
     """Switch-C (1.57e12 parameters, 2048 experts in each of 30 layers) on the meta device:
-    pp=2 x dp=64 with ep=64, 32 experts per rank, no expert region cut, ranks' experts distinct."""
+    pp=2 x dp=64 with ep=64, 32 experts per rank, no expert region cut, each ep rank viewing its
+    own 32 rows of the plain model's experts."""
     from examples.switch import SwitchGPT, config, example_inputs
     cfg = config("switch-c")
     with torch.device("meta"):
@@ -147,8 +159,16 @@ def test_switch_c_compiles_on_meta_with_pipeline_and_expert_parallelism():
     assert len(rows) == 30 and {r["experts_per_rank"] for r in rows} == {32}
     # forward all-to-all per rank per microbatch: tokens of b groups x capacity 1, in and out
     assert rows[0]["a2a_bytes_per_microbatch"] == 2 * 2048 * 2080 * 4 * 63 / 64
-    p0, p1 = c.programs[mesh.rank(pp=0, dp=0)], c.programs[mesh.rank(pp=0, dp=1)]
-    w0 = p0.parameters()["transformer.h.0.mlp.c_fc"]
-    assert tuple(w0.shape) == (32, 2080, 6144)
-    assert p1.parameters()["transformer.h.0.mlp.c_fc"].shape == w0.shape
+    # a meta tensor has no values: which experts a rank holds shows in where its view starts in
+    # the plain model's tensor. ep rank e (dp index mod 64) holds rows 32e .. 32e+31.
+    name = "transformer.h.0.mlp.c_fc"
+    plain = dict(model.named_parameters())[name]
+    assert tuple(plain.shape) == (2048, 2080, 6144)
+    starts = set()
+    for dp in (0, 1, 63):
+        w = c.programs[mesh.rank(pp=0, dp=dp)].parameters()[name]
+        assert tuple(w.shape) == (32, 2080, 6144) and w.stride() == plain.stride()
+        assert w.storage_offset() == 32 * dp * plain.stride(0), (dp, w.storage_offset())
+        starts.add(w.storage_offset())
+    assert len(starts) == 3
     assert "expert parallelism over ep=64" in c.explain()
