@@ -184,19 +184,23 @@ def _watchdog(what: str, deadline: float) -> None:
 # -- rank functions ------------------------------------------------------------------------------
 
 def run_cases(rank: int, world: int, cases: list) -> list[dict]:
-    """tests._workers.run_cases under the contract; each result gets the batches it posted."""
+    """tests._workers.run_cases under the contract."""
     from tests import _workers
+    return under_contract(_workers.run_cases, rank, world, cases)
+
+
+def under_contract(fn, rank: int, world: int, *args):
+    """Rank function `fn(rank, world, *args)` run under the contract (pass
+    functools.partial(under_contract, fn) as a rank function). Each per-case result dict (a
+    list of them: tests._workers.run_cases's form) gets "contract": the batches this rank posted
+    through the contract and the transfers that failed."""
     install()
-    out = _workers.run_cases(rank, world, cases)
-    for r in out:
-        r["contract"] = dict(stats, errors=list(errors))
+    out = fn(rank, world, *args)
+    if isinstance(out, list):
+        for r in out:
+            if isinstance(r, dict):
+                r["contract"] = dict(stats, errors=list(errors))
     return out
-
-
-def run_under_contract(rank: int, world: int, fn, *args):
-    """Any rank function `fn(rank, world, *args)` under the contract (functools.partial it)."""
-    install()
-    return fn(rank, world, *args)
 
 
 def contract_checks(rank: int, world: int, timeout_s: float) -> dict:

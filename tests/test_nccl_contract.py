@@ -41,3 +41,88 @@ def test_runtime_posts_point_to_point_only_in_batches():
              if not p.name.startswith("test_")
              for i, line in enumerate(p.read_text().splitlines(), 1) if calls.search(line)]
     assert not found, found
+
+
+# -- the equivalence cases, under the contract ----------------------------------------------------
+# Fast tier: the pipelines whose batches mix sends and receives (1F1B, interleaved, zb-v), and one
+# tensor-parallel, one expert-parallel and one ZeRO case (their collectives keep Gloo's behaviour;
+# what changes under the contract is every point-to-point transfer around them).
+# Full tier: every case of the pipeline, zero-bubble, tensor- and expert-parallel equivalence
+# suites and the composition matrix (every schedule with tp, sp, dp, ep, ZeRO, recompute, bf16,
+# compile), each group in one spawn as in its own file.
+
+from functools import partial  # noqa: E402
+
+from tests._workers import Case, assert_all_ranks_equal_plain, run_group  # noqa: E402
+from tests.composition import CCase  # noqa: E402
+
+M = dict(microbatches=4)
+FAST_2 = [
+    Case("contract-gpt4-pp2-1f1b", model="gpt4", pp=2, **M),
+    Case("contract-gpt4-pp2-interleaved-v2", model="gpt4", pp=2, schedule="interleaved-1f1b",
+         virtual_stages=2, **M),
+    Case("contract-gpt4-pp2-zb-v", model="gpt4", pp=2, schedule="zb-v", virtual_stages=2, **M),
+    Case("contract-gpt4-tp2", model="gpt4", tp=2, microbatches=2),
+    Case("contract-switch-dp2-ep2", model="switch", dp=2, ep=2, microbatches=2),
+    CCase("contract-gpt4-dp2-zero1", model="gpt4", dp=2, zero=1, microbatches=2),
+]
+
+
+def _assert_ran_under_contract(case, ranks: list[dict]) -> None:
+    assert_all_ranks_equal_plain(case, ranks)
+    for r in ranks:
+        assert "contract" in r and not r["contract"]["errors"], r.get("contract")
+        if case.pp > 1:
+            assert r["contract"]["batches"] > 0, f"{case.name}: no batch went through the contract"
+
+
+@pytest.mark.parametrize("case", FAST_2, ids=[c.name for c in FAST_2])
+def test_equivalence_under_the_contract(case, spawn_cache):
+    results = run_group(spawn_cache, ("nccl-contract", "fast", 2), FAST_2,
+                        rank_fn=nccl_contract.run_cases)
+    _assert_ran_under_contract(case, results[case.name])
+
+
+def _full_groups() -> dict:
+    """(suite, world) -> (cases, the suite's rank function): every equivalence case the suites
+    define, fast and full tier, grouped by world size as their own files group them."""
+    from tests import composition as cm
+    from tests import test_equivalence as te
+    from tests import test_expert_parallel as tx
+    from tests import test_tensor_parallel as tt
+    from tests import test_zero_bubble as tz
+    from tests._workers import run_cases
+    from tests.zb_workers import zb_cases
+    suites = {
+        "pipeline": ([c for cases in te.GROUPS.values() for c in cases], run_cases),
+        "zero-bubble": (tz.FAST_2 + tz.FULL_2 + tz.FULL_4, zb_cases),
+        "tensor-parallel": ([c for cases in tt.GROUPS.values() for c in cases], run_cases),
+        "expert-parallel": ([c for cases in tx.GROUPS.values() for c in cases], run_cases),
+        "composition": ([row.case() for row in cm.combos()], cm.run_composition),
+    }
+    groups: dict = {}
+    for suite, (cases, fn) in suites.items():
+        for c in cases:
+            groups.setdefault((suite, c.world), ([], fn))[0].append(c)
+    return groups
+
+
+FULL_GROUPS = _full_groups()
+FULL = [pytest.param(key, c.name, id=f"{key[0]}-{c.name}", marks=pytest.mark.full)
+        for key, (cases, _) in FULL_GROUPS.items() for c in cases]
+
+
+@pytest.mark.parametrize("key,name", FULL)
+def test_every_equivalence_case_under_the_contract(key, name, spawn_cache):
+    cases, fn = FULL_GROUPS[key]
+    results = run_group(spawn_cache, ("nccl-contract", *key), cases, timeout=1200,
+                        rank_fn=partial(nccl_contract.under_contract, fn))
+    _assert_ran_under_contract(next(c for c in cases if c.name == name), results[name])
+
+
+def test_the_full_tier_has_every_schedule():
+    from autopart.schedule import SCHEDULES
+    ran = {c.schedule for cases, _ in FULL_GROUPS.values() for c in cases if c.pp > 1}
+    assert ran == set(SCHEDULES), set(SCHEDULES) - ran
+    assert {k[0] for k in FULL_GROUPS} == {"pipeline", "zero-bubble", "tensor-parallel",
+                                          "expert-parallel", "composition"}
