@@ -5,8 +5,9 @@ hundreds of billions of parameters compiles without being allocated.
 """
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -78,6 +79,17 @@ def _splits_backward(schedule: sched.Schedule | None) -> bool:
                                         for actions in schedule.ranks for a in actions)
 
 
+_DEVICES = "cuda|xpu|mps|hpu|npu|mtia|meta|cpu|privateuseone"
+_DEVICE_INDEX = re.compile(rf"device\(type='({_DEVICES})', index=\d+\)")
+_DEVICE_TEXT = re.compile(rf"""(['"])({_DEVICES}):\d+\1""")
+
+
+def device_free(code: str) -> str:
+    """`code` with device indices dropped (`device(type='cuda', index=3)` -> `device(type='cuda')`,
+    'cuda:3' -> 'cuda'): the text every rank of one program prints, whichever GPU it runs on."""
+    return _DEVICE_TEXT.sub(r"\1\2\1", _DEVICE_INDEX.sub(r"device(type='\1')", code))
+
+
 @dataclass
 class Compiled:
     """The result of `autopart.compile`: per-rank programs, the plan and the pass reports."""
@@ -104,14 +116,16 @@ class Compiled:
     def digest(self) -> str:
         """A short hash of what every rank must agree on: autopart's version, the plan, each
         chunk's code, and every parameter's name, shape and dtype. Ranks whose digests differ
-        compiled different programs (another model, configuration or autopart version)."""
+        compiled different programs (another model, configuration or autopart version). Device
+        indices are not part of it: rank r on cuda:r prints `device(type='cuda', index=r)`
+        for ops like `arange`, the same program on every rank (device_free)."""
         import hashlib
         from autopart import __version__
         # sets print in an order that depends on the process's string hash seed: sort them
         plan = dataclasses.replace(self.plan, sp_grad_reduce=tuple(sorted(self.plan.sp_grad_reduce)))
         h = hashlib.sha256(f"{__version__}\n{plan!r}\n".encode())
         for chunk in self.program.chunks:
-            h.update(chunk.code.encode())
+            h.update(device_free(chunk.code).encode())
         for info in self.program.params.values():
             h.update(f"{info.name}{tuple(info.shape)}{info.dtype}".encode())
         return h.hexdigest()[:16]

@@ -3,6 +3,7 @@ the plain single-process model on the same batches.
 
     python examples/train_gpt.py                  # starts 4 rank processes itself (pp=2 x dp=2)
     torchrun --nproc-per-node 4 examples/train_gpt.py   # or let torchrun start them
+    torchrun --nproc-per-node 4 examples/train_gpt.py --device cuda   # 4 GPUs, NCCL
     python examples/train_gpt.py --precision bf16 --steps 50   # bf16 against the fp32 curve
 
 Characters are tokens (bytes, vocabulary 256). Every rank sees the same global batch;
@@ -48,9 +49,12 @@ def make_optimizer(params, args):
 def train_parallel(rank: int, world: int, args) -> list[float]:
     """One rank's training loop; returns the loss of every step."""
     import autopart
-    model = make_model(args)
+    from autopart.runtime.launch import rank_device
+    device = rank_device(args.device)           # cuda:LOCAL_RANK with --device cuda
+    model = make_model(args).to(device)
     mesh = autopart.Mesh.parse(args.mesh)
-    xs = list(batches(args.steps, args.batch, model.config.block_size, args.seed))
+    xs = [(x.to(device), y.to(device))
+          for x, y in batches(args.steps, args.batch, model.config.block_size, args.seed)]
     pm = autopart.parallelize(model, mesh, (xs[0][0],), loss_fn=lm_loss, target=xs[0][1],
                               microbatches=args.microbatches, schedule=args.schedule,
                               virtual_stages=args.virtual_stages, precision=args.precision)
@@ -119,15 +123,23 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: parallelize(precision='bf16'), compared with the fp32 plain model")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before all ranks are killed")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: each rank on cuda:LOCAL_RANK over NCCL; cpu: Gloo")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:       # under torchrun
+        from datetime import timedelta
+
         import torch.distributed as dist
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+
+        from autopart.runtime.launch import init_process_group
+        if args.device == "cpu":
+            torch.set_num_threads(1)
+        # the backend follows the device: NCCL on cuda:LOCAL_RANK (set first), Gloo on the CPU
+        init_process_group(args.device, timeout=timedelta(seconds=args.timeout))
         losses = train_parallel(dist.get_rank(), dist.get_world_size(), args)
         if dist.get_rank() == 0:
             compare(losses, train_plain(args), args.precision)
@@ -137,7 +149,7 @@ def main(argv=None) -> int:
     from autopart.runtime.launch import spawn
     world = autopart.Mesh.parse(args.mesh).world_size
     print(f"starting {world} rank processes for {args.mesh} on this machine", flush=True)
-    losses = spawn(train_parallel, world, args, timeout=args.timeout)[0]
+    losses = spawn(train_parallel, world, args, timeout=args.timeout, device=args.device)[0]
     return 0 if compare(losses, train_plain(args), args.precision) else 1
 
 

@@ -1,4 +1,11 @@
-"""Start N rank processes on this machine (Gloo on CPU), each with one thread and a bounded life.
+"""Start N rank processes on this machine, each with one thread and a bounded life; and the one
+place that decides a rank's device and backend.
+
+A rank computes on the device its caller chose, and the backend follows that device: "cpu"
+(the default) runs Gloo, "cuda" runs NCCL on cuda:LOCAL_RANK, set as the current device before
+the process group exists (`rank_device`, `backend_for`, `init_process_group`; under torchrun
+call `init_process_group(device="cuda")`). The count of GPUs decides nothing: a caller that
+builds CPU models gets Gloo on a GPU machine too.
 
 A rank that fails or hangs makes the whole launch fail within `timeout` seconds: the survivors
 are killed, never left waiting.
@@ -22,15 +29,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, pg_timeout: float):
+def local_rank() -> int:
+    """This process's index among the ranks of its machine: LOCAL_RANK (torchrun and `spawn`
+    set it); without it, the current CUDA device (0 unless the caller set one)."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def rank_device(device: str | torch.device | None = None) -> torch.device:
+    """The device this rank computes on. "cuda" (no index) means cuda:LOCAL_RANK; an explicit
+    device is kept as given. None: the device the initialized default process group serves,
+    cuda:LOCAL_RANK under NCCL, else the CPU (what a meta-device model materializes on)."""
+    if device is None:
+        nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend())
+        device = "cuda" if nccl else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank())
+    return device
+
+
+def backend_for(device: str | torch.device) -> str:
+    """The process-group backend for ranks computing on `device`: NCCL on CUDA, else Gloo."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_process_group(device: str | torch.device = "cpu", timeout: timedelta = timedelta(minutes=10),
+                       **kwargs) -> torch.device:
+    """Initialize this rank's default process group for `device` (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT and LOCAL_RANK from the environment, as torchrun sets them, unless given in
+    `kwargs`): with CUDA, cuda:LOCAL_RANK becomes the current device first, then NCCL; on the
+    CPU, Gloo. Returns the rank's device, for the model: `model.to(device)`."""
+    device = rank_device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), timeout=timeout, **kwargs)
+    return device
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, pg_timeout: float,
+            device: str = "cpu"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=pg_timeout))
+    init_process_group(device, timedelta(seconds=pg_timeout), rank=rank, world_size=world)
     try:
         results[rank] = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001  (report any failure to the parent)
@@ -41,8 +84,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0,
-          pg_timeout: float = 60.0) -> list[Any]:
+          pg_timeout: float = 60.0, device: str = "cpu") -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` processes; return each rank's result.
+    `device`: "cpu" (Gloo) or "cuda" (rank r on cuda:r, NCCL); `fn` builds its model there
+    (`rank_device()` inside `fn` says which).
 
     `fn` must be importable (a module-level function). Raises RuntimeError naming the failed
     ranks (with their tracebacks) or the timeout."""
@@ -50,8 +95,11 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0,
     manager = ctx.Manager()
     results = manager.dict()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout),
-                         daemon=True) for r in range(world_size)]
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"spawn(device={device!r}) of {world_size} ranks needs {world_size} "
+                           f"GPUs; this machine has {torch.cuda.device_count()}")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout,
+                                               device), daemon=True) for r in range(world_size)]
     try:
         for p in procs:
             p.start()

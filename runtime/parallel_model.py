@@ -292,8 +292,8 @@ def _on_meta(x):
 def _device_of(model: nn.Module) -> torch.device:
     p = next(iter(model.parameters()), None)
     if p is None or p.device.type == "meta":   # built on meta: each rank allocates its own shards
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        from autopart.runtime.launch import rank_device     # where this rank's backend computes
+        return rank_device()
     return p.device
 
 

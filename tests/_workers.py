@@ -516,7 +516,7 @@ def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT,
         start = time.monotonic()
         try:
             per_rank = spawn(rank_fn or run_cases, world, list(cases), timeout=timeout,
-                             pg_timeout=PG_TIMEOUT)
+                             pg_timeout=PG_TIMEOUT, device=getattr(cases[0], "device", "cpu"))
         except Exception as e:  # noqa: BLE001  (every test of the group reports it)
             cache[key] = e
         else:
