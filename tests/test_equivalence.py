@@ -2,7 +2,8 @@
 clipped gradient norm and every parameter after 3 optimizer steps, fp32 (tests/_workers.py holds
 the tolerances and why), against a deep copy of the unmodified model taken before parallelize and
 trained on the same global batch. Also: full_state_dict() has exactly model.state_dict()'s keys
-and full shapes, and with pp=k no rank holds more than about 1.5/k of the parameters.
+and full shapes, and a rank holds exactly the parameters its chunks read, at the plain model's
+size (or its tp share).
 
 Models: examples.gpt.GPT (8 layers, tied embeddings), an unmodified Hugging Face GPT2LMHeadModel
 built from a config (tied embeddings, loss on `.logits`), tests._workers.Toy (int64 and bool
@@ -117,32 +118,53 @@ def test_matches_plain_model_pp1(case: Case, single_process_group):
     _assert_equal_to_plain(case, [equivalence(case, 0)])
 
 
-SHARED = [p for p in SPAWNED if p.values[0].pp > 1 and p.values[0].model != "toy"]
+SHARED = [p for p in SPAWNED if p.values[0].pp > 1]
 
 
 @pytest.mark.parametrize("case", SHARED)
 def test_each_rank_holds_only_its_share(case: Case, spawn_cache):
-    """Each parameter is held by one pipeline stage (tied ones by the stages that read them), no
-    rank holds more than 2/k of the parameters with pp=k, and ranks hold chunks r, r+pp, ...
+    """A rank holds exactly the parameters the graphs of its chunks read (by get_attr name),
+    each at the plain model's size (1/tp of it for a tensor-parallel shard, 1/ep for experts),
+    so its share is computed from the plain model's parameter sizes, not taken from the run; each
+    parameter is held by one pipeline stage (tied ones by the stages that read them), so with
+    pp > 1 no rank holds everything; and ranks hold chunks r, r+pp, ...
 
-    The bound is 2/k, not 1.5/k: the cut balances memory as well as compute, and the last
-    stages of a 1F1B pipeline keep fewer microbatches in flight, so they take more layers."""
+    No fixed fraction bounds the share: the memory-aware cut gives the last stages of a 1F1B
+    pipeline more layers (they keep fewer microbatches in flight)."""
     results = run_group(spawn_cache, _GROUP_OF[case.name], GROUPS[_GROUP_OF[case.name]])
     ranks = results[case.name]
     assert all("held_numel" in r for r in ranks), "the case failed: see test_matches_plain_model"
+    model = build(case)[0]
+    plain = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    total = sum(plain.values())
     stages: dict[str, set] = {}
     for r in ranks:
-        share = r["held_numel"] / r["total_numel"]
-        assert share <= 2 / case.pp, (
-            f"{case.name}: rank {r['rank']} holds {r['held_numel']} of {r['total_numel']} "
-            f"parameters ({share:.2f} > 2/pp = {2 / case.pp:.2f})")
-        p = r["rank"] // case.dp
+        read = set(r["read"]) & set(plain)
+        assert read, f"{case.name}: rank {r['rank']}'s chunks read no parameter"
+        outside = sorted(set(r["held"]) - read)
+        assert not outside, f"{case.name}: rank {r['rank']} holds parameters its chunks never read: {outside}"
+        unheld = sorted(read - set(r["held"]))
+        assert not unheld, f"{case.name}: rank {r['rank']}'s chunks read parameters it does not hold: {unheld}"
+        expected = {}
+        for name in read:
+            parts = (case.tp if name in r["tp_sharded"] else 1) * (case.ep if name in r["ep_sharded"] else 1)
+            assert plain[name] % parts == 0, (name, plain[name], parts)
+            expected[name] = plain[name] // parts
+        wrong = {n: (r["held"][n], expected[n]) for n in read if r["held"][n] != expected[n]}
+        assert not wrong, f"{case.name}: rank {r['rank']} holds (elements, expected): {wrong}"
+        assert r["held_numel"] == sum(expected.values())
+        assert r["held_numel"] < total, (
+            f"{case.name}: rank {r['rank']} holds all {total} parameter elements with pp={case.pp}")
+        p = r["rank"] // (case.dp * case.tp)
         assert r["chunks"] == [p + i * case.pp for i in range(case.virtual_stages)], r["chunks"]
         for name in r["held"]:
             stages.setdefault(name, set()).add(p)
+    if case.tp > 1:
+        assert any(r["tp_sharded"] for r in ranks), f"{case.name}: tp={case.tp} shards nothing"
     tied = _tied_names(case)
     shared = {n: sorted(ps) for n, ps in stages.items() if len(ps) > 1 and n not in tied}
     assert not shared, f"{case.name}: parameters held by several pipeline stages: {shared}"
+    assert set(stages) == {n for n in plain if any(n in r["read"] for r in ranks)}
 
 
 def _tied_names(case: Case) -> set[str]:
