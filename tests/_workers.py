@@ -331,10 +331,24 @@ def equivalence(case: Case, rank: int) -> dict:
         elif k in ref_sd and ref_sd[k].is_floating_point():
             _compare(f"full_state_dict[{k!r}]", v, ref_sd[k], RTOL, _param_atol(case), problems)
     return {"case": case.name, "rank": rank, "problems": problems, "held": held,
-            "held_numel": sum(held.values()), "plain_names": used,
+            "held_numel": sum(held.values()), "plain_names": used, "read": names_read(pm),
+            "tp_sharded": sorted(pm.compiled.plan.tp_shards),
+            "ep_sharded": sorted(pm.compiled.plan.ep_shards),
             "total_numel": sum(p.numel() for p in ref_params.values()), "max_err": max_err,
             "chunks": [c.chunk for c in pm.program.chunks], "compile_s": compile_s,
             "seconds": time.perf_counter() - start}
+
+
+def names_read(pm) -> list[str]:
+    """The attributes (parameters, buffers, constants) the graphs of this rank's chunks read, by
+    get_attr node: what the rank needs, whatever its parameter list says it holds."""
+    names = set()
+    for chunk in pm.program.chunks:
+        for path, module in chunk.gm.named_modules():
+            if isinstance(module, torch.fx.GraphModule):
+                names.update(f"{path}.{n.target}" if path else n.target
+                             for n in module.graph.nodes if n.op == "get_attr")
+    return sorted(names)
 
 
 def _local_view(pm, rank: int):
