@@ -701,9 +701,13 @@ def _prepare_zero_optimizer(pm, optimizer, saved: dict, state: dict):
     reads and holds only its 1/dp share), and the scalar state (`step`) of every parameter."""
     infos = _infos(pm)
     per_layout = []
+    inner = optimizer.inner.param_groups[0] if optimizer.inner.param_groups else {}
+    scalars_on_device = inner.get("capturable") or inner.get("fused")   # torch's own policy
     for lay in optimizer.layouts:
         flat_keys, scalar_keys = _state_kinds(lay, saved, infos)
-        flats = {key: torch.zeros(lay.shard, dtype=dtype) for key, dtype in flat_keys.items()}
+        # the moments live where the parameters do (a CUDA rank's Adam state on its GPU)
+        flats = {key: torch.zeros(lay.shard, dtype=dtype, device=lay.device)
+                 for key, dtype in flat_keys.items()}
         for name, p, first, last, at in lay.spans():
             for key, flat in flats.items():
                 fqn = f"optim/state/{name}/{key}"
@@ -718,7 +722,8 @@ def _prepare_zero_optimizer(pm, optimizer, saved: dict, state: dict):
                 if isinstance(md, BytesStorageMetadata):
                     state[fqn], scalars[fqn] = None, (name, key)
                 elif md is not None:
-                    state[fqn] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+                    state[fqn] = torch.zeros(tuple(md.size), dtype=md.properties.dtype,
+                                             device=lay.device if scalars_on_device else "cpu")
                     scalars[fqn] = (name, key)
         per_layout.append((flats, scalars))
 
