@@ -146,8 +146,8 @@ def _row_plan(offsets: torch.Tensor, layout: torch.Tensor, ep: int):
     by_expert = layout.t().reshape(-1)                     # blocks wanted in (e, r) order
     block_start = starts.view(layout.shape).t().reshape(-1)
     total = int(flat.sum())
-    within = torch.arange(total, device=flat.device) - torch.repeat_interleave(torch.cumsum(by_expert, 0) - by_expert,
-                                                           by_expert)
+    within = torch.arange(total, device=flat.device) - torch.repeat_interleave(
+        torch.cumsum(by_expert, 0) - by_expert, by_expert)
     perm = torch.repeat_interleave(block_start, by_expert) + within
     return send, recv, perm
 
