@@ -48,6 +48,7 @@ ENV = "AUTOPART_TEST_NCCL_CONTRACT"
 ABORT_ENV = "AUTOPART_TEST_NCCL_CONTRACT_ABORT"
 ABORT_EXIT_CODE = 134                       # what SIGABRT (NCCL's watchdog) gives a process
 
+TORCH_BATCH_ISEND_IRECV = c10d.batch_isend_irecv    # torch's own, whatever is installed later
 errors: list[str] = []                      # transfers that failed; wait() returned anyway
 stats = {"batches": 0, "ops": 0, "waits": 0}
 _original = None
@@ -220,8 +221,10 @@ def contract_checks(rank: int, world: int, timeout_s: float) -> dict:
     def expected(n: int, base: float):
         return [[base + 10 * peer + i] * 4 for i in range(n)]
 
+    import tests._workers  # noqa: F401  (installs the contract when the environment asks)
+    out["installed_by_env"] = installed()
     ops, recvs = batch(2, 0.0)
-    works = dist.batch_isend_irecv(ops)
+    works = TORCH_BATCH_ISEND_IRECV(ops)            # Gloo as it is
     out["gloo_works"] = len(works)
     for w in works:
         w.wait()
@@ -274,3 +277,4 @@ def watchdog_check(rank: int, world: int, timeout_s: float) -> None:
     works[0].wait()
     time.sleep(4 * timeout_s + 5)        # bounded: the watchdog must end the process first
     return "not aborted"
+

@@ -4,7 +4,10 @@ completed in posting order, and wait() that returns on a dead peer (the process 
 the watchdog once the group's timeout has passed, as NCCL's does)."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,11 @@ from tests import nccl_contract
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_contract_over_gloo():
+def test_contract_over_gloo(monkeypatch):
+    monkeypatch.setenv(nccl_contract.ENV, "1")      # the ranks install it importing tests._workers
     r0, r1 = spawn(nccl_contract.contract_checks, 2, 5.0, timeout=120, pg_timeout=30)
     for r in (r0, r1):
+        assert r["installed_by_env"], r
         assert r["gloo_works"] == 4 and r["gloo_ok"], r      # Gloo: one work per op
         assert r["contract_works"] == 1, r                    # NCCL: one work per batch
         assert r["poisoned_before_wait"] == [True, True], r  # delivered, not yet visible
@@ -126,3 +131,14 @@ def test_the_full_tier_has_every_schedule():
     assert ran == set(SCHEDULES), set(SCHEDULES) - ran
     assert {k[0] for k in FULL_GROUPS} == {"pipeline", "zero-bubble", "tensor-parallel",
                                           "expert-parallel", "composition"}
+
+
+@pytest.mark.full
+def test_checkpoint_suite_under_the_contract():
+    """tests/test_checkpoint.py, both tiers, every rank process under the contract (through
+    the environment: its rank functions are its own)."""
+    env = dict(os.environ, **{nccl_contract.ENV: "1"})
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(ROOT / "tests" / "test_checkpoint.py")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=3000)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
