@@ -282,6 +282,9 @@ def verify_rank(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn=
         with torch.no_grad():
             ref_params[perturb].add_(1e-3)
     parallelize_kwargs.setdefault("optimizer", optimizer)   # the memory model's optimizer
+    # a NaN or inf trains on, as in the plain model, and fails the comparison (with "raise" it
+    # would stop the run with an error instead of a FAIL row)
+    parallelize_kwargs.setdefault("nonfinite", "ignore")
     pm = parallelize(model, mesh, inputs, loss_fn=loss_fn, target=target,
                      timeout=timedelta(seconds=timeout), **parallelize_kwargs)
     cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam

@@ -281,6 +281,29 @@ def test_verify_shrunk_gpt3_tp_pp_zero_bubble(capsys):
     assert report["shrunk"]["n_head"] % 2 == 0 and report["shrunk"]["n_layer"] >= 4
 
 
+NAN_LOSS = '''
+import torch.nn.functional as F
+from examples.gpt import GPT, config
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1)) * float("inf")
+'''
+
+
+@pytest.mark.full
+def test_non_finite_values_fail(capsys, tmp_path):
+    """An infinite loss (NaN gradients) on both sides: not a match, however equal they are."""
+    file = tmp_path / "nan_gpt.py"
+    file.write_text(NAN_LOSS)
+    code, out, err = _run([f"{file}:GPT", "--config", "tiny,n_layer=2", "--mesh", "dp=2",
+                           "--steps", "1", "--json", *TIMEOUT], capsys)
+    report = json.loads(out)
+    assert code == 1 and not report["ok"], (report, err)
+    assert report["losses"][0]["parallel"] == "inf" and not report["losses"][0]["ok"]
+    assert "non-finite" in report["groups"][0]["detail"]
+
+
 def build_tiny_gpt():
     """Module level, so the rank processes autopart.verify starts can import it."""
     from examples.gpt import GPT, config
@@ -297,6 +320,25 @@ def test_python_api_with_a_builder():
     assert isinstance(report, autopart.VerifyReport)
     assert report.ok, str(report)
     assert len(report.losses) == 2 and report.groups[0].group == "transformer.wte"
+
+
+def verify_in_group(rank: int, world: int) -> dict:
+    """Rank function: autopart.verify called on every rank of a process group, with the model."""
+    from examples.gpt import lm_loss
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (2, 16), generator=g) for _ in range(2))
+    report = autopart.verify(build_tiny_gpt(), autopart.Mesh(pp=2), (x,), loss_fn=lm_loss,
+                             target=y, steps=1, microbatches=2)
+    return report.to_dict()
+
+
+@pytest.mark.full
+def test_python_api_inside_a_process_group():
+    from autopart.runtime.launch import spawn
+    reports = spawn(verify_in_group, 2, timeout=400, pg_timeout=120)
+    assert all(r["ok"] for r in reports), reports
+    assert reports[0]["groups"] == reports[1]["groups"]          # the same report on every rank
 
 
 def test_python_api_refuses_a_module_without_a_process_group():
