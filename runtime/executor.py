@@ -19,6 +19,7 @@ before the computes that precede their use, where the validator proves that safe
 """
 from __future__ import annotations
 
+import collections
 import functools
 import time
 import weakref
@@ -31,6 +32,13 @@ import torch.fx as fx
 from autopart.ops import is_autopart_op
 
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+# How this process's compute actions ran: ("split" | "autograd", "F" | "B" | "I" | "W") -> count.
+# "split": the chunk's compile-time programs (split_backward); "autograd": the fused forward and
+# autograd's backward, or I/W by autograd.grad (the fallback, e.g. collectives in the chunk, bf16).
+# Nothing reads it at run time; tests clear and read it to see that the programs they expect ran
+# (the fallback is silent otherwise). One dict increment per action.
+PATHS: "collections.Counter[tuple[str, str]]" = collections.Counter()
 
 
 @dataclass
@@ -106,6 +114,7 @@ def _compute(action, ctx: StepContext) -> None:
     start = _now(ctx)
     chunk = ctx.chunks[action.chunk]
     graphs = _split_graphs(chunk, ctx)
+    PATHS["split" if graphs else "autograd", kind] += 1
     if kind == "F":
         (_forward_split if graphs else _forward)(action, ctx)
     elif graphs:

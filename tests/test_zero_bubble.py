@@ -4,7 +4,8 @@ mesh takes, the measured trace, and receive hoisting.
 Each schedule (zb-h1, its interleaved form, zb-v, dualpipe-v) trains the example GPT or Hugging
 Face GPT-2 for 3 steps on spawned Gloo ranks and must match a deep copy of the plain model
 (losses, first-step gradients, clipped norm, parameters: tests/_workers.equivalence). pp/dp
-chunks run the compile-time I/W programs; tensor-parallel chunks split by autograd. The I/W
+chunks run the compile-time I/W programs; tensor-parallel chunks split by autograd (each checked:
+runtime.executor.PATHS counts which way every compute action ran). The I/W
 programs' bitwise equality with the fused backward is passes/test_split_backward.py's.
 
 Fast tier: python -m pytest -m "not full" tests/test_zero_bubble.py
@@ -65,9 +66,29 @@ def _by_case(per_rank: list[list[dict]]) -> dict:
     return out
 
 
+def _assert_paths(case: Case, results: list[dict]) -> None:
+    """Every compute action of every step ran the way the case expects: the compile-time I/W
+    programs (split_backward) for pp/dp chunks, autograd for tensor-parallel ones (collectives in
+    the chunk: the fallback), never a mix; counted by runtime.executor.PATHS, against the
+    schedule's own action list (each F, I, W, B once per train_step, steps x accumulate calls)."""
+    expected_path = "autograd" if case.tp > 1 else "split"
+    schedule = sched.make_schedule(case.schedule, case.pp, case.microbatches, case.virtual_stages)
+    calls = case.steps * case.accumulate
+    for r in results:
+        assert "paths" in r, f"{case.name} rank {r['rank']}: {r['problems']}"
+        p = r["rank"] // (case.dp * case.tp)
+        want = Counter()
+        for a in schedule.ranks[p]:
+            if a.kind.is_compute:
+                want[f"{expected_path} {a.kind}"] += calls
+        assert Counter(r["paths"]) == want, (
+            f"{case.name} rank {r['rank']}: compute actions ran {r['paths']}, expected {dict(want)}")
+
+
 @pytest.mark.parametrize("case", FAST_2, ids=[c.name for c in FAST_2])
 def test_matches_plain_model(case, fast_run):
     assert_all_ranks_equal_plain(case, fast_run[0][case.name])
+    _assert_paths(case, fast_run[0][case.name])
 
 
 def test_trace_holds_every_action_once_per_step(fast_run):
@@ -97,6 +118,7 @@ def test_matches_plain_model_full_2(case, spawn_cache):
     from tests.zb_workers import zb_cases
     results = _group(spawn_cache, ("zb", 2), FULL_2, zb_cases)[case.name]
     assert_all_ranks_equal_plain(case, results)
+    _assert_paths(case, results)
 
 
 @pytest.mark.full
@@ -105,6 +127,7 @@ def test_matches_plain_model_full_4(case, spawn_cache):
     from tests.zb_workers import zb_cases
     results = _group(spawn_cache, ("zb", 4), FULL_4, zb_cases)[case.name]
     assert_all_ranks_equal_plain(case, results)
+    _assert_paths(case, results)
 
 
 def _group(cache, key, cases, fn):

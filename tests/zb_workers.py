@@ -2,7 +2,8 @@
 
 `zb_cases` runs the shared equivalence check (tests/_workers.equivalence: losses, first-step
 gradients, clipped norm and parameters after 3 steps against the plain model) for each case; the
-first case can also write a trace, which the test reads.
+first case can also write a trace, which the test reads. Each result also says how the rank's
+compute actions ran ("paths": runtime.executor.PATHS, "split F": n, "autograd W": n, ...).
 """
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ def zb_cases(rank: int, world: int, cases: list[Case], trace: str | None = None)
     for i, case in enumerate(cases):
         if trace and i == 0:
             os.environ["AUTOPART_TRACE"] = trace
+        from autopart.runtime import executor
+        executor.PATHS.clear()
         try:
             out.append(equivalence(case, rank))
+            # how each compute action ran (compile-time split programs or autograd)
+            out[-1]["paths"] = {f"{path} {kind}": n for (path, kind), n in executor.PATHS.items()}
         except Exception:  # noqa: BLE001  (reported by the test process, per case)
             out.append({"case": case.name, "rank": rank,
                         "problems": [f"raised on rank {rank}:\n{traceback.format_exc()}"]})
