@@ -256,6 +256,12 @@ class SegmentCompiler:
         # CUDA graphs replay a segment's kernels in one launch: static shapes only, which ours
         # are (one artifact per input layout)
         self.options = {"triton.cudagraphs": True} if cudagraphs else {}
+        # Our artifacts are compiled without donated buffers (_inductor), which leaves their
+        # metadata's donated list unset (None); torch's backward then refuses a retain_graph
+        # call while this flag is on, whatever was donated. So it is off in a process that runs
+        # our artifacts: it only ever saves memory, never changes a result.
+        from torch._functorch import config as functorch_config
+        functorch_config.donated_buffer = False
         self.cache: dict = {}
         self.report = CompileReport()
         self._eager: set[str] = set()      # signatures Inductor failed on: warned once
@@ -315,7 +321,9 @@ def _inductor(gm: fx.GraphModule, args: list, options: dict, report: CompileRepo
     """compile_fx specialized on `args` (static shapes), as standalone_compile does: a fake
     mode with a ShapeEnv in a tracing context, without which Inductor bypasses its FX-graph and
     AOTAutograd caches; the backward lowered now, not at the first backward, so its seconds
-    are counted here."""
+    are counted here. No donated buffers: a zero-bubble schedule runs a chunk it could not
+    split at compile time as two autograd calls (I with retain_graph=True, then W), which a
+    backward that frees its saved buffers as it goes refuses."""
     from torch._functorch import config as functorch_config
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
@@ -331,7 +339,7 @@ def _inductor(gm: fx.GraphModule, args: list, options: dict, report: CompileRepo
         for k in ("val", "tensor_meta", "example_value"):
             node.meta.pop(k, None)
     with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), config.patch(options), \
-            functorch_config.patch(force_non_lazy_backward_lowering=True):
+            functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False):
         return compile_fx(gm, args, inner_compile=inner, ignore_shape_env=True)
 
 

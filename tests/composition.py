@@ -55,6 +55,15 @@ def allowed(values: dict) -> bool:
     return world <= MAX_WORLD
 
 
+def refusal(values: dict) -> tuple[str, ...]:
+    """What parallelize's error must say for an allowed combination autopart refuses (empty:
+    it must train like the plain model)."""
+    if values["model"] == "hf-mixtral" and values["tp"] != "1" and values["ep"] == 1:
+        # tp splits linears; stacked experts are grouped matmuls, divided only by ep
+        return ("tensor parallelism (tp=2) does not split the experts", "ep=2")
+    return ()
+
+
 @dataclass(frozen=True)
 class Combo:
     schedule: str
@@ -89,7 +98,8 @@ class Combo:
                      schedule=self.schedule, virtual_stages=V_SCHEDULES.get(self.schedule, 1),
                      microbatches=MICROBATCHES, recompute=self.recompute, zero=self.zero,
                      precision=self.precision, compile=self.compile, reuse=self.reuse == "on",
-                     noise=noise, clip=None if self.precision == "bf16" else 0.05)
+                     noise=noise, clip=None if self.precision == "bf16" else 0.05,
+                     refused=refusal(vars(self)))
 
 
 def _world(values: dict) -> int:
@@ -149,6 +159,9 @@ def fast_slice(rows: list[Combo]) -> list[Combo]:
                                         len(gain(c)) / _cost(vars(c)), -rows.index(c)))
         chosen.append(best)
         want -= gain(best)
+    refused = [c for c in rows if refusal(vars(c))]
+    if refused and not any(refusal(vars(c)) for c in chosen):    # and one refusal
+        chosen.append(min(refused, key=lambda c: _world(vars(c))))
     return chosen
 
 
@@ -162,6 +175,7 @@ class CCase(_workers.Case):
     reuse: bool = True
     noise: str = "none"          # bf16 only: which precision_workers.BOUNDS applies
     round_cuts: bool = True      # bf16 only: the reference rounds at the pipeline cuts
+    refused: tuple = ()          # what parallelize's error must say (empty: it must train)
 
     def options(self) -> dict:
         """parallelize's keyword arguments beyond tests/_workers.Case's."""
@@ -229,6 +243,9 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
     out = []
     for case in cases:
         os.environ["AUTOPART_LAYER_REUSE"] = "1" if case.reuse else "0"
+        if case.refused:
+            out.append(_expect_refusal(case, rank))
+            continue
         if case.precision == "bf16":
             [result] = run_bf16_cases(rank, world, [case])
         else:
@@ -240,3 +257,20 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
                     for c in cases[len(out):]]
             break
     return out
+
+
+def _expect_refusal(case: CCase, rank: int) -> dict:
+    """parallelize must raise an AutopartError saying each of case.refused (at compile time, on
+    every rank alike, so no rank is left in a collective)."""
+    import autopart
+    problems = []
+    try:
+        _workers.equivalence(case, rank)
+        problems.append(f"trained, but autopart should refuse it saying {case.refused}")
+    except autopart.AutopartError as e:
+        missing = [s for s in case.refused if s not in str(e)]
+        if missing:
+            problems.append(f"refused without saying {missing}: {e}")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"raised {type(e).__name__}, not an AutopartError: {e}")
+    return {"case": case.name, "rank": rank, "problems": problems}

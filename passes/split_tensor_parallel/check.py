@@ -48,6 +48,7 @@ def check_share(program, plan, tp) -> None:
     local = sum(p.numel // tp if name in plan.params else p.numel // ep if name in experts
                 else p.numel for name, p in program.params.items())
     if total and local / total > 1.5 / tp:
+        _check_experts_replicated(program, plan, experts, local / total, tp)
         nodes = {n.name: n for n in program.gm.graph.nodes}
         linears = find_linears(program.gm, program.params)
         worst = max(plan.skipped, key=lambda s: program.params[linears[s[0]].weight].numel,
@@ -59,6 +60,27 @@ def check_share(program, plan, tp) -> None:
                          "rewrite the op named above with standard ATen ops, or use pipeline "
                          "parallelism for this model")
     _warn_replicated(program, plan, total)
+
+
+def _check_experts_replicated(program, plan, experts: dict, share: float, tp: int) -> None:
+    """Most of what stays whole is a mixture-of-experts layer's stacked experts, which tensor
+    parallelism does not split (their matmuls are grouped per expert, not linears): say so,
+    and that the expert-parallel axis is what divides them."""
+    from ..shard_experts.find import find_moe_layers
+    whole = {n: p.numel for n, p in program.params.items()
+             if n not in plan.params and n not in experts}
+    moe = [n for n in (find_moe_layers(program).params if not experts else ()) if n in whole]
+    mass = sum(whole[n] for n in moe)
+    if not moe or 2 * mass < sum(whole.values()):
+        return
+    total = sum(p.numel for p in program.params.values())
+    raise AutopartError(
+        f"tensor parallelism (tp={tp}) does not split the experts of the mixture-of-experts "
+        f"layers ({moe[0]} and {len(moe) - 1} more: {mass / total:.0%} of the parameters), so "
+        f"each rank would hold {share:.0%} of the parameters, more than 1.5/tp = {1.5 / tp:.0%}."
+        "\n  remedy: shard the experts over an expert-parallel axis too, e.g. "
+        f"Mesh(tp={tp}, dp=2, ep=2) (ep divides dp and the expert count), or use pipeline "
+        "parallelism instead of tp for this model")
 
 
 def _warn_replicated(program, plan, total: int) -> None:
