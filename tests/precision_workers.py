@@ -236,7 +236,11 @@ def _grad(p, mine, name: str) -> torch.Tensor:
 
 
 def _rel(actual: list, expected: list) -> float:
-    """||actual - expected|| / ||expected||, the norms over all the tensors together."""
+    """||actual - expected|| / ||expected||, the norms over all the tensors together; inf when any
+    element of either is NaN or inf (a NaN error would pass `err <= bound` checks' callers that
+    take max(previous, err), which drops a NaN)."""
+    if not all(bool(torch.isfinite(t.detach()).all()) for t in [*actual, *expected]):
+        return float("inf")
     num = sum(float((a.detach().double() - e.detach().double()).pow(2).sum())
               for a, e in zip(actual, expected))
     den = sum(float(e.detach().double().pow(2).sum()) for e in expected)

@@ -44,3 +44,15 @@ def test_nan_on_both_sides_fails_twice():
     problems, _ = _problems([math.nan], [math.nan])
     assert len(problems) == 2
     assert "actual" in problems[0] and "expected" in problems[1]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_precision_relative_error_is_inf_on_non_finite(bad):
+    """tests/precision_workers._rel feeds `max(previous, err)`, which drops a NaN: it must say inf."""
+    from tests.precision_workers import _rel
+    one = torch.ones(3)
+    with_bad = torch.tensor([1.0, bad, 1.0])
+    assert _rel([with_bad], [one]) == math.inf
+    assert _rel([one], [with_bad]) == math.inf
+    assert max(0.0, _rel([with_bad], [one])) == math.inf
+    assert _rel([one], [one]) == 0.0
