@@ -52,7 +52,8 @@ TORCH_BATCH_ISEND_IRECV = c10d.batch_isend_irecv    # torch's own, whatever is i
 errors: list[str] = []                      # transfers that failed; wait() returned anyway
 stats = {"batches": 0, "ops": 0, "waits": 0}
 _original = None
-_pending: dict[int, list] = {}              # id(group) -> its BatchWorks not yet transferred
+_pending: dict[int, tuple] = {}             # id(group) -> (group, its BatchWorks not yet
+                                            # transferred): the group is held, so its id stays its own
 _lock = threading.Lock()
 
 
@@ -123,7 +124,7 @@ class BatchWork:
     def wait(self, timeout=None) -> bool:   # noqa: ARG002  (the Work signature)
         stats["waits"] += 1
         with _lock:
-            queue = _pending.get(id(self.group), [])
+            queue = _pending.get(id(self.group), (None, []))[1]
             earlier = queue[:queue.index(self) + 1] if self in queue else []
             del queue[:len(earlier)]
         for work in earlier:                # in posting order, as on one NCCL stream
@@ -166,7 +167,7 @@ def batch_isend_irecv(p2p_op_list: list) -> list[BatchWork]:
     stats["ops"] += len(p2p_op_list)
     work = BatchWork(group, works, landing, "batch [" + ", ".join(parts) + "]")
     with _lock:
-        _pending.setdefault(id(group), []).append(work)
+        _pending.setdefault(id(group), (group, []))[1].append(work)
     return [work]
 
 

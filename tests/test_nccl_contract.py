@@ -74,9 +74,17 @@ FAST_2 = [
 
 
 def _assert_ran_under_contract(case, ranks: list[dict]) -> None:
-    assert_all_ranks_equal_plain(case, ranks)
+    """The case equals the plain model (a transfer that failed left NaN in its buffers: the
+    comparison sees it) and its pipeline's transfers went through the contract. The failed
+    transfers of the spawn (any case: the count is per process) are shown with a failure."""
+    failed = sorted({e for r in ranks for e in r.get("contract", {}).get("errors", ())})
+    try:
+        assert_all_ranks_equal_plain(case, ranks)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\ntransfers that failed under the contract in this spawn: "
+                             f"{failed or 'none'}") from None
     for r in ranks:
-        assert "contract" in r and not r["contract"]["errors"], r.get("contract")
+        assert "contract" in r, f"{case.name}: rank {r['rank']} did not run under the contract"
         if case.pp > 1:
             assert r["contract"]["batches"] > 0, f"{case.name}: no batch went through the contract"
 
