@@ -106,8 +106,9 @@ class VerifyReport:
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
-    def lines(self) -> list[str]:
-        out = [f"tolerance: |parallel - plain| <= {self.atol:g} + {self.rtol:g} * |plain| "
+    def lines(self, notes: bool = True) -> list[str]:
+        out = list(self.notes) if notes else []
+        out += [f"tolerance: |parallel - plain| <= {self.atol:g} + {self.rtol:g} * |plain| "
                f"(fp32, {self.optimizer}); non-finite values always fail", ""]
         out.append(f"{'step':>4}  {'loss parallel':>14}  {'loss plain':>14}  {'|diff|':>9}  verdict")
         for s in self.losses:
@@ -295,7 +296,7 @@ def verify_rank(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn=
         loss = pm.train_step(*inputs, target=target)
         ref_loss = _plain_loss(ref, inputs, loss_fn, target)
         ref_loss.backward()
-        losses.append((float(loss), float(ref_loss)))
+        losses.append((float(loss.detach()), float(ref_loss.detach())))
         had_grad |= {n for n in order if ref_params[n].grad is not None}
         opt.step(), opt.zero_grad()
         ref_opt.step(), ref_opt.zero_grad()
