@@ -14,8 +14,9 @@ the end of the step: nothing on this rank reads a sent tensor again and the peer
 orders the transfer, so a rank never idles until its peer has posted the matching receive. With
 NCCL a wait only orders the compute stream after the transfer, so the host never blocks; with
 Gloo it blocks until the data is there. NCCL also returns one work for a whole batch where Gloo
-returns one per op (_Batch): a receive is waited on through whichever work covers it. `hoist_receives` moves receives earlier in the lists,
-before the computes that precede their use, where the validator proves that safe.
+returns one per op (_Batch): a receive is waited on through whichever work covers it.
+`hoist_receives` moves receives earlier in the lists, before the computes that precede their use,
+where the validator proves that safe.
 """
 from __future__ import annotations
 
