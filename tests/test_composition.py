@@ -2,7 +2,7 @@
 3 steps against the plain model, or refused by parallelize naming both features.
 
 The fast tier runs a slice (every schedule, every axis value at least once); the full tier runs
-the rest. Each case runs in its own spawn.
+the rest.
 """
 from __future__ import annotations
 
@@ -23,11 +23,16 @@ def _param(row: cm.Combo):
 
 
 def _group(spawn_cache, name: str) -> list[dict]:
-    """This case's per-rank results: one spawn per case, so a case that fails or hangs takes no
-    other case with it, and each test's time is its own case's."""
-    results = run_group(spawn_cache, ("composition", name), [CASES[name]], TIMEOUT,
-                        rank_fn=cm.run_composition)
-    return results[name]
+    """This case's per-rank results. The fast slice shares one spawn per world size (rank
+    start-up is most of a small case's time); a full-tier case has a spawn of its own, so one
+    that fails or hangs takes no other case with it and each test's time is its own case's."""
+    case = CASES[name]
+    if any(r.name == name for r in FAST):
+        same = [CASES[r.name] for r in ROWS if r in FAST and CASES[r.name].world == case.world]
+        key = ("composition-fast", case.world)
+    else:
+        same, key = [case], ("composition", name)
+    return run_group(spawn_cache, key, same, TIMEOUT, rank_fn=cm.run_composition)[name]
 
 
 @pytest.mark.parametrize("name", [_param(r) for r in ROWS if not CASES[r.name].refused])
