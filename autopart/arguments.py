@@ -108,3 +108,68 @@ def _check_batch_and_devices(model: nn.Module, inputs: tuple, target) -> None:
             raise AutopartError(f"the model is on {p.device} but input {i} is on {t.device}: "
                                 "build the inputs on the model's device (both on meta to inspect "
                                 "a model that is not allocated)")
+
+
+# -- option values: one check per option, used by compile, parallelize and the command lines ----
+
+BOOL_OPTIONS = ("sequence_parallel",)
+
+_REMEDIES = {
+    "schedule": "a schedule named in autopart.schedule.SCHEDULES (--schedule on the command line)",
+    "recompute": "none, selective (attention's inner ops), full (whole layers) or auto (the "
+                 "cheapest that fits memory_budget)",
+    "optimizer": "the optimizer the memory lines count: 'adam' (Adam and AdamW), 'sgd-momentum' "
+                 "or 'sgd'",
+    "precision": "precision=\"bf16\" (bf16 compute and transfers, fp32 master weights and "
+                 "gradients) or \"fp32\"; fp16 would need loss scaling, which autopart does not do",
+    "zero": "zero=0 or zero=1 (autopart implements ZeRO stage 1: optimizer state and fp32 master "
+            "slice sharded over data-parallel replicas)",
+    "nonfinite": "raise (stop with the step, stage and microbatch), skip (drop the step's "
+                 "gradients) or ignore",
+    "compile": "False, True (Inductor) or 'cudagraphs'",
+}
+
+
+def _choices() -> dict[str, tuple]:
+    from autopart.compiler import PRECISIONS
+    from autopart.memory import OPTIMIZER_STATES, ZERO_LEVELS
+    from autopart.passes.recompute_activations import MODES as RECOMPUTE
+    from autopart.runtime.nonfinite import MODES as NONFINITE
+    from autopart.schedule import SCHEDULES
+    return {"schedule": SCHEDULES, "recompute": RECOMPUTE, "optimizer": tuple(OPTIMIZER_STATES),
+            "precision": PRECISIONS, "zero": ZERO_LEVELS, "nonfinite": NONFINITE,
+            "compile": (False, True, "cudagraphs")}
+
+
+def check_choice(name: str, value):
+    """Raise unless `value` is one of option `name`'s values, of the same type (zero=True,
+    compile=1 or a misspelt string name the option, the value and the allowed ones)."""
+    allowed = _choices()[name]
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise AutopartError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}."
+                            f"\n  remedy: {_REMEDIES[name]}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    """Raise unless `value` is a bool: sequence_parallel="no" would be true."""
+    if not isinstance(value, bool):
+        raise AutopartError(
+            f"{name}={value!r} is a {type(value).__name__}, not a bool (any non-empty string or "
+            f"non-zero number would switch it on).\n  remedy: pass {name}=True or {name}=False "
+            f"(on the command line: the flag --{name.replace('_', '-')}, or leave it out)")
+    return value
+
+
+def check_options(**options) -> None:
+    """Check the keyword options of compile / parallelize by name, before anything is traced:
+    booleans are bools, choices one of their values, memory_budget a positive size."""
+    for name, value in options.items():
+        if name in BOOL_OPTIONS:
+            check_bool(name, value)
+        elif name == "memory_budget":
+            if value is not None:
+                from autopart.memory import parse_bytes
+                parse_bytes(value)
+        else:
+            check_choice(name, value)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from autopart import schedule as sched
-from autopart.arguments import check_arguments
+from autopart.arguments import check_arguments, check_choice, check_options
 from autopart.capture import capture, check_on_example
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
@@ -156,6 +156,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     (2, True)
     """
     start = time.perf_counter()
+    check_options(sequence_parallel=sequence_parallel, schedule=schedule, recompute=recompute,
+                  memory_budget=memory_budget, optimizer=optimizer, precision=precision, zero=zero)
     example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
     mbs = _microbatch_size(example_inputs, mesh, microbatches)
     if sequence_parallel and mesh.tp == 1:
@@ -163,10 +165,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                             f"mesh has tp=1 ({mesh}).\n  remedy: use a mesh with tp > 1, or drop "
                             "sequence_parallel")
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
-    from autopart.memory import check_optimizer, check_zero, parse_bytes
-    check_optimizer(optimizer)
-    check_zero(zero)
-    check_precision(precision)
+    from autopart.memory import parse_bytes
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     program = _capture(model, example_inputs, loss_fn, target, mbs)
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
@@ -203,11 +202,7 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise AutopartError(
-            f"precision={precision!r} is not one autopart implements ({', '.join(PRECISIONS)}).\n"
-            "  remedy: precision=\"bf16\" (bf16 compute and transfers, fp32 master weights and "
-            "gradients) or \"fp32\"; fp16 would need loss scaling, which autopart does not do")
+    check_choice("precision", precision)    # autopart/arguments.py: the one check of options
 
 
 class RankPrograms(Mapping):

@@ -17,9 +17,8 @@ MODES = ("raise", "skip", "ignore")
 
 
 def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise AutopartError(f"nonfinite={mode!r}: use one of {', '.join(MODES)} (raise: stop with "
-                            "the step, stage and microbatch; skip: drop the step's gradients)")
+    from autopart.arguments import check_choice     # the one check of option values
+    check_choice("nonfinite", mode)
     return mode
 
 

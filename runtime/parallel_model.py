@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopart.arguments import check_arguments
+from autopart.arguments import check_arguments, check_options
 from autopart.compiler import Compiled, compile as compile_model
 from autopart.errors import AutopartError
 from autopart.materialize import RankInit, initial_state, is_meta
@@ -224,9 +224,11 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     (autopart/runtime/optimizer.py).
     """
     from autopart.runtime.optimizer import check_bucket_size
+    # option values first, before any process-group call (autopart/arguments.py)
+    check_options(sequence_parallel=sequence_parallel, schedule=schedule, recompute=recompute,
+                  memory_budget=memory_budget, optimizer=optimizer, precision=precision,
+                  zero=zero, nonfinite=nonfinite, compile=compile)
     zero_bucket_size = check_bucket_size(zero_bucket_size, zero)
-    if compile not in (False, True, "cudagraphs"):
-        raise AutopartError(f"compile={compile!r}: expected False, True or 'cudagraphs'")
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
                             "first (or use autopart.compile to inspect without processes)")

@@ -186,6 +186,10 @@ CLI_CASES = {
     "--mesh with an axis twice": ([GPT_FILE + ":GPT", "--mesh", "pp=2,pp=4"], ["gives pp twice"]),
     "--emit onto a file": ([GPT_FILE + ":GPT", "--emit", "{syntax.py}"],
                            ["exists and is not a directory"]),
+    "--memory-budget 1.2.3GB": ([GPT_FILE + ":GPT", "--config", "tiny,n_layer=2",
+                                 "--memory-budget", "1.2.3GB"],
+                                ["memory_budget='1.2.3GB' (--memory-budget on the command line) "
+                                 "is not a size", "'20GB', '512MiB'"]),
 }
 
 
@@ -200,3 +204,72 @@ def test_cli_bad_input_is_one_clear_line_and_exit_2(name, tmp_path):
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
     for w in words:
         assert w in r.stderr, f"{name}: {w!r} not in:\n{r.stderr[-2000:]}"
+    if name == "--memory-budget 1.2.3GB":
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# -- option values: autopart/arguments.py check_options, before anything is traced ----------------
+
+def _compile_with(**kw):
+    x = ids(2, 64)
+    return autopart.compile(GPT(config("tiny,n_layer=2")), autopart.Mesh(), (x,), loss_fn=lm_loss,
+                            target=x, **kw)
+
+
+def _parallelize_with(**kw):   # the option checks come before the process-group one
+    x = ids(2, 64)
+    return autopart.parallelize(GPT(config("tiny,n_layer=2")), autopart.Mesh(), (x,),
+                                loss_fn=lm_loss, target=x, **kw)
+
+
+OPTION_CASES = {
+    # name: (options, words the message must hold), tried on compile and parallelize
+    "sequence_parallel='no'": (dict(sequence_parallel="no"),
+                               ["sequence_parallel='no' is a str, not a bool",
+                                "sequence_parallel=True or sequence_parallel=False"]),
+    "sequence_parallel=1": (dict(sequence_parallel=1), ["sequence_parallel=1 is a int, not a bool"]),
+    "a typo'd schedule": (dict(schedule="1flb"),
+                          ["schedule='1flb' is not one of 'gpipe', '1f1b', 'interleaved-1f1b'"]),
+    "a typo'd recompute": (dict(recompute="ful"),
+                           ["recompute='ful' is not one of 'none', 'selective', 'full', 'auto'"]),
+    "a typo'd precision": (dict(precision="bf-16"),
+                           ["precision='bf-16' is not one of 'fp32', 'bf16'", "remedy:"]),
+    "an optimizer not counted": (dict(optimizer="adamw"),
+                                 ["optimizer='adamw' is not one of 'sgd', 'sgd-momentum', 'adam'",
+                                  "'adam' (Adam and AdamW)"]),
+    "zero as a string": (dict(zero="1"), ["zero='1' is not one of 0, 1", "zero=0 or zero=1"]),
+    "zero=True": (dict(zero=True), ["zero=True is not one of 0, 1"]),
+}
+PARALLELIZE_ONLY = {
+    "a typo'd nonfinite": (dict(nonfinite="warn"),
+                           ["nonfinite='warn' is not one of 'raise', 'skip', 'ignore'"]),
+    "compile=1": (dict(compile=1), ["compile=1 is not one of False, True, 'cudagraphs'"]),
+}
+
+
+@pytest.mark.parametrize("entry", ["compile", "parallelize"])
+@pytest.mark.parametrize("name", list(OPTION_CASES) + list(PARALLELIZE_ONLY))
+def test_bad_option_value_names_the_option_and_the_allowed_values(name, entry):
+    if entry == "compile" and name in PARALLELIZE_ONLY:
+        pytest.skip("a parallelize option")
+    options, words = {**OPTION_CASES, **PARALLELIZE_ONLY}[name]
+    with pytest.raises(AutopartError) as e:
+        (_compile_with if entry == "compile" else _parallelize_with)(**options)
+    for w in words:
+        assert w in str(e.value), f"{name}: {w!r} not in:\n{e.value}"
+
+
+@pytest.mark.parametrize("entry", ["compile", "parallelize"])
+@pytest.mark.parametrize("budget", ["1.2.3GB", -1, float("nan"), 0, float("inf"), "lots", True])
+def test_bad_memory_budget_names_the_value_and_the_accepted_forms(budget, entry):
+    with pytest.raises(AutopartError) as e:
+        (_compile_with if entry == "compile" else _parallelize_with)(memory_budget=budget)
+    msg = str(e.value)
+    assert f"memory_budget={budget!r} (--memory-budget on the command line) is not a size" in msg
+    assert "'20GB', '512MiB'" in msg and "GiB" in msg
+
+
+def test_memory_budget_forms_that_work():
+    from autopart.memory import parse_bytes
+    assert parse_bytes("20GB") == 20 * 10**9 and parse_bytes(" 1.5 GiB ") == 3 * 2**29
+    assert parse_bytes("20e9") == parse_bytes(20e9) == 20 * 10**9 and parse_bytes(123) == 123
