@@ -13,11 +13,14 @@ Reductions, in order:
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from autopart.errors import AutopartError
 from autopart.ir import Plan
 
 
@@ -96,6 +99,7 @@ class GradientReducer:
 
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient so the global norm is at most `max_norm`; return the norm."""
+        max_norm = check_max_norm(max_norm)     # on every rank, before the norm's collectives
         norm = self.global_norm()
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
@@ -103,3 +107,20 @@ class GradientReducer:
                 if p.grad is not None:
                     p.grad.mul_(coef)
         return norm
+
+
+def check_max_norm(max_norm) -> float:
+    """`max_norm` as a float; an AutopartError unless it is a positive finite number (a negative
+    one would flip every gradient's sign, nan or inf would clip nothing or zero everything)."""
+    value = None
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and \
+            not max_norm.dtype.is_complex and max_norm.dtype != torch.bool:
+        value = float(max_norm)
+    elif isinstance(max_norm, numbers.Real) and not isinstance(max_norm, bool):
+        value = float(max_norm)
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise AutopartError(
+            f"clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a positive finite number"
+            f"{'' if value is None else f', got {value}'} (the largest global gradient norm to "
+            "keep).\n  remedy: pass e.g. pm.clip_grad_norm_(1.0); leave the call out to not clip")
+    return value

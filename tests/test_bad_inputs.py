@@ -273,3 +273,41 @@ def test_memory_budget_forms_that_work():
     from autopart.memory import parse_bytes
     assert parse_bytes("20GB") == 20 * 10**9 and parse_bytes(" 1.5 GiB ") == 3 * 2**29
     assert parse_bytes("20e9") == parse_bytes(20e9) == 20 * 10**9 and parse_bytes(123) == 123
+
+
+# -- pm.clip_grad_norm_: runtime/gradients.py check_max_norm, before the norm's collectives ------
+
+def _reducer(all_reduce):
+    from types import SimpleNamespace
+
+    from autopart.ir import Plan
+    from autopart.runtime.gradients import GradientReducer
+    plan = Plan(mesh=autopart.Mesh(dp=2), schedule="1f1b", microbatches=1, virtual_stages=1,
+                global_batch=2, microbatch_size=1, chunk_ranks=(0,), chunk_layers=(),
+                shared_params={})
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, 4.0])
+    groups = SimpleNamespace(ep=None, model="MODEL", shared={}, dp="DP", ep_replica=None, tp=None)
+    return GradientReducer(plan, {"w": p}, groups, {"pp": 0, "dp": 0, "tp": 0},
+                           torch.device("cpu"), all_reduce=all_reduce), p
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, 0, float("nan"), float("inf"), "1.0", None, True,
+                                      torch.tensor([1.0, 2.0])])
+def test_clip_grad_norm_refuses_a_max_norm_that_is_not_positive_and_finite(max_norm):
+    calls = []
+    reducer, p = _reducer(lambda t, group=None: calls.append(group))
+    with pytest.raises(AutopartError) as e:
+        reducer.clip_(max_norm)
+    msg = str(e.value)
+    assert f"clip_grad_norm_(max_norm={max_norm!r})" in msg
+    assert "max_norm must be a positive finite number" in msg and "clip_grad_norm_(1.0)" in msg
+    assert calls == [], "refused before any collective (every rank refuses alike, none waits)"
+    assert p.grad.tolist() == [3.0, 4.0]
+
+
+def test_clip_grad_norm_with_a_good_max_norm_clips():
+    reducer, p = _reducer(lambda t, group=None: None)    # one rank's sum is its own
+    assert reducer.clip_(1).item() == pytest.approx(5.0)
+    assert p.grad.tolist() == pytest.approx([0.6, 0.8], rel=1e-5)
+    reducer.clip_(torch.tensor(10.0))                    # a one-element tensor works too
