@@ -125,6 +125,7 @@ FULL = [pytest.param(key, c.name, id=f"{key[0]}-{c.name}", marks=pytest.mark.ful
         for key, (cases, _) in FULL_GROUPS.items() for c in cases]
 
 
+@pytest.mark.timeout(1500)     # the first test of a group runs its whole spawn (1200 s at most)
 @pytest.mark.parametrize("key,name", FULL)
 def test_every_equivalence_case_under_the_contract(key, name, spawn_cache):
     cases, fn = FULL_GROUPS[key]
@@ -142,6 +143,7 @@ def test_the_full_tier_has_every_schedule():
 
 
 @pytest.mark.full
+@pytest.mark.timeout(3300)
 def test_checkpoint_suite_under_the_contract():
     """tests/test_checkpoint.py, both tiers, every rank process under the contract (through
     the environment: its rank functions are its own)."""
