@@ -220,11 +220,58 @@ def manage(params) -> None:
         _HOOK = register_optimizer_step_pre_hook(_check_step)
 
 
+def check_elementwise(cls, kwargs: dict, device: torch.device = torch.device("cpu")) -> None:
+    """Refuse an optimizer class that is not element-wise: zero=1 steps it over flat 1-D slices
+    (in buckets), which is only the plain optimizer when each element's update depends on that
+    element's own value, gradient and state. Decided by what `cls` does, not by its name: two
+    steps of `cls(**kwargs)` on a 3x5 parameter and on the same values flattened (same
+    gradients) must give the same updates (Adafactor's factored second moments, or any step that
+    reads the parameter's shape, do not; an optimizer whose step fails on a 1-D tensor, or needs
+    a closure as LBFGS does, is refused too). Local and deterministic: every rank decides alike."""
+    name = getattr(cls, "__name__", repr(cls))
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 5, generator=gen)
+    grads = [torch.randn(3, 5, generator=gen) * torch.arange(1.0, 4.0).unsqueeze(1)
+             for _ in range(2)]
+    p2 = torch.nn.Parameter(values.clone().to(device))
+    p1 = torch.nn.Parameter(values.clone().flatten().to(device))
+    try:
+        opts = [cls([p2], **kwargs), cls([p1], **kwargs)]
+    except Exception:  # noqa: BLE001 - bad kwargs: the real construction raises its own error
+        return
+    problem = None
+    try:
+        with torch.random.fork_rng(devices=[]):     # a step that draws leaves the user's RNG be
+            for g in grads:
+                for opt, p in zip(opts, (p2, p1)):
+                    p.grad = g.to(device).reshape(p.shape)
+                    opt.step()
+    except Exception as e:  # noqa: BLE001
+        problem = (f"its step on a flat 1-D tensor (what zero=1 gives it) raised "
+                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    else:
+        start = values.flatten().to(device)
+        d2, d1 = p2.detach().flatten() - start, p1.detach() - start
+        diff = float((d2 - d1).abs().max())
+        if not torch.allclose(d1, d2, rtol=1e-4, atol=1e-6 * float(d2.abs().max()) + 1e-12):
+            problem = (f"two steps on a 3x5 parameter and on the same values flattened to 1-D "
+                       f"(same gradients) give updates that differ by up to {diff:.3g}: its step "
+                       "reads the parameter's shape (factored second moments over rows and "
+                       "columns, say)")
+    if problem is not None:
+        raise AutopartError(
+            f"zero=1 steps {name} over flat 1-D slices of the parameters, which is only the plain "
+            f"optimizer for an element-wise one, and {name} is not: {problem}.\n  remedy: "
+            f"parallelize(..., zero=0) to keep {name}, or with zero=1 an element-wise optimizer "
+            "such as torch.optim.AdamW, Adam or SGD")
+
+
 class ZeroOptimizer:
     """`cls` over this rank's fp32 slice of each flat layout, one tensor per bucket (views of
     the slice, so the optimizer's temporaries are one bucket's); steps then all-gathers."""
 
     def __init__(self, layouts: list[FlatLayout], cls, **kwargs):
+        check_elementwise(cls, kwargs, layouts[0].device if layouts else torch.device("cpu"))
         self.layouts = layouts
         self.shards = [torch.nn.Parameter(lay.slice_of(lay.params, torch.float32))
                        for lay in layouts]

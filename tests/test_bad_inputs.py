@@ -311,3 +311,31 @@ def test_clip_grad_norm_with_a_good_max_norm_clips():
     assert reducer.clip_(1).item() == pytest.approx(5.0)
     assert p.grad.tolist() == pytest.approx([0.6, 0.8], rel=1e-5)
     reducer.clip_(torch.tensor(10.0))                    # a one-element tensor works too
+
+
+# -- pm.optimizer with zero=1: runtime/optimizer.py check_elementwise, a probe of what cls does ---
+
+@pytest.mark.parametrize("cls,kwargs", [(torch.optim.Adafactor, {}),
+                                        (torch.optim.Adafactor, dict(lr=1e-6)),
+                                        (torch.optim.LBFGS, {})])
+def test_zero1_refuses_an_optimizer_that_is_not_elementwise(cls, kwargs):
+    from autopart.runtime.optimizer import ZeroOptimizer
+    with pytest.raises(AutopartError) as e:
+        ZeroOptimizer([], cls, **kwargs)      # the probe runs before any layout is touched
+    msg = str(e.value)
+    assert f"zero=1 steps {cls.__name__} over flat 1-D slices" in msg
+    assert f"{cls.__name__} is not" in msg
+    assert f"remedy: parallelize(..., zero=0) to keep {cls.__name__}" in msg and "AdamW" in msg
+    if cls is torch.optim.Adafactor:
+        assert "reads the parameter's shape" in msg
+
+
+@pytest.mark.parametrize("cls,kwargs", [(torch.optim.AdamW, dict(lr=3e-4, weight_decay=0.1)),
+                                        (torch.optim.Adam, {}),
+                                        (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+                                        (torch.optim.SGD, dict(lr=0.0))])
+def test_zero1_accepts_an_elementwise_optimizer(cls, kwargs):
+    from autopart.runtime.optimizer import check_elementwise
+    state = torch.random.get_rng_state()
+    check_elementwise(cls, kwargs)
+    assert torch.equal(torch.random.get_rng_state(), state)
