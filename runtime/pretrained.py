@@ -43,6 +43,7 @@ class DictCheckpoint:
 
     def __init__(self, tensors: dict, where: str):
         self.tensors, self.where = tensors, where
+        _check_only_tensors(tensors, where)
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -53,6 +54,24 @@ class DictCheckpoint:
 
     def read(self, key: str, index: tuple) -> torch.Tensor:
         return self.tensors[key][index]
+
+
+def _check_only_tensors(tensors: dict, where: str) -> None:
+    """Refuse a state dict with entries that are not tensors ({"epoch": 3} beside the weights, a
+    training checkpoint's {"model": ..., "optimizer": ...}): naming them beats skipping them."""
+    bad = [(k, v) for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+    if not bad:
+        return
+    listed = ", ".join(f"{k!r} (a {type(v).__name__})" for k, v in bad[:5])
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    nested = [k for k, v in bad if isinstance(v, dict)]
+    hint = (f"ckpt[{nested[0]!r}] if the weights sit under that key, or " if nested else "")
+    raise AutopartError(
+        f"load_pretrained: {where} holds {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} that "
+        f"{'is' if len(bad) == 1 else 'are'} not a tensor: {listed}{more}; a checkpoint of the "
+        "plain model maps each of its state dict keys to a tensor.\n  remedy: pass only the "
+        f"model's weights: {hint}{{k: v for k, v in ckpt.items() if torch.is_tensor(v)}}, "
+        "keeping the other entries (the epoch, say) for yourself")
 
 
 class SafetensorsCheckpoint:

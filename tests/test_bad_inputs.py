@@ -339,3 +339,23 @@ def test_zero1_accepts_an_elementwise_optimizer(cls, kwargs):
     state = torch.random.get_rng_state()
     check_elementwise(cls, kwargs)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+# -- load_pretrained: runtime/pretrained.py, every rank checks the checkpoint before reading ------
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_load_pretrained_refuses_entries_that_are_not_tensors(as_file, tmp_path):
+    from autopart.runtime.pretrained import open_checkpoint
+    source = {"lin.weight": torch.zeros(2, 2), "epoch": 3}
+    if as_file:
+        torch.save(source, tmp_path / "ckpt.pt")
+        source = tmp_path / "ckpt.pt"
+    with pytest.raises(AutopartError) as e:
+        open_checkpoint(source)
+    msg = str(e.value)
+    assert "holds 1 entry that is not a tensor: 'epoch' (a int)" in msg
+    assert "remedy: pass only the model's weights" in msg and "torch.is_tensor(v)" in msg
+    nested = {"model": {"lin.weight": torch.zeros(2, 2)}, "optimizer": {}, "step": 7}
+    with pytest.raises(AutopartError, match=r"(?s)3 entries that are not a tensor.*ckpt\['model'\]"):
+        open_checkpoint(nested)
+    assert open_checkpoint({"lin.weight": torch.zeros(2, 2)}).keys() == ["lin.weight"]
