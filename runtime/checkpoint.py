@@ -28,6 +28,7 @@ that dies on any rank leaves `path` as it was.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -363,13 +364,24 @@ def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
     start = time.perf_counter()
     path = Path(path).absolute()
     rank = dist.get_rank()
-    # the temporary directory's name, the same on every rank; and a check of `path` on rank 0
-    token = [uuid.uuid4().hex[:12], _check_target(path)] if rank == 0 else [None, None]
+    # the temporary directory's name, the same on every rank; and rank 0's checks of `path` and
+    # of `extra` (rank 0's is the one saved), in the first collective, so every rank raises alike
+    # before anything is written
+    token = ([uuid.uuid4().hex[:12], _check_target(path) or _check_extra(extra)] if rank == 0
+             else [None, None])
     dist.broadcast_object_list(token, src=0)
     if token[1]:
         raise AutopartError(token[1])
     tmp = path.parent / f".{path.name}{_TMP}{token[0]}"
+    try:
+        return _save_into(pm, path, tmp, token[0], optimizer, extra, model, rank, start)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)      # a failed save leaves nothing behind
+        raise
 
+
+def _save_into(pm, path: Path, tmp: Path, token: str, optimizer, extra, model, rank: int,
+               start: float) -> dict:
     state = _model_entries(pm)
     if optimizer is not None:
         state.update(_optimizer_entries(pm, optimizer))
@@ -394,7 +406,7 @@ def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
             marker = _marker(pm, optimizer, model, sorted(metadata.state_dict_metadata), files)
             marker["seconds_to_write"] = round(time.perf_counter() - start, 3)
             _write_json(tmp / MARKER, marker)
-            _swap_into_place(tmp, path, token[0])
+            _swap_into_place(tmp, path, token)
         except Exception as e:  # noqa: BLE001  (every rank raises it, below)
             status[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(status, src=0)
@@ -403,6 +415,26 @@ def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
     if rank != 0:
         marker = _read_marker(path)
     return marker
+
+
+def _check_extra(extra) -> str | None:
+    """Why `extra` cannot be saved (None: it can): not a dict, or a value torch.save cannot
+    pickle (a lambda, an open file), found before any file is written."""
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        return (f"save(extra=...) is a {type(extra).__name__}, not a dict.\n  remedy: pass a "
+                "dict of picklable values, e.g. extra={'step': 7}")
+    for key, value in extra.items():
+        try:
+            torch.save(value, io.BytesIO())
+        except Exception as e:  # noqa: BLE001  (pickling fails in many ways; name the entry)
+            return (f"save(extra=...): extra[{key!r}] (a {type(value).__name__}) cannot be "
+                    f"pickled: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}."
+                    "\n  remedy: keep only picklable values in extra (numbers, strings, lists, "
+                    "dicts, tensors, module-level functions and classes); rebuild the rest after "
+                    "load")
+    return None
 
 
 def _check_target(path: Path) -> str | None:

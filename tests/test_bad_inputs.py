@@ -359,3 +359,45 @@ def test_load_pretrained_refuses_entries_that_are_not_tensors(as_file, tmp_path)
     with pytest.raises(AutopartError, match=r"(?s)3 entries that are not a tensor.*ckpt\['model'\]"):
         open_checkpoint(nested)
     assert open_checkpoint({"lin.weight": torch.zeros(2, 2)}).keys() == ["lin.weight"]
+
+
+# -- pm.save: runtime/checkpoint.py, extra checked in the first collective, nothing left behind ---
+
+@pytest.fixture
+def one_rank_pm(single_process_group):
+    from datetime import timedelta
+    x = ids(2, 64)
+    return autopart.parallelize(GPT(config("tiny,n_layer=2")), autopart.Mesh(), (x,),
+                                loss_fn=lm_loss, target=x, timeout=timedelta(seconds=60))
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if "autopart" in p.name or p.name == "ck")
+
+
+def test_save_refuses_extra_that_cannot_be_pickled_before_writing(one_rank_pm, tmp_path,
+                                                                   monkeypatch):
+    from autopart.runtime import checkpoint
+    monkeypatch.setattr(checkpoint.dcp, "save",
+                        lambda *a, **k: pytest.fail("nothing is written for a bad extra"))
+    with pytest.raises(AutopartError) as e:
+        one_rank_pm.save(tmp_path / "ck", extra={"step": 3, "fn": lambda: 0})
+    msg = str(e.value)
+    assert "extra['fn'] (a function) cannot be pickled" in msg
+    assert "remedy: keep only picklable values in extra" in msg and "Traceback" not in msg
+    with pytest.raises(AutopartError, match=r"save\(extra=...\) is a list, not a dict"):
+        one_rank_pm.save(tmp_path / "ck", extra=[3])
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_failed_save_removes_its_temporary_folder(one_rank_pm, tmp_path, monkeypatch):
+    from autopart.runtime import checkpoint
+
+    def dies_half_way(state, storage_writer, planner):
+        Path(storage_writer.path).mkdir(parents=True)
+        (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half")
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(checkpoint.dcp, "save", dies_half_way)
+    with pytest.raises(RuntimeError, match="disk full"):
+        one_rank_pm.save(tmp_path / "ck", extra={"step": 3})
+    assert _leftovers(tmp_path) == []
