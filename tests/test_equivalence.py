@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._workers import Case, assert_all_ranks_equal_plain, build, equivalence, run_group
+from tests._workers import Case, assert_all_ranks_equal_plain, equivalence, run_group
+from tests.shares import assert_rank_shares
 
 M = dict(microbatches=4)
 
@@ -132,48 +133,7 @@ def test_each_rank_holds_only_its_share(case: Case, spawn_cache):
     No fixed fraction bounds the share: the memory-aware cut gives the last stages of a 1F1B
     pipeline more layers (they keep fewer microbatches in flight)."""
     results = run_group(spawn_cache, _GROUP_OF[case.name], GROUPS[_GROUP_OF[case.name]])
-    ranks = results[case.name]
-    assert all("held_numel" in r for r in ranks), "the case failed: see test_matches_plain_model"
-    model = build(case)[0]
-    plain = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
-    total = sum(plain.values())
-    stages: dict[str, set] = {}
-    for r in ranks:
-        read = set(r["read"]) & set(plain)
-        assert read, f"{case.name}: rank {r['rank']}'s chunks read no parameter"
-        outside = sorted(set(r["held"]) - read)
-        assert not outside, f"{case.name}: rank {r['rank']} holds parameters its chunks never read: {outside}"
-        unheld = sorted(read - set(r["held"]))
-        assert not unheld, f"{case.name}: rank {r['rank']}'s chunks read parameters it does not hold: {unheld}"
-        expected = {}
-        for name in read:
-            parts = (case.tp if name in r["tp_sharded"] else 1) * (case.ep if name in r["ep_sharded"] else 1)
-            assert plain[name] % parts == 0, (name, plain[name], parts)
-            expected[name] = plain[name] // parts
-        wrong = {n: (r["held"][n], expected[n]) for n in read if r["held"][n] != expected[n]}
-        assert not wrong, f"{case.name}: rank {r['rank']} holds (elements, expected): {wrong}"
-        assert r["held_numel"] == sum(expected.values())
-        assert r["held_numel"] < total, (
-            f"{case.name}: rank {r['rank']} holds all {total} parameter elements with pp={case.pp}")
-        p = r["rank"] // (case.dp * case.tp)
-        assert r["chunks"] == [p + i * case.pp for i in range(case.virtual_stages)], r["chunks"]
-        for name in r["held"]:
-            stages.setdefault(name, set()).add(p)
-    if case.tp > 1:
-        assert any(r["tp_sharded"] for r in ranks), f"{case.name}: tp={case.tp} shards nothing"
-    tied = _tied_names(case)
-    shared = {n: sorted(ps) for n, ps in stages.items() if len(ps) > 1 and n not in tied}
-    assert not shared, f"{case.name}: parameters held by several pipeline stages: {shared}"
-    assert set(stages) == {n for n in plain if any(n in r["read"] for r in ranks)}
-
-
-def _tied_names(case: Case) -> set[str]:
-    """Names of the plain model's parameters that several modules share (a tied embedding)."""
-    model = build(case)[0]
-    owners: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
-    return {n for names in owners.values() if len(names) > 1 for n in names}
+    assert_rank_shares(case, results[case.name])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (runs on NCCL)")
