@@ -295,6 +295,16 @@ def _make(module, name: str, spec: str | None, batch: int, device: str, adjust=N
                           f"{', '.join(models) or 'none'}")
     if "batch" in params:
         kwargs["batch"] = batch
+    if adjust is not None and device != "meta":
+        # the function builds the full-size model: look at its config on the meta device (the
+        # full model may not fit in memory), and build for real only what the adjusted config says
+        with meta_device():
+            probe, _, _ = _make(module, name, spec, batch, "meta")
+        cfg = getattr(probe, "config", None)
+        new = adjust(cfg)
+        if new is not cfg:
+            return _rebuild(probe, new, device), new, None
+        adjust = None
     if "device" in params:
         kwargs["device"] = torch.device(device)
     try:
@@ -310,19 +320,24 @@ def _make(module, name: str, spec: str | None, batch: int, device: str, adjust=N
     extra = None
     if len(parts) > 1:
         extra = (parts[1], parts[2] if len(parts) > 2 else None)
-    if adjust is not None:
+    if adjust is not None:           # on meta: the model to count
         cfg = getattr(model, "config", None)
         new = adjust(cfg)
         if new is not cfg:
-            try:
-                with torch.device(device):
-                    model = type(model)(new)
-            except Exception as e:  # noqa: BLE001
-                raise _UsageError(f"rebuilding {type(model).__name__} from its changed config "
-                                  f"failed ({type(e).__name__}: {e}); make NAME a model class "
-                                  f"built from --config") from e
-            extra = None
+            model, extra = _rebuild(model, new, device), None
     return model, getattr(model, "config", None), extra
+
+
+def _rebuild(model: nn.Module, config, device: str) -> nn.Module:
+    """`type(model)(config)` on `device`: a function's model built again from an adjusted
+    config (its returned inputs, made for the old config, are not used)."""
+    try:
+        with torch.device(device):
+            return type(model)(config)
+    except Exception as e:  # noqa: BLE001
+        raise _UsageError(f"rebuilding {type(model).__name__} from its changed config failed "
+                          f"({type(e).__name__}: {e}); make NAME a model class built from "
+                          f"--config") from e
 
 
 def _config(module, spec: str | None):

@@ -22,12 +22,16 @@ import time
 import torch
 import torch.nn as nn
 
-from autopart.compile_cli import _build, _load, _UsageError, add_layout_arguments, layout
+from autopart.compile_cli import (META_THRESHOLD, _build, _load, _UsageError, add_layout_arguments,
+                                  layout)
 from autopart.errors import AutopartError
 from autopart.schedule import ScheduleError
 from autopart import verification as V
 
 BATCH_SEED = 1234
+# bytes per parameter in one rank process, at most: the plain copy's weights and gradients (8) and
+# the layout's share of them (8, all of it on one rank at worst), plus Adam's two moments for each
+BYTES_PER_PARAM = {"sgd": 16, "adam": 32}
 PERTURB_ENV = "AUTOPART_VERIFY_PERTURB"   # tests only: a plain parameter to nudge (must FAIL)
 
 
@@ -171,9 +175,10 @@ def _job(args: argparse.Namespace) -> dict:
                              memory_budget=args.memory_budget, zero=args.zero)}
 
 
-def _prepare(job: dict) -> dict:
+def _prepare(job: dict, check_memory: bool = True) -> dict:
     """The model (seeded: the same in every process), the random batch, the loss, and notes on
-    what was changed for the rehearsal."""
+    what was changed for the rehearsal. `check_memory`: refuse a model too large for the ranks
+    (done once, by the calling process, before the ranks start)."""
     module, name = _load(job["target"])
     cfg = None
     changes: dict = {}
@@ -190,13 +195,25 @@ def _prepare(job: dict) -> dict:
         cfg = V.apply_changes(config, changes) if changes else config
         return cfg
 
+    # count on the meta device first: a model too large for this machine is refused before
+    # anything is allocated
+    counted = _build(module, name, job["config"], job["batch"], True, job["loss_fn"],
+                     adjust=adjust) if check_memory else None
+    world = job["mesh"].world_size
+    need = counted.n_params * (BYTES_PER_PARAM[job["optimizer"]] * world + 4) if counted else 0
+    available = _available_memory() if counted else None
+    # at most half of what is available: the machine is shared, and estimates are estimates
+    if counted and (counted.n_params > META_THRESHOLD
+                    or (available is not None and need > available / 2)):
+        raise _UsageError(
+            f"{counted.n_params / 1e6:,.0f}M parameters need about {need / 2**30:.1f} GiB in "
+            f"{world} rank processes (the plain model and the layout in each), more than this "
+            f"machine can spare" + (f" (half its {available / 2**30:.1f} GiB available)"
+                                   if available else "")
+            + ": add --shrink")
     torch.manual_seed(0)
     built = _build(module, name, job["config"], job["batch"], False, job["loss_fn"],
                    adjust=adjust)
-    if built.meta:
-        raise _UsageError(f"{built.n_params / 1e9:.1f}B parameters are too many to train on "
-                          f"this machine ({job['mesh'].world_size} processes, two copies each): "
-                          f"add --shrink")
     model = built.model
     vocab = _vocab(cfg if cfg is not None else getattr(model, "config", None), model)
     g = torch.Generator().manual_seed(BATCH_SEED)
@@ -214,6 +231,18 @@ def _prepare(job: dict) -> dict:
     return {"model": model, "inputs": inputs, "target": target, "loss_fn": built.loss_fn,
             "n_params": built.n_params, "notes": notes,
             "shrunk": {k: changes[k][1] for k in shrunk} if shrunk else None}
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _dropout_fields(changes: dict) -> list[str]:
@@ -243,7 +272,7 @@ def _rank(rank: int, world: int, job: dict) -> dict:
     """Rank function for `spawn`: rebuild the model and batch, then verify_rank."""
     import warnings
     warnings.filterwarnings("ignore")       # each rank would repeat the compile's warnings
-    prepared = _prepare(job)
+    prepared = _prepare(job, check_memory=False)
     return V.verify_rank(prepared["model"], job["mesh"], prepared["inputs"],
                          loss_fn=prepared["loss_fn"], target=prepared["target"],
                          steps=job["steps"], optimizer=job["optimizer"],

@@ -197,6 +197,8 @@ def test_shrink_through_the_command_line_builds_a_small_switch_model():
     (["--config", "tiny", "--mesh", "tp=3"], "tp"),                         # compile error
     (["--config", "gpt3-175b", "--mesh", "tp=5", "--shrink"], "n_head=96 is not divisible"),
     (["--config", "gpt3-175b", "--mesh", "tp=2"], "add --shrink"),
+    (["--config", "gpt2-124m,n_layer=48", "--mesh", "dp=8", "--optimizer", "adam"],
+     "GiB in 8 rank processes"),                         # ~380M parameters: ~97 GiB
     (["--config", "tiny,n_head=5"], "n_head"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
