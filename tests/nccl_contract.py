@@ -131,8 +131,9 @@ class BatchWork:
             work._transfer()
         self._transfer()
         if not self._filled and self._failed is None:
-            for private, user in self._landing:
-                user.copy_(private)
+            with torch.no_grad():           # NCCL writes the memory whatever autograd thinks of it
+                for private, user in self._landing:
+                    user.copy_(private)
             self._filled = True
         return True
 

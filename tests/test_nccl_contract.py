@@ -33,6 +33,7 @@ def test_contract_over_gloo(monkeypatch):
     assert len(r0["dead_errors"]) == 1 and "recv from 1" in r0["dead_errors"][0], r0
 
 
+@pytest.mark.full      # 15 s of spawn for the test aid's own abort path
 def test_watchdog_aborts_after_the_timeout():
     with pytest.raises(RuntimeError, match=f"rank 0: exit code {nccl_contract.ABORT_EXIT_CODE}"):
         spawn(nccl_contract.watchdog_check, 2, 2.0, timeout=120, pg_timeout=30)
