@@ -13,6 +13,7 @@ import io
 import logging
 import re
 import traceback
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -419,6 +420,38 @@ def check_on_example(program: Program, args: tuple, whole: tuple | None = None) 
             _check_ids(node, values[node.args[1].name], program)
     with torch.no_grad():
         _NamingInterpreter(program.gm).run(*args)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What train_step must be given for one input (or the target), as compiled; checked on
+    every step by runtime/step.py check_step_inputs."""
+    name: str
+    shape: tuple[int, ...]                   # the example's, the global batch first
+    dynamic: tuple[int, ...]                 # dims >= 1 captured symbolic: at most shape[d]
+    integer: bool
+    embeddings: tuple[tuple[str, int], ...]  # (table, rows) of each embedding it indexes directly
+
+
+def input_specs(program: Program, whole: tuple) -> tuple[InputSpec, ...]:
+    """One InputSpec per input of the captured `program` (before any pass rewrites its
+    embeddings), `whole` the example tensors in the program's input order."""
+    tables: dict[str, list] = {}
+    for node in program.gm.graph.nodes:
+        ids = node.args[1] if node.target is torch.ops.aten.embedding.default else None
+        if isinstance(ids, fx.Node) and ids.op == "placeholder" and ids.name in program.inputs:
+            rows = int(node.args[0].meta["val"].shape[0])
+            tables.setdefault(ids.name, []).append((str(node.args[0].target), rows))
+    vals = {n.name: n.meta.get("val") for n in program.gm.graph.nodes if n.op == "placeholder"}
+    out = []
+    for name, t in zip(program.inputs, whole):
+        val = vals.get(name)
+        dynamic = tuple(d for d in range(1, t.dim()) if val is not None and d < val.dim()
+                        and isinstance(val.shape[d], torch.SymInt))
+        out.append(InputSpec(name, tuple(int(n) for n in t.shape), dynamic,
+                             not (t.is_floating_point() or t.is_complex()),
+                             tuple(tables.get(name, ()))))
+    return tuple(out)
 
 
 def _check_ids(node: fx.Node, ids: torch.Tensor, program: Program) -> None:

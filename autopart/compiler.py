@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from autopart import schedule as sched
 from autopart.arguments import check_arguments, check_choice, check_options
-from autopart.capture import capture, check_on_example
+from autopart.capture import capture, check_on_example, input_specs
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
 from autopart.ir import REDUCED_DTYPES, Plan, Program, RankProgram
@@ -105,6 +105,8 @@ class Compiled:
     # saved-tensor counts of the distinct chunks, made by the program check's fake runs and
     # read by the memory table (one fake run per distinct chunk serves both)
     activation_runs: Any = field(repr=False, default=None)
+    # what train_step must be given, per input: shapes, dtypes, embedding tables (capture.py)
+    input_specs: tuple = field(repr=False, default=())
 
     @functools.cached_property
     def memory(self):
@@ -168,6 +170,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     from autopart.memory import parse_bytes
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     program = _capture(model, example_inputs, loss_fn, target, mbs)
+    # what train_step must be given; before the passes rewrite the embeddings
+    specs = input_specs(program, example_inputs + ((target,) if target is not None else ()))
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
                        sequence_parallel=sequence_parallel, recompute=recompute,
                        memory_budget=budget, optimizer=optimizer, schedule=the_schedule,
@@ -185,7 +189,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                 frozenset(program.tp.sp_grad_reduce), program.stats, optimizer, precision)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
-                        results, time.perf_counter() - start, program.costs, zero)
+                        results, time.perf_counter() - start, program.costs, zero,
+                        input_specs=specs)
     # every distinct rank program runs forward and backward on fake tensors before it is handed
     # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)
     from autopart.check_programs import check_rank_programs

@@ -69,7 +69,8 @@ class ParallelModel:
         actions = hoist_receives(compiled.schedule).ranks[self.coords["pp"]]
         self._trace = Recorder(trace, rank, self.mesh.world_size) if trace else None
         self._step = StepDriver(plan, self.program, actions, compiled.program.inputs,
-                                self._groups.pp, device, trace=self._trace)
+                                self._groups.pp, device, trace=self._trace,
+                                input_specs=compiled.input_specs)
         self._grads = GradientReducer(plan, self._params, self._groups, self.coords, device)
         self.zero = zero
         if zero:   # ZeRO-1: gradients reduce-scattered, optimizer state 1/dp (runtime/optimizer.py)
@@ -90,11 +91,12 @@ class ParallelModel:
         # Reduce this step's gradients only. What .grad already holds (a train_step not yet zeroed,
         # as after two loss.backward() calls) was reduced then; reducing it again would count it
         # once per replica or per stage sharing it. It is added back after the reduction.
+        checked = self._step.check_inputs(inputs, target)   # refused before any .grad moves
         earlier = {n: p.grad for n, p in self._params.items() if p.grad is not None}
         for p in self._params.values():
             p.grad = None
         self.steps += 1
-        ctx = self._step.run(inputs, target, self.steps)
+        ctx = self._step.run(inputs, target, self.steps, checked)
         if self._trace is not None:
             self._trace.end_step()
         self._grads.reduce()

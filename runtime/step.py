@@ -26,17 +26,20 @@ class StepDriver:
     """Runs `actions` (this pipeline rank's list) over `rank_program`'s chunks."""
 
     def __init__(self, plan: Plan, rank_program: RankProgram, actions, input_names: list[str],
-                 peer_group, device: torch.device, trace=None):
+                 peer_group, device: torch.device, trace=None, input_specs: tuple = ()):
         self.plan, self.actions, self.input_names = plan, actions, input_names
+        self.input_specs = input_specs  # autopart/capture.py InputSpec, per input: what to check
         self.trace = trace          # a runtime.trace.Recorder, or None
         self.coords, self.group, self.device = rank_program.coords, peer_group, device
         self.chunks = {c.chunk: c for c in rank_program.chunks}
 
-    def run(self, inputs: tuple, target: torch.Tensor | None, step: int = 0) -> StepContext:
+    def run(self, inputs: tuple, target: torch.Tensor | None, step: int = 0,
+            checked: list | None = None) -> StepContext:
         """Forward and backward of every microbatch of this replica; returns the step's context
-        (microbatch losses, statistics). `step` numbers the train_step for error messages."""
+        (microbatch losses, statistics). `step` numbers the train_step for error messages;
+        `checked`: what check_inputs returned for these tensors (not checked again)."""
         plan, mesh = self.plan, self.plan.mesh
-        batch = self.replica_rows(inputs, target)
+        batch = self.replica_rows(inputs, target, checked)
         mbs = plan.microbatch_size
         ctx = StepContext(
             chunks=self.chunks,
@@ -49,22 +52,78 @@ class StepDriver:
             run_actions(self.actions, ctx)
         return ctx
 
-    def replica_rows(self, inputs: tuple, target) -> dict[str, torch.Tensor]:
+    def replica_rows(self, inputs: tuple, target, checked: list | None = None
+                     ) -> dict[str, torch.Tensor]:
         """This data-parallel replica's rows of each input (and the target), by input name."""
+        values = checked if checked is not None else self.check_inputs(inputs, target)
+        rows = self.plan.microbatch_size * self.plan.microbatches
+        dp = self.coords["dp"]
+        return {name: v[dp * rows:(dp + 1) * rows].to(self.device)
+                for name, v in zip(self.input_names, values)}
+
+    def check_inputs(self, inputs: tuple, target) -> list[torch.Tensor]:
+        """The train_step tensors (inputs, then the target), checked against what was compiled:
+        their count, the global batch and check_step_inputs. On the global batch, so every rank
+        refuses alike (no rank is left waiting on another). train_step calls it before it
+        touches any gradient, and hands the result to run."""
         names, plan = self.input_names, self.plan
         values = list(inputs) + ([target] if target is not None else [])
         if len(values) != len(names):
             raise AutopartError(f"train_step got {len(values)} tensors (inputs and target) but the "
                                 f"model was compiled with {len(names)}: {names}")
-        rows = plan.microbatch_size * plan.microbatches
-        dp = self.coords["dp"]
-        out = {}
         for name, v in zip(names, values):
-            if v.shape[0] != plan.global_batch:
-                raise AutopartError(f"train_step input {name!r} has batch {v.shape[0]}, but the "
+            if not isinstance(v, torch.Tensor):
+                raise AutopartError(f"train_step input {name!r} is a {type(v).__name__}, not a "
+                                    "tensor: pass tensors shaped as the example batch")
+            if v.dim() == 0 or v.shape[0] != plan.global_batch:
+                raise AutopartError(f"train_step input {name!r} has batch "
+                                    f"{v.shape[0] if v.dim() else 'none (a scalar)'}, but the "
                                     f"model was compiled for the global batch {plan.global_batch}")
-            out[name] = v[dp * rows:(dp + 1) * rows].to(self.device)
-        return out
+        check_step_inputs(values, self.input_specs)
+        return values
+
+
+def check_step_inputs(values: list, specs: tuple) -> None:
+    """Raise, naming the input, unless each train_step tensor is what was compiled (`specs`,
+    autopart/capture.py InputSpec): its dims; each size after the batch equal to the example's,
+    or at most it where the capture left it symbolic (a sequence); integer where the example
+    was; and ids fed straight to an embedding within its rows. Torch's bare "index out of range
+    in self" would come from inside a chunk on one rank. Cost: one aminmax per such input."""
+    for spec, v in zip(specs, values):
+        shape = tuple(v.shape)
+        if len(shape) != len(spec.shape):
+            raise AutopartError(
+                f"train_step input {spec.name!r} has shape {shape}, {len(shape)} dims, but the "
+                f"model was compiled with {spec.shape}.\n  remedy: pass inputs shaped as the "
+                "example batch given to parallelize")
+        for d in range(1, len(shape)):
+            n, was = shape[d], spec.shape[d]
+            if d in spec.dynamic and n > was:
+                raise AutopartError(
+                    f"train_step input {spec.name!r} has shape {shape}: {n} at dim {d} (the "
+                    f"sequence), longer than the {was} the model was compiled with (the example "
+                    "batch's, the most the compiled program takes: positions past it would index "
+                    f"past the model's tables).\n  remedy: cut the sequences to at most {was}, or "
+                    "parallelize with an example batch of the longest sequence")
+            if d not in spec.dynamic and n != was:
+                raise AutopartError(
+                    f"train_step input {spec.name!r} has shape {shape}: {n} at dim {d}, but the "
+                    f"model was compiled with exactly {was} there ({spec.shape}, captured as a "
+                    f"fixed size).\n  remedy: pass {was} at dim {d}, or parallelize with an "
+                    "example batch of this shape")
+        if spec.integer and (v.is_floating_point() or v.is_complex()):
+            raise AutopartError(
+                f"train_step input {spec.name!r} is {v.dtype}, but the model was compiled with an "
+                f"integer {spec.name!r} (ids).\n  remedy: pass it as torch.long, as the example")
+        if spec.embeddings and v.numel() and v.dtype != torch.bool:
+            low, high = (int(x) for x in torch.aminmax(v))
+            for table, rows in spec.embeddings:
+                if low < 0 or high >= rows:
+                    raise AutopartError(
+                        f"train_step input {spec.name!r} holds ids from {low} to {high}, but it "
+                        f"indexes the embedding table {table}, which has {rows} rows.\n  remedy: "
+                        f"use ids in [0, {rows}) (the model's vocabulary), or build the model "
+                        f"with at least {high + 1} rows")
 
 
 

@@ -401,3 +401,41 @@ def test_a_failed_save_removes_its_temporary_folder(one_rank_pm, tmp_path, monke
     with pytest.raises(RuntimeError, match="disk full"):
         one_rank_pm.save(tmp_path / "ck", extra={"step": 3})
     assert _leftovers(tmp_path) == []
+
+
+# -- train_step: runtime/step.py check_step_inputs, against what was compiled ---------------------
+
+TRAIN_STEP_CASES = {
+    # name: (idx, target, words the message must hold); compiled with a (2, 64) batch
+    "a token id past the vocabulary": (
+        lambda: torch.full((2, 64), 300), lambda: ids(2, 64),
+        ["input 'idx' holds ids from 300 to 300", "embedding table transformer.wte.weight, "
+         "which has 256 rows", "use ids in [0, 256)", "at least 301 rows"]),
+    "a negative token id": (
+        lambda: torch.full((2, 64), -1), lambda: ids(2, 64), ["holds ids from -1 to -1"]),
+    "a longer sequence than compiled": (
+        lambda: ids(2, 128), lambda: ids(2, 128),
+        ["input 'idx' has shape (2, 128): 128 at dim 1 (the sequence), longer than the 64",
+         "cut the sequences to at most 64"]),
+    "float token ids": (
+        lambda: torch.rand(2, 64), lambda: ids(2, 64),
+        ["input 'idx' is torch.float32", "integer 'idx'", "torch.long"]),
+    "an extra dimension": (
+        lambda: ids(2, 64, 1), lambda: ids(2, 64), ["has shape (2, 64, 1), 3 dims", "(2, 64)"]),
+    "a target of another length": (
+        lambda: ids(2, 64), lambda: ids(2, 128), ["input 'target' has shape (2, 128)"]),
+}
+
+
+def test_train_step_refuses_inputs_unlike_the_compiled_ones(one_rank_pm):
+    pm = one_rank_pm
+    assert torch.isfinite(pm.train_step(ids(2, 64), target=ids(2, 64)))
+    grads = {n: p.grad.clone() for n, p in pm.named_parameters()}
+    for name, (idx, target, words) in TRAIN_STEP_CASES.items():
+        with pytest.raises(AutopartError) as e:
+            pm.train_step(idx(), target=target())
+        for w in words:
+            assert w in str(e.value), f"{name}: {w!r} not in:\n{e.value}"
+    # refused before anything moved: the accumulated gradients and the step count are kept
+    assert pm.steps == 1
+    assert all(torch.equal(p.grad, grads[n]) for n, p in pm.named_parameters())
