@@ -55,8 +55,8 @@ def backend_for(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def init_process_group(device: str | torch.device = "cpu", timeout: timedelta = timedelta(minutes=10),
-                       **kwargs) -> torch.device:
+def init_process_group(device: str | torch.device = "cpu",
+                       timeout: timedelta = timedelta(minutes=10), **kwargs) -> torch.device:
     """Initialize this rank's default process group for `device` (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT and LOCAL_RANK from the environment, as torchrun sets them, unless given in
     `kwargs`): with CUDA, cuda:LOCAL_RANK becomes the current device first, then NCCL; on the

@@ -60,7 +60,8 @@ def test_a_cpu_caller_gets_gloo_on_a_machine_with_gpus(monkeypatch):
     device type cpu" at the first collective)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS"):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "OMP_NUM_THREADS"):
         monkeypatch.setenv(key, "0")          # _worker sets them: restored after the test
     threads = torch.get_num_threads()
     results: dict = {}

@@ -52,8 +52,9 @@ TORCH_BATCH_ISEND_IRECV = c10d.batch_isend_irecv    # torch's own, whatever is i
 errors: list[str] = []                      # transfers that failed; wait() returned anyway
 stats = {"batches": 0, "ops": 0, "waits": 0}
 _original = None
-_pending: dict[int, tuple] = {}             # id(group) -> (group, its BatchWorks not yet
-                                            # transferred): the group is held, so its id stays its own
+# id(group) -> (group, its BatchWorks not yet transferred): the group is held, so that its id
+# is never reused by a later group
+_pending: dict[int, tuple] = {}
 _lock = threading.Lock()
 
 
