@@ -97,8 +97,9 @@ def test_equivalence_under_the_contract(case, spawn_cache):
 
 
 def _full_groups() -> dict:
-    """(suite, world) -> (cases, the suite's rank function): every equivalence case the suites
-    define, fast and full tier, grouped by world size as their own files group them."""
+    """(suite, world[, case]) -> (cases, the suite's rank function): every equivalence case the
+    suites define, fast and full tier, in one spawn per world size (per case for the
+    composition matrix), as their own files run them."""
     from tests import composition as cm
     from tests import test_equivalence as te
     from tests import test_expert_parallel as tx
@@ -115,8 +116,9 @@ def _full_groups() -> dict:
     }
     groups: dict = {}
     for suite, (cases, fn) in suites.items():
-        for c in cases:
-            groups.setdefault((suite, c.world), ([], fn))[0].append(c)
+        for c in cases:     # the composition matrix: one spawn per case, as its own file does
+            key = (suite, c.world, c.name) if suite == "composition" else (suite, c.world)
+            groups.setdefault(key, ([], fn))[0].append(c)
     return groups
 
 
