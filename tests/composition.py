@@ -61,6 +61,10 @@ def refusal(values: dict) -> tuple[str, ...]:
     if values["model"] == "hf-mixtral" and values["tp"] != "1" and values["ep"] == 1:
         # tp splits linears; stacked experts are grouped matmuls, divided only by ep
         return ("tensor parallelism (tp=2) does not split the experts", "ep=2")
+    if values["compile"] and values["ep"] == 2 and values["schedule"] in ("zb-h1", "zb-v",
+                                                                          "dualpipe-v"):
+        # runtime/parallel_model.check_compiled_split: measured wrong, not yet understood
+        return ("compile=True with schedule=", "expert-parallel dispatch", "remedy")
     return ()
 
 
@@ -113,12 +117,18 @@ def _cost(values: dict) -> int:
 
 
 def combos() -> list[Combo]:
-    """The covering array, greedy and deterministic: over every allowed combination, repeatedly
-    take the one holding the most pairs not yet covered (ties: the cheapest, then the first in
-    AXES order), until every pair an allowed combination holds is covered."""
+    """The covering array over the combinations that must train (allowed, not refused), then
+    the cheapest combination of each refusal rule. Greedy and deterministic: repeatedly take
+    the combination holding the most pairs not yet covered (ties: the cheapest, then the first
+    in AXES order), until every pair a trainable combination holds is covered."""
     names = list(AXES)
     full = [dict(zip(names, v)) for v in itertools.product(*AXES.values())]
     full = [v for v in full if allowed(v)]
+    refused = {}
+    for v in full:
+        if refusal(v) and (refusal(v) not in refused or _cost(v) < _cost(refused[refusal(v)])):
+            refused[refusal(v)] = v
+    full = [v for v in full if not refusal(v)]
     index: dict = {}
     pairs = torch.tensor([[index.setdefault(p, len(index)) for p in
                            itertools.combinations(((a, v[a]) for a in names), 2)] for v in full])
@@ -130,15 +140,16 @@ def combos() -> list[Combo]:
         best = int(torch.argmax(gain * 1000 - cost))     # gain first, then cost, then order
         rows.append(Combo(**full[best]))
         covered[pairs[best]] = True
-    return rows
+    return rows + [Combo(**v) for v in refused.values()]
 
 
 def uncovered_pairs(rows: list[Combo]) -> list:
-    """Pairs of axis values that some allowed full combination holds but no row does."""
+    """Pairs of axis values that some trainable full combination holds but no row does."""
     names = list(AXES)
     possible = set()
     for full in itertools.product(*AXES.values()):
-        if allowed(dict(zip(names, full))):
+        values = dict(zip(names, full))
+        if allowed(values) and not refusal(values):
             possible.update(itertools.combinations(zip(names, full), 2))
     seen = set()
     for row in rows:
@@ -148,21 +159,20 @@ def uncovered_pairs(rows: list[Combo]) -> list:
 
 def fast_slice(rows: list[Combo]) -> list[Combo]:
     """Cases for the fast tier: every schedule, and every axis value at least once, greedily
-    taking among the cases that add an unseen value one of the fewest ranks, then the most new
-    values per unit of cost (ties: the first)."""
+    taking the case that adds the most unseen values per unit of cost, below 8 ranks where one
+    does (ties: the first); then one case of each refusal rule."""
     want = {(a, v) for a, vs in AXES.items() for v in vs}
     chosen: list[Combo] = []
+    refused = [c for c in rows if refusal(vars(c))]
+    rows = [c for c in rows if not refusal(vars(c))]
     while want:
         def gain(c):
             return {(a, getattr(c, a)) for a in AXES} & want
-        best = max(rows, key=lambda c: (bool(gain(c)), -_world(vars(c)),
+        best = max(rows, key=lambda c: (bool(gain(c)), _world(vars(c)) < MAX_WORLD,
                                         len(gain(c)) / _cost(vars(c)), -rows.index(c)))
         chosen.append(best)
         want -= gain(best)
-    refused = [c for c in rows if refusal(vars(c))]
-    if refused and not any(refusal(vars(c)) for c in chosen):    # and one refusal
-        chosen.append(min(refused, key=lambda c: _world(vars(c))))
-    return chosen
+    return chosen + refused        # and every refusal rule (refused at compile: cheap)
 
 
 @dataclass(frozen=True)
