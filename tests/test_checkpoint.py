@@ -432,7 +432,9 @@ def test_killed_rank_mid_save_leaves_previous_checkpoint(tmp_path):
     marker = json.loads((path / ".autopart_complete").read_text())
     assert marker["world_size"] == 2
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ck"]
-    assert leftovers and all(".autopart-tmp-" in n for n in leftovers), leftovers
+    # the surviving rank removes the failed save's temporary folder when it sees the failure;
+    # if the launch killed it first, the folder is left, and the next save to the path clears it
+    assert all(".autopart-tmp-" in n for n in leftovers), leftovers
     out = _chain(2, [Phase("after-kill", {"pp": 2}, steps=1, load=str(path),
                            save=str(path))])
     assert out["after-kill"][0]["extra"]["step"] == 1
