@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from autopart.ops import op_info
+from autopart.runtime.executor import COMPILED
 
 _FREE_OPS = {torch.ops.aten.sym_size.int, operator.mul, operator.add, operator.sub,
              operator.floordiv, operator.mod, operator.neg, operator.truediv}
@@ -416,6 +417,7 @@ def compile_rank_program(rank_program, compiler: SegmentCompiler):
     chunks = []
     for c in rank_program.chunks:
         gm = rewrite(c.gm, c.layers, c.chunk, compiler, f"inductor{c.chunk}")
+        gm.meta[COMPILED] = True       # the executor's autograd I/W split runs it whole
         chunks.append(replace(c, gm=gm, backward=_split(c, compiler)))
     return replace(rank_program, chunks=tuple(chunks))
 

@@ -33,6 +33,7 @@ import torch.fx as fx
 from autopart.ops import is_autopart_op
 
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+COMPILED = "autopart_compiled"      # gm.meta key: the chunk's graph runs Inductor artifacts
 
 # How this process's compute actions ran: ("split" | "autograd", "F" | "B" | "I" | "W") -> count.
 # "split": the chunk's compile-time programs (split_backward); "autograd": the fused forward and
@@ -307,6 +308,14 @@ def _output_pairs(chunk, key, ctx: StepContext) -> tuple[list, list | None]:
 def _input_grad_autograd(action, ctx: StepContext) -> None:
     key = (action.chunk, action.microbatch)
     chunk = ctx.chunks[action.chunk]
+    if chunk.gm.meta.get(COMPILED):
+        # Through Inductor's artifacts a second backward over the same graph (W after I with
+        # retain_graph) gave wrong gradients (measured by the composition matrix: bf16 and
+        # expert dispatch chunks under zb-h1/zb-v, 2-17% off; cause not found). So I runs the
+        # whole backward, exact as under 1F1B, and this chunk's W is empty.
+        _backward(action, ctx)
+        ctx.for_weight[key] = None
+        return
     outputs, grads = _output_pairs(chunk, key, ctx)
     received = ctx.acts.pop(key, [])
     wrt = [t for s, t in zip(chunk.recvs, received) if s.differentiable]
@@ -320,7 +329,10 @@ def _input_grad_autograd(action, ctx: StepContext) -> None:
 
 def _weight_grad_autograd(action, ctx: StepContext) -> None:
     key = (action.chunk, action.microbatch)
-    outputs, grads = ctx.for_weight.pop(key)
+    pair = ctx.for_weight.pop(key)
+    if pair is None:            # a compiled chunk: I ran the whole backward
+        return
+    outputs, grads = pair
     params = _params(ctx.chunks[action.chunk])
     names = [n for n, p in params.items() if p.requires_grad]
     if not outputs or not names:

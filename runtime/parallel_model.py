@@ -255,8 +255,6 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                              virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
                              recompute=recompute, memory_budget=memory_budget,
                              optimizer=optimizer, precision=precision, zero=zero)
-    if compile:
-        check_compiled_split(compiled, schedule)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
     # never changes in training; full_state_dict returns it as it is now.
@@ -273,22 +271,6 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, build,
                          trace=trace_path(trace), zero=zero,
                          nonfinite=nonfinite, compile=compile, zero_bucket_size=zero_bucket_size)
-
-
-def check_compiled_split(compiled: Compiled, schedule: str) -> None:
-    """compile=True with a zero-bubble schedule over a chunk that holds an expert dispatch: the
-    chunk's backward is split by autograd (I, then W through the same graph), and through
-    Inductor's artifacts that gives wrong gradients upstream of it (HF Mixtral, dp=2 x ep=2,
-    zb-h1: the embedding's off by ~5% after one step; eager, or 1f1b, is exact). Refused until
-    that is understood; every rank decides alike from the whole program."""
-    for chunk, path in (compiled.program.split_backward or {}).items():
-        if "the ep collective" in path:
-            raise AutopartError(
-                f"compile=True with schedule={schedule!r}: chunk {chunk} holds an expert-parallel "
-                f"dispatch ({path.removeprefix('autograd: ')}), so its backward is split into "
-                "input and weight gradients by autograd, which through compiled programs gives "
-                "wrong gradients.\n  remedy: schedule='1f1b' or 'interleaved-1f1b' with "
-                "compile=True, or compile=False with this schedule")
 
 
 def zero_layouts(plan, params: dict, groups, bucket_size: int | None = None) -> tuple:

@@ -61,10 +61,6 @@ def refusal(values: dict) -> tuple[str, ...]:
     if values["model"] == "hf-mixtral" and values["tp"] != "1" and values["ep"] == 1:
         # tp splits linears; stacked experts are grouped matmuls, divided only by ep
         return ("tensor parallelism (tp=2) does not split the experts", "ep=2")
-    if values["compile"] and values["ep"] == 2 and values["schedule"] in ("zb-h1", "zb-v",
-                                                                          "dualpipe-v"):
-        # runtime/parallel_model.check_compiled_split: measured wrong, not yet understood
-        return ("compile=True with schedule=", "expert-parallel dispatch", "remedy")
     return ()
 
 
@@ -95,8 +91,8 @@ class Combo:
 
     def case(self) -> "CCase":
         tp = 2 if self.tp != "1" else 1
-        noise = "tp" if tp > 1 else "compiled" if self.compile else \
-            "kernels" if self.ep > 1 else "none"
+        noise = "tp" if tp > 1 else "moe" if self.model == "hf-mixtral" else \
+            "compiled" if self.compile else "kernels" if self.ep > 1 else "none"
         return CCase(name=self.name, model=f"c-{self.model}-{self.embeddings}", pp=PP, dp=self.dp,
                      tp=tp, ep=self.ep, sequence_parallel=self.tp == "2+sp",
                      schedule=self.schedule, virtual_stages=V_SCHEDULES.get(self.schedule, 1),
