@@ -159,8 +159,12 @@ def build_segment(label: str, run: list) -> Segment | None:
 
 def _copy(g: fx.Graph, n: fx.Node, value, name: str) -> fx.Node:
     """`n` in `g` under a canonical name, so repeats of a layer print the same code."""
-    new = g.create_node(n.op, n.target, fx.map_arg(n.args, value), fx.map_arg(n.kwargs, value),
-                        name=name)
+    kwargs = fx.map_arg(n.kwargs, value)
+    if n.target is torch.ops.aten._assert_tensor_metadata.default:
+        # export's fp32 assertion: under bf16 autocast the value is bf16, and the segment is
+        # traced under the step's autocast (the executor relaxes it alike for eager chunks)
+        kwargs = {**kwargs, "dtype": None}
+    new = g.create_node(n.op, n.target, fx.map_arg(n.args, value), kwargs, name=name)
     new.meta = dict(n.meta)
     return new
 
