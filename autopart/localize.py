@@ -74,7 +74,13 @@ def localize_module(gm: fx.GraphModule, *, tp_shards: dict[str, ParamShard] = {}
 
     With copy=True each slice is a fresh Parameter (a real rank keeps only its share); with
     copy=False it is a view of the full tensor (inspection, e.g. on the meta device). A module
-    with nothing to cut is returned as it is."""
+    with nothing to cut is returned as it is.
+
+    `made` (full tensor's id -> its slice) is shared by the chunks one rank runs: a tensor two of
+    them read (a tied embedding and head when a V schedule puts the first and the last chunk on
+    one rank) must stay one Parameter there, so both chunks' gradients accumulate into one .grad
+    as in the plain model; two slices would each get half, and nothing would sum them."""
+    made = {} if made is None else made
     cuts: dict[str, list] = {}
     for shards, (size, rank) in ((ep_shards, ep), (tp_shards, tp)):
         for name, sh in shards.items():
