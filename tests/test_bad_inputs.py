@@ -251,7 +251,7 @@ PARALLELIZE_ONLY = {
 @pytest.mark.parametrize("name", list(OPTION_CASES) + list(PARALLELIZE_ONLY))
 def test_bad_option_value_names_the_option_and_the_allowed_values(name, entry):
     if entry == "compile" and name in PARALLELIZE_ONLY:
-        pytest.skip("a parallelize option")
+        pytest.skip(f"{name}: an option of parallelize only; autopart.compile does not take it")
     options, words = {**OPTION_CASES, **PARALLELIZE_ONLY}[name]
     with pytest.raises(AutopartError) as e:
         (_compile_with if entry == "compile" else _parallelize_with)(**options)
