@@ -147,8 +147,14 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
             virtual_stages: int = 1, sequence_parallel: bool = False,
             dump_dir: str | None = None, recompute: str = "none",
             memory_budget: str | int | None = None, optimizer: str = "adam",
-            precision: str = "fp32", zero: int = 0) -> Compiled:
+            precision: str = "fp32", zero: int = 0,
+            agree_order: Callable[[list], list] | None = None) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
+
+    `agree_order` (parallelize passes one): given the structure of the captured graph (each
+    node's key and inputs), returns the structure every rank must use (rank 0's), so that a
+    forward whose op order depends on the process (a loop over a Python set) compiles one
+    program on every rank (autopart/node_order.py).
 
     >>> import torch, autopart
     >>> from examples.gpt import GPT
@@ -170,6 +176,10 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     from autopart.memory import parse_bytes
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     program = _capture(model, example_inputs, loss_fn, target, mbs)
+    if agree_order is not None:
+        from autopart import node_order
+        program, _ = node_order.follow(program, agree_order(
+            node_order.structure(program.gm.graph)))
     # what train_step must be given; before the passes rewrite the embeddings
     specs = input_specs(program, example_inputs + ((target,) if target is not None else ()))
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,

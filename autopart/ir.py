@@ -100,6 +100,9 @@ class TensorParallelPlan:
     sp_grad_reduce: set = field(default_factory=set)  # replicated params with partial grads (SP)
     seq_shards: dict = field(default_factory=dict)  # node -> sequence dim it runs sharded on (SP)
     gathers: dict = field(default_factory=dict)     # (consumer, input) -> dim all-gathered first
+    # (consumer, input): a replicated value with a gradient read by an op on a tp shard (a
+    # per-head norm's weight); read through copy_to_tp, whose backward sums the shares over tp
+    partial_grads: set = field(default_factory=set)
     skipped: list = field(default_factory=list)     # (linear, reason) left replicated
 
 

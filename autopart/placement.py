@@ -188,6 +188,21 @@ def _elementwise_rule(node, x, s, pl, tp):
     return _elementwise(node, pl, tp)
 
 
+# In-place arithmetic as export's training IR keeps it (Falcon's `scores /= sqrt(d)`,
+# `mlp_output += attention_output`): elementwise, as long as the tensor written is the shard.
+# Slicing a replicated `self` would write into a copy, not the tensor later ops read.
+INPLACE = {aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
+           aten.add_.Scalar, aten.sub_.Scalar, aten.mul_.Scalar, aten.div_.Scalar}
+
+
+@rule(*INPLACE)
+def _inplace_rule(node, x, s, pl, tp):
+    out = _elementwise(node, pl, tp)
+    if isinstance(out, Need) and out.arg is node.args[0]:
+        raise NoRule(f"{node.target} writes into a replicated tensor with a sharded operand")
+    return out
+
+
 @rule(aten._assert_tensor_metadata.default)
 def _assert_metadata(node, x, s, pl, tp):
     # export's dtype/device/layout assertion before a cast: it checks no size, so a shard passes

@@ -63,6 +63,21 @@ def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
     return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica)
 
 
+def rank0_order(structure: list) -> list:
+    """The captured graph's structure as rank 0 traced it (collective, on the default group):
+    one all-gather of a short hash when every rank traced the same graph, rank 0's broadcast
+    from rank 0 when some did not (autopart/node_order.py)."""
+    import hashlib
+    mine = hashlib.sha1(repr(structure).encode()).hexdigest()
+    hashes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, mine)
+    if len(set(hashes)) == 1:
+        return structure
+    ref = [structure]
+    dist.broadcast_object_list(ref, src=0)
+    return ref[0]
+
+
 def check_same_program(digest: str, groups: RankGroups) -> None:
     """Raise on every rank, naming which ranks differ, unless all compiled the same program."""
     digests: list = [None] * groups.mesh.world_size
@@ -76,7 +91,11 @@ def check_same_program(digest: str, groups: RankGroups) -> None:
     raise AutopartError(
         f"the ranks compiled different programs ({parts}).\n  remedy: every rank must build "
         "the same model with the same configuration, example input shapes, parallelize options "
-        "and autopart version")
+        "and autopart version. A forward whose ops depend on the process is the other cause: "
+        "where only their order differs (a loop over a Python set) every rank already takes "
+        "rank 0's order, so these ranks traced different ops (code branching on a set's or "
+        "dict's iteration order, id() or hash()); set PYTHONHASHSEED to one value on every "
+        "rank, or iterate in a fixed order (sorted())")
 
 
 def bind_comms(chunks, groups: RankGroups) -> None:

@@ -20,7 +20,7 @@ from autopart.materialize import RankInit, initial_state, is_meta
 from autopart.mesh import Mesh
 from autopart.runtime.gradients import GradientReducer
 from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check_same_program,
-                                     check_world_size)
+                                     check_world_size, rank0_order)
 from autopart.runtime import nonfinite
 from autopart.runtime.nonfinite import check_mode as check_nonfinite_mode
 from autopart.runtime.state import StateGatherer
@@ -254,7 +254,8 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                              microbatches=microbatches, schedule=schedule,
                              virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
                              recompute=recompute, memory_budget=memory_budget,
-                             optimizer=optimizer, precision=precision, zero=zero)
+                             optimizer=optimizer, precision=precision, zero=zero,
+                             agree_order=rank0_order)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
     # never changes in training; full_state_dict returns it as it is now.

@@ -10,6 +10,12 @@ and one global batch. tests/_workers.py's equivalence runs them against the unmo
     bert         Hugging Face BertForMaskedLM (encoder-only, masked-LM loss)
     bart         Hugging Face BartForConditionalGeneration (encoder-decoder)
     vit          Hugging Face ViTForImageClassification (conv patch embedding, class token)
+    qwen3        Hugging Face Qwen3ForCausalLM (per-head RMSNorm on q and k: a replicated
+                 weight applied to every head, so its gradient is partial under tp)
+    falcon       Hugging Face FalconForCausalLM (linears written `x @ w.T`, a fused qkv)
+    gemma3       Hugging Face Gemma3ForCausalLM (per-head norms with a (1 + weight) scale,
+                 sliding and full attention whose rotary tables the model builds looping over a
+                 Python set: the traced op order depends on the process's hash seed)
 """
 from __future__ import annotations
 
@@ -104,8 +110,53 @@ def vit(case, g):
     return model, logits_loss, (pixels,), labels
 
 
+def _causal_lm(model, case, g):
+    """A Hugging Face causal LM called with tokens, its logits scored by logits_loss."""
+    return _Logits(model), logits_loss, (_tokens(case, g),), _tokens(case, g)
+
+
+class _Logits(torch.nn.Module):
+    """A Hugging Face model called with tokens only; returns its logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def qwen3(case, g):
+    tf = _quiet_transformers()
+    cfg = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, max_position_embeddings=64, attn_implementation="eager")
+    return _causal_lm(tf.Qwen3ForCausalLM(cfg), case, g)
+
+
+def gemma3(case, g):
+    tf = _quiet_transformers()
+    cfg = tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=8, max_position_embeddings=64, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"] * 2,
+                              attn_implementation="eager")
+    return _causal_lm(tf.Gemma3ForCausalLM(cfg), case, g)
+
+
+def falcon(case, g):
+    """FalconLinear computes `input @ self.weight.T`: linears written as matmuls."""
+    tf = _quiet_transformers()
+    cfg = tf.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+                          num_attention_heads=4, new_decoder_architecture=False,
+                          multi_query=False, parallel_attn=True, bias=False,
+                          attn_implementation="eager")
+    return _causal_lm(tf.FalconForCausalLM(cfg), case, g)
+
+
 FAMILIES = {"llama-meta": llama_meta, "llama-gqa": lambda c, g: llama_meta(c, g, "tiny-gqa"),
-            "neox": neox, "bert": bert, "bart": bart, "vit": vit}
+            "neox": neox, "bert": bert, "bart": bart, "vit": vit,
+            "qwen3": qwen3, "gemma3": gemma3, "falcon": falcon}
 
 
 def build_family(case, seed: int = 0, device: str = "cpu"):

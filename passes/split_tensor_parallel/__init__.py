@@ -20,6 +20,7 @@ from autopart.ir import Program, TensorParallelPlan
 
 from .check import check_heads, check_sequence, check_share
 from .find import decide, find_linears
+from .linears import as_linears
 from .rewrite import rewrite
 
 
@@ -27,6 +28,7 @@ def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool 
     """Return (program rewritten for one tensor-parallel rank, report)."""
     if tp == 1:
         return program.replace(tp=TensorParallelPlan(1, sequence_parallel)), {"tp": 1}
+    program = as_linears(program)       # x @ w.T, einsum: linears by dataflow (linears.py)
     plan = decide(program, tp, sequence_parallel)
     check_heads(program, plan, tp)
     check_share(program, plan, tp)
@@ -39,4 +41,4 @@ def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool 
     return program.replace(gm=gm, tp=plan), report
 
 
-__all__ = ["split_tensor_parallel", "decide", "find_linears"]
+__all__ = ["split_tensor_parallel", "decide", "find_linears", "as_linears"]

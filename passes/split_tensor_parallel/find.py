@@ -109,9 +109,38 @@ def decide(program: Program, tp: int, sequence_parallel: bool) -> TensorParallel
         _commit(region, plan, committed, linears)
     _decide_embeddings(gm, plan, program, tp)
     plan.placements = {k: v for k, v in committed.items()}
+    _plan_partial_grads(gm, plan, ctx.activations)
     if sequence_parallel:
-        _plan_sequence(gm, plan, program, linears)
+        _plan_sequence(gm, plan, program, linears, ctx.activations)
     return plan
+
+
+def _sharded(placement) -> bool:
+    return isinstance(placement, (Shard, tuple))
+
+
+def _partial_operand(node, a, plan, activations, sharded_here) -> bool:
+    """Whether `node`, run on a shard, reads `a` whole though `a` has a gradient: then this
+    rank's backward gives `a` only its shard's share of the gradient."""
+    return (a.name in activations and not sharded_here(a)
+            and not (a.op == "get_attr" and a.target in plan.params)
+            and (node.name, a.name) not in plan.scatters)
+
+
+def _plan_partial_grads(gm, plan: TensorParallelPlan, activations: set) -> None:
+    """Replicated values computed from parameters that meet a tp-sharded tensor elsewhere than
+    in a linear (a per-head RMSNorm weight times this rank's heads, a (1 + weight) scale, a
+    learned scalar): the gradient each rank computes for them is a partial sum over its own
+    heads or features. They are read through copy_to_tp (Megatron's f), whose backward sums
+    the partial gradients over tp; found by dataflow, whatever the modules are called."""
+    def sharded_here(a):
+        return _sharded(plan.placements.get(a))
+    for node in gm.graph.nodes:
+        if not sharded_here(node) or node.name in plan.column:
+            continue
+        for a in node.all_input_nodes:
+            if _partial_operand(node, a, plan, activations, sharded_here):
+                plan.partial_grads.add((node.name, a.name))
 
 
 def _seq_dim(node: fx.Node, program: Program) -> int | None:
@@ -127,7 +156,8 @@ def _seq_dim(node: fx.Node, program: Program) -> int | None:
     return 1 if SEQ not in program.symbols.values() and val.dim() == 3 else None
 
 
-def _plan_sequence(gm, plan: TensorParallelPlan, program: Program, linears) -> None:
+def _plan_sequence(gm, plan: TensorParallelPlan, program: Program, linears,
+                   activations: set) -> None:
     """Sequence parallelism: reductions become reduce-scatters along the sequence and the ops
     after them run on sequence shards until a column-parallel linear (or an op without a
     rule, which gets its input all-gathered first)."""
@@ -165,6 +195,9 @@ def _plan_sequence(gm, plan: TensorParallelPlan, program: Program, linears) -> N
         for a in node.all_input_nodes:
             if a.op == "get_attr" and a.target in program.params and a.target not in plan.params:
                 plan.sp_grad_reduce.add(a.target)     # a replicated weight sees only local tokens
+            elif _partial_operand(node, a, plan, activations,
+                                  lambda v: v.name in seq or _sharded(plan.placements.get(v))):
+                plan.partial_grads.add((node.name, a.name))   # computed from one: (1 + weight)
 
 
 def _carry_seq(node, pl, plan: TensorParallelPlan) -> Shard:

@@ -66,6 +66,11 @@ def _redistributed_inputs(g, node, plan, env, cache, comm) -> dict:
     """Inputs `node` reads through a local slice (R -> Shard) or an all-gather (Shard -> R)."""
     local = {}
     for a in node.all_input_nodes:
+        if (node.name, a.name) in plan.partial_grads:     # backward: the shares summed over tp
+            key = ("copy", a.name)
+            if key not in cache:
+                cache[key] = _call(g, tp_ops.copy_to_tp, (env[a], comm), a, R)
+            local[a] = cache[key]
         dim = plan.scatters.get((node.name, a.name))
         if dim is not None:
             key = ("scatter", a.name, dim)
