@@ -51,9 +51,12 @@ class Need:
 
 @dataclass(frozen=True)
 class SplitOnShard:
-    """A split along the sharded dim into sections: the origin's weight is split per section."""
+    """A split or slice along the sharded dim: the origin's weight is split per section, and
+    `pieces` are the [start, end) ranges the op reads as tensors of their own (each must stay
+    one section: a rank's share of a piece is then its 1/tp of that section)."""
     origin: str
     sections: tuple
+    pieces: tuple = ()
 
 
 class NoRule(Exception):
@@ -192,7 +195,10 @@ def _elementwise_rule(node, x, s, pl, tp):
 # `mlp_output += attention_output`): elementwise, as long as the tensor written is the shard.
 # Slicing a replicated `self` would write into a copy, not the tensor later ops read.
 INPLACE = {aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
-           aten.add_.Scalar, aten.sub_.Scalar, aten.mul_.Scalar, aten.div_.Scalar}
+           aten.add_.Scalar, aten.sub_.Scalar, aten.mul_.Scalar, aten.div_.Scalar,
+           aten.copy_.default}
+NEW_LIKE = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+            aten.new_full.default}
 
 
 @rule(*INPLACE)
@@ -201,6 +207,16 @@ def _inplace_rule(node, x, s, pl, tp):
     if isinstance(out, Need) and out.arg is node.args[0]:
         raise NoRule(f"{node.target} writes into a replicated tensor with a sharded operand")
     return out
+
+
+@rule(*NEW_LIKE)
+def _new_like(node, x, s, pl, tp):
+    """A buffer shaped like the shard's source (DeepSeek-V3 fills `kv.new_empty(...)` per head
+    with copy_): sharded along the same dim, its size there made local by the rewrite."""
+    s = _need_shard(s, node)
+    if ndim(node) != ndim(x) or shape_of(node)[s.dim] != shape_of(x)[s.dim]:
+        raise NoRule(f"{node.target} of another shape than its sharded source")
+    return Shard(s.dim, s.origin)
 
 
 @rule(aten._assert_tensor_metadata.default)
@@ -262,9 +278,44 @@ def _slice(node, x, s, pl, tp):
     if d == s.dim:
         if node.target is aten.slice.Tensor and shape_of(node)[d] == shape_of(x)[d]:
             return s               # x[:, :] keeps the whole dim: export's no-op slice
+        if node.target is aten.slice.Tensor:
+            return _slice_section(node, x, s, d, tp)
         raise NoRule(f"{node.target} along the sharded dim {d}")
     shift = -1 if node.target is aten.select.int and d < s.dim else 0
     return Shard(s.dim + shift, s.origin)
+
+
+def slice_range(node, size: int) -> tuple[int, int]:
+    """[start, end) of an aten.slice.Tensor over a dim of `size`, Python's clamping applied."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end = args[2] or 0, size if args[3] is None else args[3]
+    start, end = (max(0, min(size, v + size if v < 0 else v)) for v in (start, end))
+    return start, end
+
+
+def _slice_section(node, x, s, d, tp):
+    """A fused projection cut by slices (Phi3's `qkv[..., :q_pos]`): the slice is a section of
+    the projection's output features, split over tp like the sections of a split."""
+    size, step = shape_of(x)[d], node.args[4] if len(node.args) > 4 else 1
+    if s.origin is None or step != 1 or not isinstance(size, int):
+        raise NoRule(f"{node.target} along the sharded dim {d}")
+    start, end = slice_range(node, size)
+    sections = tuple(v for v in (start, end - start, size - end) if v)
+    if any(v % tp for v in sections):
+        raise NoRule(f"slice [{start}:{end}] of the sharded dim ({size}) does not divide by tp={tp}")
+    return SplitOnShard(s.origin, sections, ((start, end),)), Shard(s.dim, s.origin)
+
+
+@rule(aten.max.dim, aten.min.dim)
+def _max_dim(node, x, s, pl, tp):
+    """(values, indices) over another dim than the shard's (GPT-OSS's attention sinks take the
+    max over the keys of each head): both keep the shard."""
+    d = _norm(node.args[1], ndim(x))
+    if d == s.dim:
+        raise NoRule(f"{node.target} over the sharded dim {d}")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    out = Shard(s.dim - (0 if keep or d > s.dim else 1), s.origin)
+    return (out, out)
 
 
 @rule(aten.expand.default)
@@ -330,8 +381,12 @@ def _split(node, s: Shard, tp: int):
         sections = tuple(node.args[1])
     if any(int(sec) % tp for sec in sections):
         raise NoRule(f"split of the sharded dim into sections {sections}, not divisible by tp={tp}")
-    return SplitOnShard(s.origin, tuple(int(v) for v in sections)), tuple(
-        Shard(dim, s.origin) for _ in sections)
+    bounds = [0]
+    for v in sections:
+        bounds.append(bounds[-1] + int(v))
+    return SplitOnShard(s.origin, tuple(int(v) for v in sections),
+                        tuple(zip(bounds, bounds[1:]))), tuple(Shard(dim, s.origin)
+                                                               for _ in sections)
 
 
 def _elementwise(node, pl, tp):

@@ -245,3 +245,60 @@ def test_replicated_linears_warn_once_grouped_by_the_op_that_stopped_them():
     assert "2 linear(s) stay replicated over tp=2" in text and "and 1 more like it" in text
     assert "aten.cumsum.default" in text and "test_split_tensor_parallel.py" in text
     assert "% of the parameters" in text
+
+
+class _MLPWrittenAs(torch.nn.Module):
+    """The same up/down MLP with its linears written as `style` says; weights [out, in] unless
+    the style reads them [in, out]."""
+
+    def __init__(self, style: str):
+        super().__init__()
+        self.style = style
+        g = torch.Generator().manual_seed(0)
+        up, down = torch.randn(64, 16, generator=g), torch.randn(16, 64, generator=g)
+        if style in ("einsum-io", "matmul-io"):
+            up, down = up.t().contiguous(), down.t().contiguous()
+        self.up, self.down = torch.nn.Parameter(up), torch.nn.Parameter(down)
+
+    def _linear(self, x, w):
+        return {"linear": lambda: F.linear(x, w), "at-T": lambda: x @ w.T,
+                "matmul-t": lambda: torch.matmul(x, w.t()),
+                "transpose": lambda: x @ w.transpose(0, 1),
+                "einsum": lambda: torch.einsum("bsi,oi->bso", x, w),
+                "einsum-io": lambda: torch.einsum("bsi,io->bso", x, w),
+                "matmul-io": lambda: x @ w}[self.style]()
+
+    def forward(self, x):
+        return self._linear(torch.relu(self._linear(x, self.up)), self.down).pow(2).mean()
+
+
+@pytest.mark.parametrize("style", ["linear", "at-T", "matmul-t", "transpose", "einsum",
+                                   "einsum-io", "matmul-io"])
+def test_linears_by_dataflow_however_written(style):
+    """x @ w.T, matmul(x, w.t()), einsum: the same column/row pair as F.linear, each weight
+    split along its output (up) or input (down) features (tests/test_families.py runs
+    Falcon's `x @ w.T` against the plain model)."""
+    model = _MLPWrittenAs(style)
+    x = torch.randn(2, 8, 16)
+    program, report = split_tensor_parallel(capture(model, (x,)), tp=2)
+    out_dim = 1 if style.endswith("-io") else 0
+    assert program.tp.params == {"up": ParamShard(out_dim, (64,)),
+                                 "down": ParamShard(1 - out_dim, (64,))}, report
+    assert report["replicated_linears"] == []
+    assert len(program.tp.column) == 1 and len(program.tp.row) == 1
+
+
+def test_no_linear_found_names_the_op_reading_the_largest_weight():
+    class Bmm(torch.nn.Module):     # a weight read by bmm (no linear): nothing to split
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(2, 16, 16))
+
+        def forward(self, x):
+            return torch.bmm(x, self.w).pow(2).mean()
+
+    with pytest.raises(AutopartError) as err:
+        split_tensor_parallel(capture(Bmm(), (torch.randn(2, 8, 16),)), tp=2)
+    text = str(err.value)
+    assert "no op reads a weight as a linear" in text and "w (2, 16, 16)" in text
+    assert "node:   bmm" in text and "source:" in text, text

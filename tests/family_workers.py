@@ -13,6 +13,11 @@ and one global batch. tests/_workers.py's equivalence runs them against the unmo
     qwen3        Hugging Face Qwen3ForCausalLM (per-head RMSNorm on q and k: a replicated
                  weight applied to every head, so its gradient is partial under tp)
     falcon       Hugging Face FalconForCausalLM (linears written `x @ w.T`, a fused qkv)
+    phi3         Hugging Face Phi3ForCausalLM (fused qkv cut by slices, fused gate/up by chunk)
+    stablelm     Hugging Face StableLmForCausalLM, qk_layernorm=True (per-head LayerNorms
+                 after a split into heads)
+    deepseek-v3  Hugging Face DeepseekV3ForCausalLM, dense layers (multi-head latent attention)
+    gpt-oss      Hugging Face GptOssForCausalLM (attention sinks, mixture of experts)
     gemma3       Hugging Face Gemma3ForCausalLM (per-head norms with a (1 + weight) scale,
                  sliding and full attention whose rotary tables the model builds looping over a
                  Python set: the traced op order depends on the process's hash seed)
@@ -154,9 +159,59 @@ def falcon(case, g):
     return _causal_lm(tf.FalconForCausalLM(cfg), case, g)
 
 
+def phi3(case, g):
+    """Fused qkv_proj cut by slices (`qkv[..., :query_pos]`), fused gate_up_proj by chunk."""
+    tf = _quiet_transformers()
+    cfg = tf.Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=64, pad_token_id=0,
+                        attn_implementation="eager")
+    return _causal_lm(tf.Phi3ForCausalLM(cfg), case, g)
+
+
+def stablelm(case, g):
+    """qk_layernorm=True: per-head LayerNorms applied after a torch.split into heads."""
+    tf = _quiet_transformers()
+    cfg = tf.StableLmConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                            max_position_embeddings=64, qk_layernorm=True,
+                            attn_implementation="eager")
+    return _causal_lm(tf.StableLmForCausalLM(cfg), case, g)
+
+
+def deepseek_v3(case, g):
+    """Multi-head latent attention (q/kv low-rank projections, a rope part and a no-rope part
+    of each head), dense MLPs (first_k_dense_replace = every layer)."""
+    tf = _quiet_transformers()
+    cfg = tf.DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                              moe_intermediate_size=16, num_hidden_layers=4,
+                              first_k_dense_replace=4, num_attention_heads=4,
+                              num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                              qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                              topk_group=1, max_position_embeddings=64,
+                              attn_implementation="eager")
+    return _causal_lm(tf.DeepseekV3ForCausalLM(cfg), case, g)
+
+
+def gpt_oss(case, g):
+    """Attention sinks (a learned per-head logit in the softmax), sliding and full attention,
+    a mixture of experts with stacked expert weights."""
+    tf = _quiet_transformers()
+    cfg = tf.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=8, max_position_embeddings=64,
+                          layer_types=["sliding_attention", "full_attention"],
+                          attn_implementation="eager")
+    return _causal_lm(tf.GptOssForCausalLM(cfg), case, g)
+
+
 FAMILIES = {"llama-meta": llama_meta, "llama-gqa": lambda c, g: llama_meta(c, g, "tiny-gqa"),
             "neox": neox, "bert": bert, "bart": bart, "vit": vit,
-            "qwen3": qwen3, "gemma3": gemma3, "falcon": falcon}
+            "qwen3": qwen3, "gemma3": gemma3, "falcon": falcon,
+            "phi3": phi3, "stablelm": stablelm, "deepseek-v3": deepseek_v3,
+            "gpt-oss": gpt_oss}
 
 
 def build_family(case, seed: int = 0, device: str = "cpu"):

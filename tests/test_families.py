@@ -24,14 +24,27 @@ FAST_2 = [Case(f"{n}-pp2", model=n, pp=2, microbatches=2) for n in NAMES] + \
 FULL_2 = [Case(f"{n}-tp2-sp", model=n, tp=2, sequence_parallel=True)
           for n in ["llama-meta", "llama-gqa", "neox", "bert", "bart"]]    # vit: 17 tokens
 FULL_8 = [Case(f"{n}-tp2xpp2xdp2", model=n, tp=2, pp=2, dp=2, microbatches=2) for n in NAMES]
-GROUPS = {("families", 2): FAST_2, ("families-full", 2): FULL_2, ("families-full", 8): FULL_8}
+# The families people train in 2026 (tests/family_workers.py): per-head q/k norms (qwen3,
+# gemma3, stablelm), set-ordered rotary tables (gemma3), `x @ w.T` linears (falcon), a fused
+# qkv cut by slices (phi3), latent attention (deepseek-v3), attention sinks and experts (gpt-oss)
+NEW = ["qwen3", "gemma3", "falcon", "phi3", "stablelm", "deepseek-v3"]
+FAST_2 += [Case("qwen3-tp2", model="qwen3", tp=2), Case("phi3-tp2", model="phi3", tp=2)]
+FULL_2 += [Case(f"{n}-pp2", model=n, pp=2, microbatches=2) for n in NEW] + \
+          [Case(f"{n}-tp2", model=n, tp=2) for n in NEW if n not in ("qwen3", "phi3")]
+FULL_4 = [Case(f"{n}-tp2xpp2", model=n, tp=2, pp=2, microbatches=2) for n in NEW] + \
+         [Case("gpt-oss-tp2xdp2xep2", model="gpt-oss", tp=2, dp=2, ep=2)]
+GROUPS = {("families", 2): FAST_2, ("families-full", 2): FULL_2, ("families-full", 4): FULL_4,
+          ("families-full", 8): FULL_8}
 _GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
 CASES = [pytest.param(c, id=c.name) for c in FAST_2] + [
-    pytest.param(c, id=c.name, marks=pytest.mark.full) for c in FULL_2 + FULL_8]
+    pytest.param(c, id=c.name, marks=pytest.mark.full) for c in FULL_2 + FULL_4 + FULL_8]
 
 # Linears the README's families table says stay replicated over tp, by family: BERT's masked-LM
-# head transform (dense -> gelu -> LayerNorm over its output features, then the tied decoder).
-REPLICATED_OK = {"bert": 1}
+# head transform (dense -> gelu -> LayerNorm over its output features, then the tied decoder);
+# DeepSeek-V3's low-rank q and kv down-projections (an RMSNorm over their outputs; Megatron
+# keeps them whole too); StableLM's q and k under qk_layernorm (one LayerNorm module per head
+# after a split into single heads: each tp rank would need other modules).
+REPLICATED_OK = {"bert": 1, "deepseek-v3": 8, "stablelm": 8}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -40,10 +53,17 @@ def test_matches_plain_model(case: Case, spawn_cache):
     assert_all_ranks_equal_plain(case, run_family_group(spawn_cache, key, GROUPS[key])[case.name])
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES) + ["gpt4", "hf", "renamed"])
+# compile-only, ~10 s each: the fast tier keeps the ones whose rules are new (slices, x @ w.T)
+_FULL_ONLY = {"qwen3", "gemma3", "stablelm", "deepseek-v3", "llama-gqa"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.full] if n in _FULL_ONLY else [])
+    for n in sorted(set(FAMILIES) - {"gpt-oss"}) + ["gpt4", "hf", "renamed"]])
 def test_no_replicated_linear_warnings_beyond_the_table(name):
     """Compiling each family (and the suite's other dense models) for tp=2 warns only about the
-    replicated linears the README's families table lists, in one grouped warning."""
+    replicated linears the README's families table lists, in one grouped warning, and no rank
+    holds more than 60% of the parameters. (GPT-OSS needs ep besides tp: see below.)"""
     import autopart
     from tests._workers import build
     model, loss_fn, inputs, target = build(Case(name, model=name))
@@ -56,6 +76,25 @@ def test_no_replicated_linear_warnings_beyond_the_table(name):
     ours = [w for w in caught if "stay replicated over tp" in str(w.message)
             or "stays replicated over tp" in str(w.message)]
     assert len(ours) == (1 if replicated else 0), [str(w.message) for w in ours]
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    held = sum(v // 2 if n in compiled.plan.tp_shards else v for n, v in sizes.items())
+    assert held / sum(sizes.values()) <= 0.6, (name, held / sum(sizes.values()))
+
+
+@pytest.mark.full
+def test_gpt_oss_experts_need_an_expert_parallel_axis_besides_tp():
+    """tp alone leaves GPT-OSS's stacked experts whole on every rank: refused, naming them
+    and the mesh that divides them; with ep its attention (sinks included) is split."""
+    import autopart
+    model, loss_fn, inputs, target = build_family(Case("gpt-oss", model="gpt-oss"))
+    with pytest.raises(autopart.AutopartError, match=r"experts.*Mesh\(tp=2, dp=2, ep=2\)"):
+        autopart.compile(model, autopart.Mesh(tp=2), inputs, loss_fn=loss_fn, target=target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # the router stays whole (topk over its output)
+        compiled = autopart.compile(model, autopart.Mesh(tp=2, dp=2, ep=2), inputs,
+                                    loss_fn=loss_fn, target=target)
+    assert [n for n, _ in compiled.program.tp.skipped] and all(
+        "topk" in why for _, why in compiled.program.tp.skipped), compiled.program.tp.skipped
 
 
 def test_vit_sequence_parallel_names_the_real_sequence():

@@ -109,6 +109,26 @@ ROWS = [
     ("slice-other-dim", lambda a: a[:, :2], [x(2, 4, 8)], {0: S(2)}, aten.slice.Tensor, S(2)),
     ("slice-sharded-dim", lambda a: a[..., :2], [x(2, 4, 8)], {0: S(2)}, aten.slice.Tensor,
      NoRule),
+    ("slice-section-of-a-projection", lambda a: a[..., :2], [x(2, 4, 8)], {0: S(2, "qkv")},
+     aten.slice.Tensor, "slice"),
+    ("slice-section-not-divisible", lambda a: a[..., 3:], [x(2, 4, 8)], {0: S(2, "qkv")},
+     aten.slice.Tensor, NoRule),
+    ("new-empty-like-the-shard", lambda a: a.new_empty(2, 4, 8), [x(2, 4, 8)], {0: S(1)},
+     aten.new_empty.default, S(1)),
+    ("new-empty-other-shape", lambda a: a.new_empty(2, 2, 8), [x(2, 4, 8)], {0: S(1)},
+     aten.new_empty.default, NoRule),
+    ("max-dim-other-dim", lambda a: a.max(-1, keepdim=True).values, [x(2, 4, 8)], {0: S(1)},
+     aten.max.dim, (S(1), S(1))),
+    ("max-dim-drops-an-earlier-dim", lambda a: a.max(0).values, [x(2, 4, 8)], {0: S(1)},
+     aten.max.dim, (S(0), S(0))),
+    ("max-dim-over-shard", lambda a: a.max(-1).values, [x(2, 4, 8)], {0: S(2)}, aten.max.dim,
+     NoRule),
+    ("inplace-div-on-the-shard", lambda a, b: a.clone().div_(b), [x(2, 4, 8), x(8)],
+     {0: S(1)}, aten.div_.Tensor, S(1)),
+    ("inplace-add-into-replicated", lambda a, b: a.clone().add_(b), [x(2, 4, 8), x(2, 4, 8)],
+     {1: S(1)}, aten.add_.Tensor, NoRule),
+    ("copy-into-the-shard-slices-the-source", lambda a, b: a.clone().copy_(b),
+     [x(2, 4, 8), x(2, 4, 8)], {0: S(1)}, aten.copy_.default, "need1:1"),
     ("select-shifts", lambda a: a[0], [x(2, 4, 8)], {0: S(2)}, aten.select.int, S(1)),
     ("cat-other-dim-needs-shard", lambda a, b: torch.cat([a, b], 1), [x(2, 4, 8), x(2, 4, 8)],
      {0: S(2)}, aten.cat.default, "need1:2"),
@@ -142,6 +162,10 @@ def test_rule(row):
         marker, parts = out
         assert isinstance(marker, SplitOnShard) and marker.sections == (4, 4, 4)
         assert parts == (S(1),) * 3
+    elif expected == "slice":      # a[..., :2] of 8 features: section [0, 2) of (2, 6)
+        marker, part = out
+        assert isinstance(marker, SplitOnShard) and marker.sections == (2, 6), marker
+        assert marker.pieces == ((0, 2),) and part == S(2, "qkv")
     elif isinstance(expected, str) and expected.startswith("need"):
         arg, dim = (int(v) for v in expected[4:].split(":"))
         assert isinstance(out, Need) and out.dim == dim, out

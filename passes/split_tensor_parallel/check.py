@@ -53,13 +53,28 @@ def check_share(program, plan, tp) -> None:
         linears = find_linears(program.gm, program.params)
         worst = max(plan.skipped, key=lambda s: program.params[linears[s[0]].weight].numel,
                     default=None)
-        why = f"; the largest replicated linear is {worst[0]} ({worst[1]})" if worst else ""
-        raise node_error(nodes[worst[0]] if worst else None,
-                         f"tensor parallelism leaves each rank {local / total:.0%} of the "
-                         f"parameters, more than 1.5/tp = {1.5 / tp:.0%}{why}",
-                         "rewrite the op named above with standard ATen ops, or use pipeline "
-                         "parallelism for this model")
+        share = (f"tensor parallelism leaves each rank {local / total:.0%} of the parameters, "
+                 f"more than 1.5/tp = {1.5 / tp:.0%}")
+        if worst is None:       # no linear at all: name the op that reads the largest weight
+            _no_linear_found(program, plan, share)
+        raise node_error(nodes[worst[0]], f"{share}; the largest replicated linear is "
+                         f"{worst[0]} ({worst[1]})", "rewrite the op named above with standard "
+                         "ATen ops, or use pipeline parallelism for this model")
     _warn_replicated(program, plan, total)
+
+
+def _no_linear_found(program, plan, share: str) -> None:
+    """No op read a 2-D weight as a linear: raise naming the op that reads the largest
+    replicated parameter, its source line and shape."""
+    whole = [(p.numel, n) for n, p in program.params.items() if n not in plan.params]
+    name = max(whole)[1] if whole else None
+    reader = next((u for n in program.gm.graph.nodes if n.op == "get_attr" and n.target == name
+                   for u in n.users), None)
+    what = (f"; no op reads a weight as a linear (F.linear, x @ w, x @ w.T, einsum); the "
+            f"largest parameter, {name} {tuple(program.params[name].shape)}, is read by "
+            f"{reader.name} ({reader.target})" if reader is not None else "")
+    raise node_error(reader, share + what, "write that op as a linear (F.linear(x, w) or "
+                     "x @ w.T), or use pipeline parallelism for this model")
 
 
 def _check_experts_replicated(program, plan, experts: dict, share: float, tp: int) -> None:

@@ -71,6 +71,7 @@ class _Region:
     rows: set = field(default_factory=set)
     ces: set = field(default_factory=set)
     sections: dict = field(default_factory=dict)
+    pieces: dict = field(default_factory=dict)      # origin -> {[start, end) read as a tensor}
     scatters: dict = field(default_factory=dict)
 
 
@@ -317,12 +318,27 @@ def _carry_into(node, region, linears, tp, unpullable):
             continue
         if isinstance(out, tuple) and out and isinstance(out[0], SplitOnShard):
             marker, out = out
-            if marker.origin in region.sections and region.sections[marker.origin] != marker.sections:
-                raise _Reject(node.name, "two different splits of one projection")
-            region.sections[marker.origin] = marker.sections
+            _merge_sections(region, marker, node, tp)
         region.pl[node] = out
         return None
     raise _Reject(node.name, "unresolvable sharding requirements")
+
+
+def _merge_sections(region, marker, node, tp) -> None:
+    """The origin's sections: cut wherever a split or slice of it starts or ends. Each range an
+    op reads must stay one whole section (ranges equal or apart), or a rank's share of it would
+    not be one contiguous 1/tp of it."""
+    pieces = region.pieces.setdefault(marker.origin, set())
+    for a, b in marker.pieces:
+        if any((a, b) != (c, d) and a < d and c < b for c, d in pieces):
+            raise _Reject(node.name, "two cuts of one projection that overlap")
+    pieces.update(marker.pieces)
+    total = sum(marker.sections)
+    cuts = sorted({0, total} | {p for piece in pieces for p in piece})
+    sections = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+    if any(v % tp for v in sections):
+        raise _Reject(node.name, f"sections {sections} of one projection do not divide by tp={tp}")
+    region.sections[marker.origin] = sections
 
 
 def _column_sources(arg: fx.Node, linears, region) -> set[str]:
