@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError
@@ -76,6 +77,34 @@ def rank0_order(structure: list) -> list:
     ref = [structure]
     dist.broadcast_object_list(ref, src=0)
     return ref[0]
+
+
+def batch_digest(values: list) -> str:
+    """A short hash of the train_step tensors' shapes, dtypes and bytes (copied to the host)."""
+    import hashlib
+    h = hashlib.sha1()
+    for v in values:
+        h.update(f"{tuple(v.shape)}{v.dtype}".encode())
+        h.update(v.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_same_batch(values: list, groups: RankGroups, step: int) -> None:
+    """Raise on every rank, naming the ranks that differ, unless every rank passed train_step
+    the same global batch (autopart splits it over dp replicas and microbatches itself)."""
+    digests: list = [None] * groups.mesh.world_size
+    dist.all_gather_object(digests, batch_digest(values), group=groups.world)
+    if len(set(digests)) == 1:
+        return
+    by_digest: dict[str, list[int]] = {}
+    for rank, d in enumerate(digests):
+        by_digest.setdefault(d, []).append(rank)
+    parts = "; ".join(f"ranks {ranks} passed batch {d}" for d, ranks in by_digest.items())
+    raise AutopartError(
+        f"train_step (step {step}) was given different global batches on different ranks "
+        f"({parts}).\n  remedy: pass the same whole global batch on every rank (load it with the "
+        "same seed and order everywhere); autopart gives each data-parallel replica and "
+        "microbatch its share. Do not shard the data per rank as for DistributedDataParallel")
 
 
 def check_same_program(digest: str, groups: RankGroups) -> None:

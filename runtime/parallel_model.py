@@ -19,8 +19,8 @@ from autopart.errors import AutopartError
 from autopart.materialize import RankInit, initial_state, is_meta
 from autopart.mesh import Mesh
 from autopart.runtime.gradients import GradientReducer
-from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check_same_program,
-                                     check_world_size, rank0_order)
+from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check_same_batch,
+                                     check_same_program, check_world_size, rank0_order)
 from autopart.runtime import nonfinite
 from autopart.runtime.nonfinite import check_mode as check_nonfinite_mode
 from autopart.runtime.state import StateGatherer
@@ -81,6 +81,8 @@ class ParallelModel:
         # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over
         # the microbatches and data-parallel replicas of the global batch, on every rank
         self.last_stats: dict[str, torch.Tensor] = {}
+        # the batch shapes whose global batch was checked alike on every rank (train_step)
+        self._batch_shapes: list | None = None
 
     # -- training ---------------------------------------------------------------------------
     def train_step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,6 +94,10 @@ class ParallelModel:
         # as after two loss.backward() calls) was reduced then; reducing it again would count it
         # once per replica or per stage sharing it. It is added back after the reduction.
         checked = self._step.check_inputs(inputs, target)   # refused before any .grad moves
+        shapes = [tuple(v.shape) for v in checked]
+        if shapes != self._batch_shapes:   # first step, new shapes: one all-gather of a hash
+            check_same_batch(checked, self._groups, self.steps + 1)
+            self._batch_shapes = shapes
         earlier = {n: p.grad for n, p in self._params.items() if p.grad is not None}
         for p in self._params.values():
             p.grad = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -439,3 +440,34 @@ def test_train_step_refuses_inputs_unlike_the_compiled_ones(one_rank_pm):
     # refused before anything moved: the accumulated gradients and the step count are kept
     assert pm.steps == 1
     assert all(torch.equal(p.grad, grads[n]) for n, p in pm.named_parameters())
+
+
+# -- the same global batch on every rank: runtime/groups.py check_same_batch ---------------------
+
+def _different_batches_rank(rank, world):
+    """Rank 1 passes other tokens (as each DDP rank loads its own shard); a second step with
+    the same batch everywhere then trains: the refusal moved nothing."""
+    import autopart
+    from examples.gpt import GPT, config, lm_loss
+    torch.manual_seed(0)
+    model = GPT(config("tiny,n_layer=2"))
+    good = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    pm = autopart.parallelize(model, autopart.Mesh(dp=2), (good,), loss_fn=lm_loss,
+                              target=good, timeout=timedelta(seconds=120))
+    mine = good if rank == 0 else good.flip(0)
+    try:
+        pm.train_step(mine, target=mine)
+        refused = ""
+    except AutopartError as e:
+        refused = str(e)
+    loss = pm.train_step(good, target=good)
+    return refused, float(loss), pm.steps
+
+
+def test_train_step_refuses_different_global_batches_on_different_ranks():
+    from autopart.runtime.launch import spawn
+    for refused, loss, steps in spawn(_different_batches_rank, 2, timeout=300, pg_timeout=120):
+        assert "different global batches on different ranks" in refused, refused
+        assert "ranks [0] passed batch" in refused and "ranks [1] passed batch" in refused
+        assert "same whole global batch on every rank" in refused
+        assert torch.isfinite(torch.tensor(loss)) and steps == 1

@@ -70,7 +70,10 @@ def measure_memory_bandwidth() -> float:
 def _worker(rank: int, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from datetime import timedelta
+    # bounded: a peer that never comes (killed, port taken) fails the measurement in a minute
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
     small, big = torch.zeros(16), torch.zeros(4 * 2**20)      # 64 B, 16 MB
     results = {}
     for name, t in (("small", small), ("big", big)):
