@@ -32,24 +32,29 @@ from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 from autopart.passes.split_backward import split_backward
+from autopart.passes.weigh_loss_by_tokens import weigh_loss_by_tokens
 
 
 def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
               sequence_parallel: bool, recompute: str = "none", memory_budget: int | None = None,
               optimizer: str = "adam", schedule: sched.Schedule | None = None,
-              zero: int = 0, precision: str = "fp32") -> list[Pass]:
+              zero: int = 0, precision: str = "fp32", splits: int = 1) -> list[Pass]:
     """The compiler's passes in order, with the Program fields each reads and fills.
 
     shard_experts runs first (ep > 1 only), so that split_tensor_parallel counts each expert
     weight as 1/ep of a rank's; the cost analysis runs after both, so costs, activation sizes and
-    boundary shapes are per rank; the cut sees what each rank really sends."""
+    boundary shapes are per rank; the cut sees what each rank really sends. weigh_loss_by_tokens
+    runs before them all: it rewrites the loss the tensor-parallel pass then splits.
+    `splits` = microbatches * dp, the pieces the global batch is cut into."""
     experts = [Pass("shard_experts", shard_experts, requires=(), provides=("ep",),
                     options=dict(ep=mesh.ep, microbatch_size=microbatch_size, dp=mesh.dp))]
     return [
+        Pass("weigh_loss_by_tokens", weigh_loss_by_tokens, requires=(), provides=("loss_rule",),
+             options=dict(splits=splits)),
         *(experts if mesh.ep > 1 else []),
         Pass("split_tensor_parallel", split_tensor_parallel, requires=(), provides=("tp",),
              options=dict(tp=mesh.tp, sequence_parallel=sequence_parallel),
-             after=("shard_experts",)),
+             after=("shard_experts", "weigh_loss_by_tokens")),
         Pass("analyze_costs", analyze_costs, requires=("tp",), provides=("costs",)),
         Pass("cut_pipeline_stages", cut_pipeline_stages, requires=("costs",), provides=("stages",),
              options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size,
@@ -185,7 +190,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
                        sequence_parallel=sequence_parallel, recompute=recompute,
                        memory_budget=budget, optimizer=optimizer, schedule=the_schedule,
-                       zero=zero, precision=precision)
+                       zero=zero, precision=precision, splits=microbatches * mesh.dp)
     program, results = run_passes(program, passes, dump_dir)
     stages = program.stages
     if stages.num_chunks != the_schedule.num_chunks:
@@ -196,7 +201,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                 stages.chunk_layers, stages.shared_params, sequence_parallel,
                 dict(program.tp.params) if mesh.tp > 1 else {},
                 dict(program.ep.params) if mesh.ep > 1 else {},
-                frozenset(program.tp.sp_grad_reduce), program.stats, optimizer, precision)
+                frozenset(program.tp.sp_grad_reduce), program.stats, optimizer, precision,
+                program.loss_rule)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
                         results, time.perf_counter() - start, program.costs, zero,

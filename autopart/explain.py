@@ -226,6 +226,8 @@ def explain_table(compiled) -> str:
     if plan.shared_params:
         shared = ", ".join(f"{n} (chunks {list(c)})" for n, c in plan.shared_params.items())
         lines.append(f"shared parameters, gradients summed between their chunks: {shared}")
+    if plan.loss_rule:     # passes/weigh_loss_by_tokens.py
+        lines.append(f"loss: {plan.loss_rule}")
     lines.append(f"simulated bubble: {sim.bubble:.3f} of the ideal time; peak microbatches in "
                  f"flight per rank: {list(sim.peak_in_flight)}")
     lines += _memory_lines(compiled)
@@ -285,6 +287,7 @@ def explain_json(compiled) -> dict:
         "schedule": plan.schedule, "microbatches": plan.microbatches,
         "virtual_stages": plan.virtual_stages, "global_batch": plan.global_batch,
         "microbatch_size": plan.microbatch_size, "precision": plan.precision,
+        "loss_rule": plan.loss_rule,
         "chunks": chunk_rows(compiled),
         "shared_params": {k: list(v) for k, v in plan.shared_params.items()},
         "tensor_parallel": tp_rows(compiled),

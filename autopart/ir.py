@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import sympy
 import torch
@@ -286,6 +286,8 @@ class Program:
     chunks: tuple[ChunkProgram, ...] | None = None  # emit_rank_programs
     recompute: RecomputePlan | None = None   # recompute_activations
     split_backward: dict | None = None       # split_backward: chunk -> "graphs" or why autograd
+    loss_rule: str | None = None             # weigh_loss_by_tokens: how microbatch losses combine
+    loss_count: Any = None                   # weigh_loss_by_tokens: a TokenCount, or None
 
     def replace(self, **changes) -> "Program":
         return dataclasses.replace(self, **changes)
@@ -312,6 +314,7 @@ class Plan:
     stats: tuple[str, ...] = ()             # names of the statistics outputs, summed per step
     optimizer: str = "adam"                 # whose state the memory model counts
     precision: str = "fp32"                 # "bf16": compute and transfers in bf16 (step.py)
+    loss_rule: str = ""                     # how the microbatch losses make the global loss
 
     @property
     def loss_scale(self) -> float:

@@ -79,6 +79,19 @@ def rank0_order(structure: list) -> list:
     return ref[0]
 
 
+def _differing(digest: str, groups: RankGroups, verb: str) -> str:
+    """'' when every rank's `digest` is the same (one all-gather), else which ranks hold which:
+    'ranks [0] <verb> ab12; ranks [1] <verb> cd34'."""
+    digests: list = [None] * groups.mesh.world_size
+    dist.all_gather_object(digests, digest, group=groups.world)
+    if len(set(digests)) == 1:
+        return ""
+    by_digest: dict[str, list[int]] = {}
+    for rank, d in enumerate(digests):
+        by_digest.setdefault(d, []).append(rank)
+    return "; ".join(f"ranks {ranks} {verb} {d}" for d, ranks in by_digest.items())
+
+
 def batch_digest(values: list) -> str:
     """A short hash of the train_step tensors' shapes, dtypes and bytes (copied to the host)."""
     import hashlib
@@ -92,14 +105,9 @@ def batch_digest(values: list) -> str:
 def check_same_batch(values: list, groups: RankGroups, step: int) -> None:
     """Raise on every rank, naming the ranks that differ, unless every rank passed train_step
     the same global batch (autopart splits it over dp replicas and microbatches itself)."""
-    digests: list = [None] * groups.mesh.world_size
-    dist.all_gather_object(digests, batch_digest(values), group=groups.world)
-    if len(set(digests)) == 1:
+    parts = _differing(batch_digest(values), groups, "passed batch")
+    if not parts:
         return
-    by_digest: dict[str, list[int]] = {}
-    for rank, d in enumerate(digests):
-        by_digest.setdefault(d, []).append(rank)
-    parts = "; ".join(f"ranks {ranks} passed batch {d}" for d, ranks in by_digest.items())
     raise AutopartError(
         f"train_step (step {step}) was given different global batches on different ranks "
         f"({parts}).\n  remedy: pass the same whole global batch on every rank (load it with the "
@@ -109,14 +117,9 @@ def check_same_batch(values: list, groups: RankGroups, step: int) -> None:
 
 def check_same_program(digest: str, groups: RankGroups) -> None:
     """Raise on every rank, naming which ranks differ, unless all compiled the same program."""
-    digests: list = [None] * groups.mesh.world_size
-    dist.all_gather_object(digests, digest, group=groups.world)
-    if len(set(digests)) == 1:
+    parts = _differing(digest, groups, "compiled")
+    if not parts:
         return
-    by_digest: dict[str, list[int]] = {}
-    for rank, d in enumerate(digests):
-        by_digest.setdefault(d, []).append(rank)
-    parts = "; ".join(f"ranks {ranks} compiled {d}" for d, ranks in by_digest.items())
     raise AutopartError(
         f"the ranks compiled different programs ({parts}).\n  remedy: every rank must build "
         "the same model with the same configuration, example input shapes, parallelize options "

@@ -25,7 +25,7 @@ from autopart.runtime import nonfinite
 from autopart.runtime.nonfinite import check_mode as check_nonfinite_mode
 from autopart.runtime.state import StateGatherer
 from autopart.runtime.executor import hoist_receives
-from autopart.runtime.step import StepDriver
+from autopart.runtime.step import StepDriver, step_loss_scale
 from autopart.runtime.trace import Recorder, trace_path
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -102,7 +102,9 @@ class ParallelModel:
         for p in self._params.values():
             p.grad = None
         self.steps += 1
-        ctx = self._step.run(inputs, target, self.steps, checked)
+        scale = step_loss_scale(self.compiled.plan, self.compiled.program.loss_count,
+                                self.compiled.program.inputs, checked)
+        ctx = self._step.run(inputs, target, self.steps, checked, loss_scale=scale)
         if self._trace is not None:
             self._trace.end_step()
         self._grads.reduce()
@@ -117,7 +119,7 @@ class ParallelModel:
         for name, grad in earlier.items():
             p = self._params[name]
             p.grad = grad if p.grad is None else grad.add_(p.grad)
-        return self._state.loss(ctx.losses)
+        return self._state.loss(ctx.losses, scale)
 
     # -- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

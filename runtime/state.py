@@ -29,11 +29,13 @@ class StateGatherer:
         # same numbers, so tp rank 0 alone reports them
         self.holds_loss = coords["pp"] == plan.last_rank and coords["tp"] == 0
 
-    def loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The global-batch mean loss, on every rank."""
+    def loss(self, losses: list[torch.Tensor], scale: float | None = None) -> torch.Tensor:
+        """The global-batch loss, on every rank: the microbatch losses, each times `scale`
+        (default plan.loss_scale; runtime/step.py step_loss_scale), summed."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.holds_loss:
-            total += torch.stack(losses).float().sum() * self.plan.loss_scale
+            scale = self.plan.loss_scale if scale is None else scale
+            total += torch.stack(losses).float().sum() * scale
         dist.all_reduce(total, group=self.groups.world)
         return total
 

@@ -34,10 +34,11 @@ class StepDriver:
         self.chunks = {c.chunk: c for c in rank_program.chunks}
 
     def run(self, inputs: tuple, target: torch.Tensor | None, step: int = 0,
-            checked: list | None = None) -> StepContext:
+            checked: list | None = None, loss_scale: float | None = None) -> StepContext:
         """Forward and backward of every microbatch of this replica; returns the step's context
         (microbatch losses, statistics). `step` numbers the train_step for error messages;
-        `checked`: what check_inputs returned for these tensors (not checked again)."""
+        `checked`: what check_inputs returned for these tensors (not checked again);
+        `loss_scale`: each microbatch loss's factor (default plan.loss_scale; step_loss_scale)."""
         plan, mesh = self.plan, self.plan.mesh
         batch = self.replica_rows(inputs, target, checked)
         mbs = plan.microbatch_size
@@ -46,7 +47,8 @@ class StepDriver:
             peer=lambda p: mesh.rank(pp=p, dp=self.coords["dp"], tp=self.coords["tp"]),
             microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
             batch=mbs, seq=int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None,
-            device=self.device, loss_scale=plan.loss_scale, group=self.group, trace=self.trace,
+            device=self.device, group=self.group, trace=self.trace,
+            loss_scale=plan.loss_scale if loss_scale is None else loss_scale,
             step=step, reduced=REDUCED_DTYPES[plan.precision])
         with compute_precision(plan.precision, self.device):
             run_actions(self.actions, ctx)
@@ -81,6 +83,22 @@ class StepDriver:
                                     f"model was compiled for the global batch {plan.global_batch}")
         check_step_inputs(values, self.input_specs)
         return values
+
+
+def step_loss_scale(plan, counter, names: list[str], values: list) -> float:
+    """The factor of each microbatch loss: 1 / (microbatches * dp) (a mean of microbatch
+    means), or for a token-weighted loss (passes/weigh_loss_by_tokens.py, `counter` its
+    TokenCount) 1 / the elements counted over the whole global batch, which every rank holds
+    and counts alike, microbatch by microbatch as the program sees them; 0 if none counts."""
+    if counter is None:
+        return plan.loss_scale
+    by_name = dict(zip(names, values))
+    mbs = plan.microbatch_size
+    with torch.no_grad():
+        counts = [counter.gm(*(by_name[n][k * mbs:(k + 1) * mbs] for n in counter.inputs))
+                  for k in range(plan.global_batch // mbs)]
+        total = int(torch.stack([c.reshape(()).to(torch.float64) for c in counts]).sum())
+    return 1.0 / total if total else 0.0
 
 
 def check_step_inputs(values: list, specs: tuple) -> None:

@@ -137,6 +137,9 @@ class Case:
     accumulate: int = 1              # train_step calls (same batch) per optimizer step
     clip: float | None = 0.05        # clip_grad_norm_ on step 2 (small enough that it clips)
     device: str = "cpu"              # cpu | cuda (rank r on cuda:r)
+    ignored: str = ""                # labels set to -100: "uneven" (the first half of the rows
+                                     # lose their second half) | "empty" (uneven, and the first
+                                     # quarter of the rows wholly ignored)
 
     @property
     def world(self) -> int:
@@ -149,6 +152,24 @@ FAMILIES: dict = {}
 
 def build(case: Case, seed: int = 0, device: str = "cpu"):
     """(model, loss_fn, inputs, target) for a case, identical in every process."""
+    model, loss_fn, inputs, target = _build(case, seed, device)
+    if getattr(case, "ignored", "") and target is not None:
+        target = ignore_labels(target, case.ignored)
+    return model, loss_fn, inputs, target
+
+
+def ignore_labels(target: torch.Tensor, how: str) -> torch.Tensor:
+    """`target` with labels set to -100 (ignored by cross-entropy) unevenly over the rows:
+    microbatches then count different numbers of tokens."""
+    t = target.clone()
+    rows, seq = t.shape[0], t.shape[-1]
+    t[: rows // 2, seq // 2:] = -100
+    if how == "empty":
+        t[: max(rows // 4, 1)] = -100
+    return t
+
+
+def _build(case: Case, seed: int = 0, device: str = "cpu"):
     torch.manual_seed(seed)
     if case.model in ("gpt", "gpt4"):
         from examples.gpt import GPT, lm_loss

@@ -34,6 +34,7 @@ AXES: dict[str, tuple] = {
     "embeddings": ("tied", "untied"),
     "reuse":      ("on", "off"),                 # layer reuse at capture (AUTOPART_LAYER_REUSE)
     "model":      ("gpt", "hf-gpt2", "hf-mixtral"),
+    "labels":     ("all", "ignored"),            # ignored: -100 on uneven parts of the rows
 }
 V_SCHEDULES = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipe-v": 2}   # virtual stages per rank
 PP, MICROBATCHES, MAX_WORLD = 2, 4, 8
@@ -77,6 +78,7 @@ class Combo:
     embeddings: str
     reuse: str
     model: str
+    labels: str = "all"
 
     @property
     def name(self) -> str:
@@ -87,6 +89,7 @@ class Combo:
         parts += [self.precision] if self.precision != "fp32" else []
         parts += ["compiled"] if self.compile else []
         parts += ["noreuse"] if self.reuse == "off" else []
+        parts += ["ignored"] if self.labels == "ignored" else []
         return "-".join(parts)
 
     def case(self) -> "CCase":
@@ -99,6 +102,7 @@ class Combo:
                      microbatches=MICROBATCHES, recompute=self.recompute, zero=self.zero,
                      precision=self.precision, compile=self.compile, reuse=self.reuse == "on",
                      noise=noise, clip=None if self.precision == "bf16" else 0.05,
+                     ignored="uneven" if self.labels == "ignored" else "",
                      refused=refusal(vars(self)))
 
 

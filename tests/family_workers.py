@@ -93,15 +93,6 @@ class _Seq2Seq(torch.nn.Module):
         return self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
 
 
-class _Vit(torch.nn.Module):
-    """ViTForImageClassification called with pixel values only (the first input is the batch)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.vit = model
-
-    def forward(self, pixel_values):
-        return self.vit(pixel_values=pixel_values).logits
 
 
 def vit(case, g):
@@ -109,7 +100,7 @@ def vit(case, g):
     cfg = tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
                        num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=10)
-    model = _Vit(tf.ViTForImageClassification(cfg))
+    model = _Logits(tf.ViTForImageClassification(cfg), "pixel_values")
     pixels = torch.randn(case.batch, 3, 16, 16, generator=g)
     labels = torch.randint(0, 10, (case.batch,), generator=g)
     return model, logits_loss, (pixels,), labels
@@ -121,14 +112,15 @@ def _causal_lm(model, case, g):
 
 
 class _Logits(torch.nn.Module):
-    """A Hugging Face model called with tokens only; returns its logits."""
+    """A Hugging Face model called with one input (tokens, or a ViT's pixel values) as the
+    keyword `key`; returns its logits."""
 
-    def __init__(self, model):
+    def __init__(self, model, key: str = "input_ids"):
         super().__init__()
-        self.model = model
+        self.model, self.key = model, key
 
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
+    def forward(self, x):
+        return self.model(**{self.key: x}).logits
 
 
 def qwen3(case, g):

@@ -125,7 +125,7 @@ def test_explain(compiled_tiny):
         ("2", "0", "transformer.h.2"), ("3", "1", "transformer.h.3")]
     assert "shared parameters, gradients summed between their chunks: transformer.wte.weight (chunks [0, 3])" in text
     assert "simulated bubble:" in text and "peak microbatches in flight per rank:" in text
-    assert "passes: split_tensor_parallel" in text and "analyze_costs" in text and "cut_pipeline_stages" in text and "emit_rank_programs" in text
+    assert "passes: weigh_loss_by_tokens" in text and "split_tensor_parallel" in text and "analyze_costs" in text and "cut_pipeline_stages" in text and "emit_rank_programs" in text
 
 
 def test_to_json(compiled_tiny):
@@ -133,9 +133,11 @@ def test_to_json(compiled_tiny):
     json.dumps(out)   # plain data
     assert set(out) >= {"mesh", "schedule", "microbatches", "virtual_stages", "global_batch",
                         "microbatch_size", "chunks", "shared_params", "bubble", "peak_in_flight",
-                        "passes", "compile_seconds"}
+                        "passes", "compile_seconds", "loss_rule"}
+    assert out["loss_rule"].startswith("token-weighted: cross_entropy_loss over targets != -100")
     assert out["mesh"] == {"dp": 2, "pp": 2, "tp": 1, "ep": 1, "world_size": 4}
-    assert [p["name"] for p in out["passes"]] == ["split_tensor_parallel", "analyze_costs", "cut_pipeline_stages",
+    assert [p["name"] for p in out["passes"]] == ["weigh_loss_by_tokens", "split_tensor_parallel",
+                                                  "analyze_costs", "cut_pipeline_stages",
                                                   "emit_rank_programs"]
     assert out["shared_params"] == {"transformer.wte.weight": [0, 3]}
     chunk = out["chunks"][1]
@@ -153,17 +155,17 @@ def test_dump_dir(tmp_path, monkeypatch):
     autopart.compile(model, Mesh(pp=2), (x,), loss_fn=lm_loss, target=x, microbatches=2,
                      dump_dir=tmp_path / "a")
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
-        "00_captured", "01_split_tensor_parallel", "02_analyze_costs", "03_cut_pipeline_stages",
-        "04_emit_rank_programs"]
+        "00_captured", "01_weigh_loss_by_tokens", "02_split_tensor_parallel", "03_analyze_costs",
+        "04_cut_pipeline_stages", "05_emit_rank_programs"]
     assert sorted(p.name for p in (tmp_path / "a" / "00_captured").iterdir()) == ["program.py", "program.txt"]
-    cut = (tmp_path / "a" / "03_cut_pipeline_stages" / "program.txt").read_text()
+    cut = (tmp_path / "a" / "04_cut_pipeline_stages" / "program.txt").read_text()
     assert "# chunk 0" in cut and "# chunk 1" in cut
-    emitted = sorted(p.name for p in (tmp_path / "a" / "04_emit_rank_programs").iterdir())
+    emitted = sorted(p.name for p in (tmp_path / "a" / "05_emit_rank_programs").iterdir())
     assert emitted == ["rank0_chunk0.py", "rank1_chunk1.py"]
-    assert "autopart_p2p_recv" in (tmp_path / "a" / "04_emit_rank_programs" / "rank1_chunk1.py").read_text()
+    assert "autopart_p2p_recv" in (tmp_path / "a" / "05_emit_rank_programs" / "rank1_chunk1.py").read_text()
     monkeypatch.setenv("AUTOPART_DUMP", str(tmp_path / "env"))
     autopart.compile(model, Mesh(pp=2), (x,), loss_fn=lm_loss, target=x, microbatches=2)
-    assert (tmp_path / "env" / "04_emit_rank_programs" / "rank0_chunk0.py").is_file()
+    assert (tmp_path / "env" / "05_emit_rank_programs" / "rank0_chunk0.py").is_file()
 
 
 def _meta_compile(spec, pp, v=1):

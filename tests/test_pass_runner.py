@@ -47,10 +47,11 @@ def test_a_pass_before_what_it_requires_is_a_clear_error():
 def test_a_pass_listed_before_one_it_must_follow_is_an_error():
     passes = pass_list(Mesh(dp=2, ep=2), microbatch_size=1, chunk_ranks=(0,),
                        sequence_parallel=False)
-    swapped = [passes[1], passes[0], *passes[2:]]
-    assert _names(swapped)[:2] == ["split_tensor_parallel", "shard_experts"]
-    with pytest.raises(AutopartError, match=r"split_tensor_parallel \(pass 1\) must run after "
-                                            r"\['shard_experts'\]"):
+    i = _names(passes).index("shard_experts")
+    swapped = [*passes[:i], passes[i + 1], passes[i], *passes[i + 2:]]
+    assert _names(swapped)[i:i + 2] == ["split_tensor_parallel", "shard_experts"]
+    with pytest.raises(AutopartError, match=rf"split_tensor_parallel \(pass {i + 1}\) must run after "
+                                            r"\['shard_experts'"):
         check_order(swapped)
 
 

@@ -178,7 +178,7 @@ class _VocabParallelCE(torch.autograd.Function):
     """Cross-entropy over logits split along the vocabulary, never gathering them (Megatron)."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, comm):
+    def forward(ctx, logits, target, ignore_index, comm, reduction="mean"):
         comm._check()
         logits = logits.float()
         vocab = logits.shape[-1]
@@ -197,7 +197,8 @@ class _VocabParallelCE(torch.autograd.Function):
             dist.all_reduce(both, group=comm.group)
         sum_exp, picked = both[0], both[1]
         keep = target != ignore_index
-        count = keep.sum().clamp(min=1)
+        # "sum" (weigh_loss_by_tokens): the runtime divides by the global count
+        count = keep.sum().clamp(min=1) if reduction == "mean" else torch.ones((), device=keep.device)
         loss = ((sum_exp.log() - picked) * keep).sum() / count
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, outside, keep)
         ctx.count = count
@@ -209,12 +210,14 @@ class _VocabParallelCE(torch.autograd.Function):
         grad = softmax.clone()
         grad.scatter_add_(-1, local.unsqueeze(-1), -(~outside).unsqueeze(-1).to(grad.dtype))
         grad = grad * (keep.unsqueeze(-1) * (g / ctx.count))
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target, comm, ignore_index: int = -100):
-    """Mean cross-entropy of logits[..., V/tp] (this rank's vocabulary slice) against target."""
-    return _VocabParallelCE.apply(logits, target, ignore_index, comm)
+def vocab_parallel_cross_entropy(logits, target, comm, ignore_index: int = -100,
+                                 reduction: str = "mean"):
+    """Cross-entropy of logits[..., V/tp] (this rank's vocabulary slice) against target: the
+    mean over the targets that are not ignore_index, or (reduction="sum") their sum."""
+    return _VocabParallelCE.apply(logits, target, ignore_index, comm, reduction)
 
 
 register(copy_to_tp, reduce_from_tp, gather_from_tp, scatter_to_tp, reduce_scatter_tp,

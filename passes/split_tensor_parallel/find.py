@@ -298,7 +298,7 @@ def _plain_ce(node) -> bool:
     weight, reduction, _, smoothing = args[2], args[3], args[4], args[5]
     reduction = node.kwargs.get("reduction", 1 if reduction is None else reduction)
     smoothing = node.kwargs.get("label_smoothing", smoothing or 0.0)
-    return weight is None and reduction == 1 and not smoothing
+    return weight is None and reduction in (1, 2) and not smoothing   # mean, or sum (weigh_loss)
 
 
 def _carry_into(node, region, linears, tp, unpullable):

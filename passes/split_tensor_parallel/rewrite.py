@@ -37,8 +37,10 @@ def rewrite(program: Program, plan: TensorParallelPlan) -> fx.GraphModule:
         elif node.name in plan.vocab_loss:
             args = list(node.args) + [None] * (5 - len(node.args))
             ignore = node.kwargs.get("ignore_index", -100 if args[4] is None else args[4])
+            reduction = node.kwargs.get("reduction", 1 if args[3] is None else args[3])
             env[node] = _call(g, tp_ops.vocab_parallel_cross_entropy,
-                              (mapped(node.args[0]), mapped(node.args[1]), comm, ignore), node, R)
+                              (mapped(node.args[0]), mapped(node.args[1]), comm, ignore,
+                               "sum" if reduction == 2 else "mean"), node, R)
         elif node.name in plan.vocab_embedding:
             part = _call(g, tp_ops.vocab_parallel_embedding,
                          (mapped(node.args[0]), mapped(node.args[1]), comm,
