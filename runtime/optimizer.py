@@ -298,6 +298,13 @@ class ZeroOptimizer:
                 b.grad = None
             lay.all_gather_params(shard.detach())
 
+    @torch.no_grad()
+    def reload_master(self) -> None:
+        """Take this rank's fp32 slices again from the parameters (after they were loaded
+        without this optimizer): as a plain optimizer, which holds no copy, would step them."""
+        for lay, shard in zip(self.layouts, self.shards):
+            shard.copy_(lay.slice_of(lay.params, torch.float32))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
         for lay in self.layouts:

@@ -6,6 +6,7 @@ the StateGatherer (global loss, statistics and state dict).
 """
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 from typing import Callable, Iterator
 
@@ -81,6 +82,7 @@ class ParallelModel:
         # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over
         # the microbatches and data-parallel replicas of the global batch, on every rank
         self.last_stats: dict[str, torch.Tensor] = {}
+        self._zero_optimizers = weakref.WeakSet()     # pm.optimizer's, zero=1: see load()
         # the batch shapes whose global batch was checked alike on every rank (train_step)
         self._batch_shapes: list | None = None
 
@@ -163,17 +165,28 @@ class ParallelModel:
         (autopart/runtime/pretrained.py)."""
         from autopart.runtime.pretrained import load_pretrained
         load_pretrained(self, source)
+        self._reload_masters()
 
     def optimizer(self, cls, **kwargs):
         """The optimizer for this rank's parameters: `cls(pm.parameters(), **kwargs)`, or with
         zero=1 a distributed optimizer keeping `cls`'s state for this rank's 1/dp slice
-        (runtime/optimizer.py). Build it after load_pretrained.
+        (runtime/optimizer.py). One built before `load` / `load_pretrained` takes its fp32
+        slices again from the loaded parameters (or, handed to `load`, the saved state).
 
             opt = pm.optimizer(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)"""
         if not self.zero:
             return cls(self.parameters(), **kwargs)
         from autopart.runtime.optimizer import ZeroOptimizer
-        return ZeroOptimizer(list(self._grads.zero_layouts), cls, **kwargs)
+        opt = ZeroOptimizer(list(self._grads.zero_layouts), cls, **kwargs)
+        self._zero_optimizers.add(opt)
+        return opt
+
+    def _reload_masters(self, except_for=None) -> None:
+        """After the parameters were loaded: ZeRO optimizers built earlier and not handed to
+        the load take their fp32 slices again, or their next step would undo the load."""
+        for opt in list(self._zero_optimizers):
+            if opt is not except_for:
+                opt.reload_master()
 
     def explain(self) -> str:
         text = self.compiled.explain()
@@ -191,7 +204,9 @@ class ParallelModel:
         """Load a checkpoint saved on any mesh into this model (in place) and `optimizer`;
         returns its `extra` dict (collective). See autopart/runtime/checkpoint.py."""
         from autopart.runtime.checkpoint import load
-        return load(self, path, optimizer=optimizer, **kwargs)
+        extra = load(self, path, optimizer=optimizer, **kwargs)
+        self._reload_masters(except_for=optimizer)
+        return extra
 
 
 def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,

@@ -471,3 +471,29 @@ def test_train_step_refuses_different_global_batches_on_different_ranks():
         assert "ranks [0] passed batch" in refused and "ranks [1] passed batch" in refused
         assert "same whole global batch on every rank" in refused
         assert torch.isfinite(torch.tensor(loss)) and steps == 1
+
+
+# -- a ZeRO optimizer built before a load that was not handed it: runtime/parallel_model.py ----
+
+def test_zero1_optimizer_built_before_load_steps_the_loaded_weights(single_process_group,
+                                                                     tmp_path):
+    """Was: the optimizer kept its fp32 slices of the weights from before the load, and its next
+    step silently undid the load. Now it steps the loaded weights, as a plain SGD would."""
+    from datetime import timedelta
+    x = ids(2, 64)
+    pm = autopart.parallelize(GPT(config("tiny,n_layer=2")), autopart.Mesh(), (x,),
+                              loss_fn=lm_loss, target=x, zero=1, timeout=timedelta(seconds=60))
+    opt = pm.optimizer(torch.optim.SGD, lr=0.5)
+    pm.save(tmp_path / "ck")
+    saved = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    pm.train_step(x, target=x)
+    opt.step()
+    opt.zero_grad()
+    assert any(not torch.equal(p, saved[n]) for n, p in pm.named_parameters())
+    pm.load(tmp_path / "ck")                       # the optimizer not handed to it
+    assert all(torch.equal(p, saved[n]) for n, p in pm.named_parameters())
+    pm.train_step(x, target=x)
+    expected = {n: p.detach() - 0.5 * p.grad for n, p in pm.named_parameters()}
+    opt.step()
+    for n, p in pm.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[n], rtol=1e-6, atol=1e-7)
