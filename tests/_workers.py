@@ -132,7 +132,7 @@ class Case:
     microbatches: int = 1
     batch: int = 8                   # global batch
     seq: int = 16
-    optim: str = "sgd"               # sgd | adam
+    optim: str = "sgd"               # sgd | adam | adamw
     steps: int = 3
     accumulate: int = 1              # train_step calls (same batch) per optimizer step
     clip: float | None = 0.05        # clip_grad_norm_ on step 2 (small enough that it clips)
@@ -230,6 +230,8 @@ def _optimizer(kind: str, model):
         (lambda cls, **kw: cls(model.parameters(), **kw))
     if kind == "sgd":
         return make(torch.optim.SGD, lr=0.1)
+    if kind == "adamw":
+        return make(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     return make(torch.optim.Adam, lr=1e-3)
 
 
@@ -239,7 +241,7 @@ def _param_atol(case: Case) -> float:
     # different fraction of lr=1e-3: measured up to 1.6e-6. 1e-5 is still 1% of one Adam step
     # (lr), so a parameter that missed a step or moved the wrong way fails. The loss and the
     # step-1 gradients keep their tight bounds; SGD cases keep atol=1e-6 for the parameters.
-    return 1e-5 if case.optim == "adam" else ATOL
+    return 1e-5 if case.optim in ("adam", "adamw") else ATOL
 
 
 def _compare(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float,

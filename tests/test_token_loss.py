@@ -20,13 +20,15 @@ FAST_2 = [
     Case("gpt-pp2-1f1b-uneven", model="gpt4", pp=2, microbatches=4, ignored="uneven"),
     Case("gpt-pp2-zbv-empty", model="gpt4", pp=2, schedule="zb-v", virtual_stages=2,
          microbatches=4, ignored="empty"),
-    Case("gpt-dp2-adam-uneven", model="gpt4", dp=2, microbatches=2, optim="adam",
+    Case("gpt-dp2-adamw-uneven", model="gpt4", dp=2, microbatches=2, optim="adamw",
          ignored="uneven"),
-    Case("hf-labels-pp2-empty", model="hf-labels", pp=2, microbatches=4, ignored="empty"),
+    Case("hf-labels-pp2-adamw-empty", model="hf-labels", pp=2, microbatches=4, optim="adamw",
+         ignored="empty"),
     Case("masked-sum-dp2-uneven", model="masked-sum", dp=2, microbatches=2, ignored="uneven"),
 ]
 FULL_4 = [
-    Case("gpt-tp2xpp2-empty", model="gpt4", tp=2, pp=2, microbatches=4, ignored="empty"),
+    Case("gpt-tp2xpp2-adamw-empty", model="gpt4", tp=2, pp=2, microbatches=4, optim="adamw",
+         ignored="empty"),
     Case("hf-labels-tp2xdp2-uneven", model="hf-labels", tp=2, dp=2, microbatches=2,
          ignored="uneven"),
     Case("masked-sum-pp2xdp2-empty", model="masked-sum", pp=2, dp=2, microbatches=2,
@@ -34,8 +36,8 @@ FULL_4 = [
 ]
 FULL_2 = [Case("mixtral-dp2-ep2-uneven", model="mixtral", dp=2, ep=2, microbatches=2,
                ignored="uneven")]
-FULL_8 = [Case("gpt-pp2xdp2xtp2-adam-uneven", model="gpt4", pp=2, dp=2, tp=2, microbatches=2,
-               optim="adam", ignored="uneven")]
+FULL_8 = [Case("gpt-pp2xdp2xtp2-adamw-uneven", model="gpt4", pp=2, dp=2, tp=2,
+               microbatches=2, optim="adamw", ignored="uneven")]
 GROUPS = {("tokens", 2): FAST_2, ("tokens-full", 2): FULL_2, ("tokens-full", 4): FULL_4,
           ("tokens-full", 8): FULL_8}
 _GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
