@@ -302,3 +302,38 @@ def test_no_linear_found_names_the_op_reading_the_largest_weight():
     text = str(err.value)
     assert "no op reads a weight as a linear" in text and "w (2, 16, 16)" in text
     assert "node:   bmm" in text and "source:" in text, text
+
+
+class _PerHeadNorms(torch.nn.Module):
+    """StableLM's qk_layernorm written small: q split into single heads, one LayerNorm each,
+    concatenated back; then the heads' output projection."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.q = torch.nn.Linear(16, 16)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(4, bias=bias) for _ in range(4))
+        for n in self.norms:
+            torch.nn.init.normal_(n.weight)
+        self.o = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 4).transpose(1, 2)
+        q = torch.cat([norm(h) for norm, h in zip(self.norms, torch.split(q, 1, dim=1))], dim=1)
+        return self.o(q.transpose(1, 2).reshape(b, s, 16)).pow(2).mean()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_per_head_layer_norms_are_batched_and_split(bias):
+    from autopart.passes.split_tensor_parallel import batch_per_piece_norms
+    model = _PerHeadNorms(bias)
+    x = torch.randn(2, 8, 16)
+    program = capture(model, (x,))
+    batched = batch_per_piece_norms(program)
+    targets = Counter(n.target for n in batched.gm.graph.nodes)
+    assert targets[torch.ops.aten.layer_norm.default] == 1 and targets[torch.ops.aten.cat.default] == 0
+    assert targets[torch.ops.aten.stack.default] == (2 if bias else 1)
+    with torch.no_grad():
+        torch.testing.assert_close(batched.gm(x)[0], model(x), rtol=1e-6, atol=1e-7)
+    out, report = split_tensor_parallel(program, tp=2)
+    assert report["replicated_linears"] == [] and set(out.tp.params) >= {"q.weight", "o.weight"}

@@ -42,9 +42,8 @@ CASES = [pytest.param(c, id=c.name) for c in FAST_2] + [
 # Linears the README's families table says stay replicated over tp, by family: BERT's masked-LM
 # head transform (dense -> gelu -> LayerNorm over its output features, then the tied decoder);
 # DeepSeek-V3's low-rank q and kv down-projections (an RMSNorm over their outputs; Megatron
-# keeps them whole too); StableLM's q and k under qk_layernorm (one LayerNorm module per head
-# after a split into single heads: each tp rank would need other modules).
-REPLICATED_OK = {"bert": 1, "deepseek-v3": 8, "stablelm": 8}
+# keeps them whole too).
+REPLICATED_OK = {"bert": 1, "deepseek-v3": 8}
 
 
 @pytest.mark.parametrize("case", CASES)

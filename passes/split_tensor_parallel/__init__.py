@@ -21,6 +21,7 @@ from autopart.ir import Program, TensorParallelPlan
 from .check import check_heads, check_sequence, check_share
 from .find import decide, find_linears
 from .linears import as_linears
+from .per_piece import batch_per_piece_norms
 from .rewrite import rewrite
 
 
@@ -29,6 +30,7 @@ def split_tensor_parallel(program: Program, *, tp: int, sequence_parallel: bool 
     if tp == 1:
         return program.replace(tp=TensorParallelPlan(1, sequence_parallel)), {"tp": 1}
     program = as_linears(program)       # x @ w.T, einsum: linears by dataflow (linears.py)
+    program = batch_per_piece_norms(program)    # one LayerNorm per head, batched (per_piece.py)
     plan = decide(program, tp, sequence_parallel)
     check_heads(program, plan, tp)
     check_share(program, plan, tp)
