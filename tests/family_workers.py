@@ -17,6 +17,7 @@ and one global batch. tests/_workers.py's equivalence runs them against the unmo
     stablelm     Hugging Face StableLmForCausalLM, qk_layernorm=True (per-head LayerNorms
                  after a split into heads)
     deepseek-v3  Hugging Face DeepseekV3ForCausalLM, dense layers (multi-head latent attention)
+    qwen3-moe    Hugging Face Qwen3MoeForCausalLM (per-head norms, mixture of experts)
     gpt-oss      Hugging Face GptOssForCausalLM (attention sinks, mixture of experts)
     gemma3       Hugging Face Gemma3ForCausalLM (per-head norms with a (1 + weight) scale,
                  sliding and full attention whose rotary tables the model builds looping over a
@@ -199,11 +200,22 @@ def gpt_oss(case, g):
     return _causal_lm(tf.GptOssForCausalLM(cfg), case, g)
 
 
+def qwen3_moe(case, g):
+    """Per-head q/k norms and a mixture of experts (tp splits attention, ep the experts)."""
+    tf = _quiet_transformers()
+    cfg = tf.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                            max_position_embeddings=64, attn_implementation="eager")
+    return _causal_lm(tf.Qwen3MoeForCausalLM(cfg), case, g)
+
+
 FAMILIES = {"llama-meta": llama_meta, "llama-gqa": lambda c, g: llama_meta(c, g, "tiny-gqa"),
             "neox": neox, "bert": bert, "bart": bart, "vit": vit,
             "qwen3": qwen3, "gemma3": gemma3, "falcon": falcon,
             "phi3": phi3, "stablelm": stablelm, "deepseek-v3": deepseek_v3,
-            "gpt-oss": gpt_oss}
+            "gpt-oss": gpt_oss, "qwen3-moe": qwen3_moe}
 
 
 def build_family(case, seed: int = 0, device: str = "cpu"):
