@@ -4,7 +4,7 @@ model trained under the same mixed-precision recipe, written out here from its d
 The recipe (what precision="bf16" promises): fp32 parameters, which the optimizer steps; each
 microbatch's forward under torch.autocast(bf16) with the loss in fp32; backward outside autocast,
 so every .grad is fp32 and sums over microbatches in fp32; the loss of the global batch is the mean
-of the microbatch losses. The reference cuts the global batch into the microbatches the parallel
+of the microbatch losses (weighted by their counted tokens when labels are ignored). The reference cuts the global batch into the microbatches the parallel
 run uses (dp replica by replica, microbatch by microbatch), as a mixture-of-experts layer's
 capacity and auxiliary loss depend on which tokens share a microbatch.
 """
@@ -63,17 +63,26 @@ class BCase(Case):
 
 
 def reference_step(model, inputs: tuple, target, loss_fn, microbatch: int, device_type: str):
-    """One step of the recipe on the plain model over the global batch; returns the mean loss."""
+    """One step of the recipe on the plain model over the global batch; returns its loss: the
+    mean of the microbatch losses or, with labels ignored (-100) in a cross-entropy target, each
+    microbatch's token mean weighted by its counted tokens (the global token mean, as
+    passes/weigh_loss_by_tokens.py makes the parallel run's)."""
     n = inputs[0].shape[0] // microbatch
+    parts = [slice(i * microbatch, (i + 1) * microbatch) for i in range(n)]
+    weights = [1.0 / n] * n
+    if target is not None and bool((target == -100).any()):
+        counts = [int((target[rows] != -100).sum()) for rows in parts]
+        weights = [c / sum(counts) for c in counts]
     total = torch.zeros(())
-    for i in range(n):
-        rows = slice(i * microbatch, (i + 1) * microbatch)
+    for rows, weight in zip(parts, weights):
+        if weight == 0:
+            continue          # no counted token: it adds nothing (its own mean is 0/0)
         with torch.autocast(device_type, dtype=torch.bfloat16):
             out = model(*(t[rows] for t in inputs))
             loss = loss_fn(out, target[rows]) if loss_fn is not None else out
         assert loss.dtype == torch.float32, loss.dtype     # autocast keeps the loss in fp32
-        (loss / n).backward()
-        total += loss.detach().float() / n
+        (loss * weight).backward()
+        total += loss.detach().float() * weight
     return total
 
 
