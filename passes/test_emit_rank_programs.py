@@ -83,7 +83,7 @@ def forward(self, add_1, target):
     linear_2 = torch.ops.aten.linear.default(add_2, wte_weight);  add_2 = wte_weight = None
     reshape = torch.ops.aten.reshape.default(linear_2, [-1, 16]);  linear_2 = None
     reshape_1 = torch.ops.aten.reshape.default(target, [-1]);  target = None
-    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(reshape, reshape_1);  reshape = reshape_1 = None
+    cross_entropy_loss = torch.ops.aten.cross_entropy_loss.default(reshape, reshape_1, None, 2);  reshape = reshape_1 = None
     return (cross_entropy_loss,)
 '''
 
@@ -182,10 +182,16 @@ def _run_chunks(compiled, x, y, microbatches):
     """Forward each microbatch through the chunks in order, then backward chunk by chunk
     (last to first) as the pipeline does: received tensors are leaves, the gradient of each
     chunk's outputs comes from the next chunk's received leaves. Each chunk has its own copy of
-    its parameters. Returns (mean loss, {param name: gradient summed over its chunks})."""
+    its parameters. Each microbatch loss is scaled as train_step scales it (runtime/step.py
+    step_loss_scale: 1/microbatches, or 1/the global token count for a token-weighted loss).
+    Returns (the global loss, {param name: gradient summed over its chunks})."""
+    from autopart.runtime.step import step_loss_scale
     chunks = [copy.deepcopy(c.gm) for c in _chunks(compiled)]
     specs = _chunks(compiled)
     mb = x.shape[0] // microbatches
+    program = compiled.program
+    scale = step_loss_scale(compiled.plan, program.loss_count, program.inputs,
+                            [x, y][:len(program.inputs)])
     losses = []
     for m in range(microbatches):
         feed = {"idx": x[m * mb:(m + 1) * mb], "input_ids": x[m * mb:(m + 1) * mb],
@@ -202,7 +208,7 @@ def _run_chunks(compiled, x, y, microbatches):
         for c in reversed(range(len(specs))):
             leaves, out = saved[c]
             if specs[c].is_last:
-                (out[0] / microbatches).backward()
+                (out[0] * scale).backward()
             else:
                 pairs = [(o, g) for o, g, s in zip(out, grads, specs[c].sends) if s.differentiable]
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -212,7 +218,7 @@ def _run_chunks(compiled, x, y, microbatches):
         for name, p in gm.named_parameters():
             if p.grad is not None:
                 summed[name] = summed[name] + p.grad if name in summed else p.grad.clone()
-    return torch.stack(losses).mean(), summed
+    return torch.stack(losses).sum() * scale, summed
 
 
 def _hf_gpt2():

@@ -20,6 +20,7 @@ import torch
 
 import autopart
 from autopart.runtime import executor
+from autopart.runtime.step import step_loss_scale
 from autopart.runtime.executor import StepContext, run_actions
 from tests._workers import ATOL, RTOL, Case, build
 
@@ -139,7 +140,8 @@ def _run_pipeline(case: Case, monkeypatch, coalesce: bool = False) -> tuple:
             chunks={c.chunk: c for c in compiled.programs[r].chunks}, peer=lambda p: p,
             microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
             batch=mbs, seq=inputs[0].shape[1], device=torch.device("cpu"),
-            loss_scale=1.0 / plan.microbatches)
+            loss_scale=step_loss_scale(plan, compiled.program.loss_count, names,
+                                       list(batch.values())))
         try:
             losses[r] = run_actions(compiled.schedule.ranks[r], ctx)
         except BaseException as e:  # noqa: BLE001  (reported by the test thread)
@@ -156,13 +158,22 @@ def _run_pipeline(case: Case, monkeypatch, coalesce: bool = False) -> tuple:
     return model, ref, loss_fn, inputs, target, compiled, comm, losses
 
 
-def _plain_microbatch_losses(ref, loss_fn, inputs, target, m: int) -> list[torch.Tensor]:
+def _plain_microbatch_losses(ref, loss_fn, inputs, target, m: int,
+                             compiled=None) -> list[torch.Tensor]:
+    """The plain model's loss of each microbatch as the program computes it: its mean, or for a
+    token-weighted loss (passes/weigh_loss_by_tokens.py) its sum over the counted tokens."""
     mbs = inputs[0].shape[0] // m
+    counter = compiled.program.loss_count if compiled is not None else None
     out = []
     for i in range(m):
         sl = slice(i * mbs, (i + 1) * mbs)
         y = ref(*(t[sl] for t in inputs))
-        out.append((loss_fn(y, target[sl]) if loss_fn is not None else y).detach())
+        loss = (loss_fn(y, target[sl]) if loss_fn is not None else y).detach()
+        if counter is not None:
+            feed = dict(zip(compiled.program.inputs, [t[sl] for t in inputs] +
+                            ([target[sl]] if target is not None else [])))
+            loss = loss * counter.gm(*(feed[n] for n in counter.inputs))
+        out.append(loss)
     return out
 
 
@@ -227,7 +238,8 @@ def test_pipeline_equals_plain(case: Case, monkeypatch):
     model, ref, loss_fn, inputs, target, compiled, comm, losses = _run_pipeline(case, monkeypatch)
     last = compiled.plan.chunk_ranks[-1]
     assert all(not losses[r] for r in losses if r != last), "only the last stage computes losses"
-    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches)
+    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches,
+                                        compiled)
     assert len(losses[last]) == case.microbatches
     # the schedule decides the order of microbatches; compare as multisets
     torch.testing.assert_close(sorted(float(x) for x in losses[last]),
@@ -247,7 +259,8 @@ def test_pipeline_equals_plain_when_batches_coalesce(case: Case, monkeypatch):
     model, ref, loss_fn, inputs, target, compiled, comm, losses = _run_pipeline(
         case, monkeypatch, coalesce=True)
     last = compiled.plan.chunk_ranks[-1]
-    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches)
+    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches,
+                                        compiled)
     assert len(losses[last]) == case.microbatches
     torch.testing.assert_close(sorted(float(x) for x in losses[last]),
                                sorted(float(x) for x in expected), rtol=RTOL, atol=ATOL)
@@ -276,9 +289,10 @@ def test_non_float_boundaries_cross_forward_only(monkeypatch):
                                   Case("toy-pp1-mbs1", model="toy", batch=4, microbatches=4)],
                          ids=lambda c: c.name)
 def test_single_stage_accumulates_microbatches(case: Case, monkeypatch):
-    model, ref, loss_fn, inputs, target, _, comm, losses = _run_pipeline(case, monkeypatch)
+    model, ref, loss_fn, inputs, target, compiled, comm, losses = _run_pipeline(case, monkeypatch)
     assert not comm.batches, "one stage sends nothing"
-    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches)
+    expected = _plain_microbatch_losses(ref, loss_fn, inputs, target, case.microbatches,
+                                        compiled)
     torch.testing.assert_close(torch.stack(losses[0]), torch.stack(expected), rtol=RTOL, atol=ATOL)
     _assert_grads_equal(model, ref, loss_fn, inputs, target)
 
