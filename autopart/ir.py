@@ -45,6 +45,14 @@ def graph_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.G
     return _LazyGraphModule(root, graph, class_name=class_name)
 
 
+def copied_graph(gm: fx.GraphModule) -> tuple[fx.Graph, dict]:
+    """A copy of `gm`'s graph, output included, and the map from its nodes to the copy's: for
+    passes that edit a few nodes and must leave the input program as it was."""
+    graph, env = fx.Graph(), {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    return graph, env
+
+
 def sym_shape(val, symbols: dict) -> tuple:
     """A FakeTensor's shape as sympy expressions in b and s."""
     dims = tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in val.shape)

@@ -128,7 +128,7 @@ def _map_view(ins: tuple, outs: tuple, dim: int, tp: int) -> int:
                  "where its 1/tp block is not contiguous")
 
 
-def _norm(d: int, n: int) -> int:
+def norm_dim(d: int, n: int) -> int:
     return d + n if d < 0 else d
 
 
@@ -246,7 +246,7 @@ def _view_like(node, x, s, pl, tp):
 
 @rule(aten.transpose.int)
 def _transpose(node, x, s, pl, tp):
-    d0, d1 = (_norm(d, ndim(x)) for d in node.args[1:3])
+    d0, d1 = (norm_dim(d, ndim(x)) for d in node.args[1:3])
     return Shard({d0: d1, d1: d0}.get(s.dim, s.dim), s.origin)
 
 
@@ -257,13 +257,13 @@ def _t(node, x, s, pl, tp):
 
 @rule(aten.permute.default)
 def _permute(node, x, s, pl, tp):
-    perm = [_norm(d, ndim(x)) for d in node.args[1]]
+    perm = [norm_dim(d, ndim(x)) for d in node.args[1]]
     return Shard(perm.index(s.dim), s.origin)
 
 
 @rule(aten.unsqueeze.default)
 def _unsqueeze(node, x, s, pl, tp):
-    d = _norm(node.args[1], ndim(node))
+    d = norm_dim(node.args[1], ndim(node))
     return Shard(s.dim + (1 if d <= s.dim else 0), s.origin)
 
 
@@ -274,7 +274,7 @@ def _split_rule(node, x, s, pl, tp):
 
 @rule(aten.slice.Tensor, aten.select.int, aten.narrow.default)
 def _slice(node, x, s, pl, tp):
-    d = _norm(node.args[1] if len(node.args) > 1 else 0, ndim(x))
+    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim(x))
     if d == s.dim:
         if node.target is aten.slice.Tensor and shape_of(node)[d] == shape_of(x)[d]:
             return s               # x[:, :] keeps the whole dim: export's no-op slice
@@ -310,7 +310,7 @@ def _slice_section(node, x, s, d, tp):
 def _max_dim(node, x, s, pl, tp):
     """(values, indices) over another dim than the shard's (GPT-OSS's attention sinks take the
     max over the keys of each head): both keep the shard."""
-    d = _norm(node.args[1], ndim(x))
+    d = norm_dim(node.args[1], ndim(x))
     if d == s.dim:
         raise NoRule(f"{node.target} over the sharded dim {d}")
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
@@ -325,7 +325,7 @@ def _expand(node, x, s, pl, tp):
 
 @rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
 def _softmax(node, x, s, pl, tp):
-    if _norm(node.args[1], ndim(x)) == s.dim:
+    if norm_dim(node.args[1], ndim(x)) == s.dim:
         raise NoRule("softmax over the sharded dim")
     return s
 
@@ -343,7 +343,7 @@ def _reduce(node, x, s, pl, tp):
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None:
         raise NoRule(f"{node.target} over all dims of a sharded tensor")
-    dims = [_norm(d, ndim(x)) for d in ([dims] if isinstance(dims, int) else dims)]
+    dims = [norm_dim(d, ndim(x)) for d in ([dims] if isinstance(dims, int) else dims)]
     if s.dim in dims:
         raise NoRule(f"{node.target} over the sharded dim {s.dim}")
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
@@ -368,7 +368,7 @@ def _matmul_rule(node, x, s, pl, tp):
 def _split(node, s: Shard, tp: int):
     t, x = node.target, node.args[0]
     n = ndim(x)
-    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    dim = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
     if dim != s.dim:
         count = len(node.meta["val"])
         return tuple(s for _ in range(count))
@@ -440,7 +440,7 @@ def _cat(node, pl):
     """Concatenation along a dim other than the shard; empty inputs (a fresh cache) drop out."""
     parts = [a for a in node.args[0] if isinstance(a, fx.Node) and _numel(a) != 0]
     out_nd = ndim(node)
-    dim = _norm(node.args[1] if len(node.args) > 1 else 0, out_nd)
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, out_nd)
     shard = next(pl[a] for a in parts if isinstance(pl.get(a), Shard))
     if shard.dim == dim:
         raise NoRule("concatenation along the sharded dim")

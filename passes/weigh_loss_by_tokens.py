@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopart.ir import Program, graph_module
+from autopart.ir import Program, copied_graph, graph_module
 
 aten = torch.ops.aten
 
@@ -133,9 +133,7 @@ def _from_inputs(node: fx.Node, program: Program) -> bool:
 
 def _summed(gm: fx.GraphModule, mean: fx.Node) -> fx.GraphModule:
     """A copy of `gm` whose token mean is the sum over the counted elements."""
-    graph = fx.Graph()
-    env: dict = {}
-    graph.output(graph.graph_copy(gm.graph, env))
+    graph, env = copied_graph(gm)
     new = env[mean]
     if new.target in TOKEN_MEANS:
         r = TOKEN_MEANS[new.target][0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopart.ir import Program, graph_module
+from autopart.ir import Program, copied_graph, graph_module
 from autopart.placement import ndim
 
 aten = torch.ops.aten
@@ -24,10 +24,7 @@ def as_linears(program: Program) -> Program:
              if (form := _linear_form(n, program.params)) is not None]
     if not found:
         return program
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    output = graph.graph_copy(program.gm.graph, env)
-    graph.output(output)
+    graph, env = copied_graph(program.gm)
     for old, (target, x, w) in found:
         node = env[old]
         with graph.inserting_before(node):

@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._guards import detect_fake_mode
 
-from autopart.ir import Program, graph_module
+from autopart.ir import Program, copied_graph, graph_module
 from autopart.placement import ndim
 
 aten = torch.ops.aten
@@ -27,9 +27,7 @@ def batch_per_piece_norms(program: Program) -> Program:
     found = [f for n in program.gm.graph.nodes if (f := _pattern(n, program.params))]
     if not found:
         return program
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(program.gm.graph, env))
+    graph, env = copied_graph(program.gm)
     for cat, x, dim, norms in found:
         _replace(graph, env[cat], env[x], dim, [tuple(env.get(a, a) for a in nrm) for nrm in norms])
     return program.replace(gm=graph_module(program.gm, graph))

@@ -11,7 +11,7 @@ from autopart.errors import node_error
 from autopart.ir import META_TP, Program, TensorParallelPlan, graph_module
 from autopart.localize import attribute
 from autopart.ops import tp as tp_ops
-from autopart.placement import (NEW_LIKE, P, R, Shard, ndim, shape_of, slice_range)
+from autopart.placement import (NEW_LIKE, P, R, Shard, ndim, norm_dim, shape_of, slice_range)
 
 aten = torch.ops.aten
 
@@ -162,26 +162,22 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None
         new.args = (new.args[0], sizes, *new.args[2:])
     elif t is aten.slice.Tensor:
         src = plan.placements.get(old.args[0])
-        dim = _norm_dim(old.args[1] if len(old.args) > 1 else 0, ndim(old.args[0]))
+        dim = norm_dim(old.args[1] if len(old.args) > 1 else 0, ndim(old.args[0]))
         if isinstance(src, Shard) and src.dim == dim and shape_of(old)[dim] != shape_of(old.args[0])[dim]:
             start, end = slice_range(old, int(shape_of(old.args[0])[dim]))   # one whole section
             new.args = (new.args[0], dim, start // tp, end // tp, *new.args[4:])
     elif t is aten.split.Tensor:
         src = plan.placements.get(old.args[0])
         dim = old.args[2] if len(old.args) > 2 else 0
-        dim = dim + ndim(old.args[0]) if dim < 0 else dim
+        dim = norm_dim(dim, ndim(old.args[0]))
         if isinstance(src, Shard) and src.dim == dim:
             new.args = (new.args[0], old.args[1] // tp, *new.args[2:])
     elif t is aten.split_with_sizes.default:
         src = plan.placements.get(old.args[0])
         dim = old.args[2] if len(old.args) > 2 else 0
-        dim = dim + ndim(old.args[0]) if dim < 0 else dim
+        dim = norm_dim(dim, ndim(old.args[0]))
         if isinstance(src, Shard) and src.dim == dim:
             new.args = (new.args[0], [v // tp for v in old.args[1]], *new.args[2:])
-
-
-def _norm_dim(d: int, n: int) -> int:
-    return d + n if d < 0 else d
 
 
 def _attr_targets(gm) -> list[str]:
