@@ -341,6 +341,12 @@ class _State:
 _STAT_UPDATES = ("batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit")
 
 
+# in-place in their schema, but they change autograd metadata, not values (Hugging Face's
+# DynamicCache detaches the empty tensors it makes in forward; on the meta device export lifts
+# them as constants)
+_METADATA_ONLY = {"detach_"}
+
+
 def _check_no_state_mutation(graph: fx.Graph) -> None:
     """torch.export's training IR (the default since torch 2.5) keeps in-place updates of
     parameters and buffers inside the graph instead of listing them in buffers_to_mutate, so
@@ -348,6 +354,8 @@ def _check_no_state_mutation(graph: fx.Graph) -> None:
     found: dict[str, fx.Node] = {}
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target._schema.name.split("::")[-1] in _METADATA_ONLY:
             continue
         written = [a for a, spec in zip(node.args, node.target._schema.arguments)
                    if spec.alias_info is not None and spec.alias_info.is_write]

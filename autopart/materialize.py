@@ -31,6 +31,7 @@ import copy
 import functools
 import hashlib
 import inspect
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -38,6 +39,7 @@ import torch.fx
 import torch.nn as nn
 
 from autopart.errors import AutopartError
+from autopart.root_init import root_init_fn, run_root_init
 
 InitFn = Callable[[nn.Module], None]
 
@@ -96,17 +98,18 @@ def materialize(model: nn.Module, seed: int = 0, init_fn: InitFn | None = None) 
     """
     device = _real_device(model)
     replaced: dict[int, torch.Tensor] = {}       # id(old tensor) -> its new tensor (ties)
-    owners = _owners(model)
-    for path, module, values in module_states(model, seed=seed, init_fn=init_fn, device=device):
-        for local, value in values.items():
-            old = owners[path][local]
-            if old.device.type != "meta":
-                with torch.no_grad():
-                    old.copy_(value)
-                continue
-            new = nn.Parameter(value, requires_grad=old.requires_grad) \
-                if isinstance(old, nn.Parameter) else value
-            replaced[id(old)] = new
+    tensors = {name: t for path, m in model.named_modules(remove_duplicate=False)
+               for name, t in ((_join(path, k), t) for k, t in _direct(m).items())}
+
+    def put(names: list[str], value: torch.Tensor) -> None:
+        old = tensors[names[0]]
+        if old.device.type != "meta":
+            with torch.no_grad():
+                old.copy_(value)
+        elif id(old) not in replaced:
+            replaced[id(old)] = (nn.Parameter(value.clone(), requires_grad=old.requires_grad)
+                                 if isinstance(old, nn.Parameter) else value.clone())
+    initial_values(model, put, seed=seed, init_fn=init_fn, device=device)
     # every owner of a replaced tensor (the tied ones too) gets the same new tensor
     for module in model.modules():
         for table in (module._parameters, module._buffers):
@@ -116,12 +119,90 @@ def materialize(model: nn.Module, seed: int = 0, init_fn: InitFn | None = None) 
     return model
 
 
+Sink = Callable[[list, torch.Tensor], None]
+
+
+def initial_values(model: nn.Module, sink: Sink, *, seed: int, init_fn: InitFn | None, device,
+                   wanted: set[str] | None = None) -> None:
+    """Every tensor of `model` (with `wanted`, those of these full names) initialized from
+    scratch and handed to `sink(names, value)` one at a time, `names` all of its names (ties).
+    A root-level `init_weights()` (torchtitan) is run whole (autopart/root_init.py); else, and
+    for what it leaves alone, each module on its own (module_states)."""
+    aliases = _aliases(model)
+    done: set[str] = set()
+    if wanted is not None:            # a tie is initialized by its first owner: every name
+        wanted = {n for w in wanted for n in aliases.get(w, [w])}
+
+    def give(names, value) -> None:
+        names = aliases.get(names[0], names)
+        if not done.intersection(names) and (wanted is None or wanted.intersection(names)):
+            sink(names, value)
+        done.update(names)
+    root = root_init_fn(model) if init_fn is None else None
+    if root is not None:
+        with _seeded(seed, "<init_weights>", torch.device(device)):
+            for name, value in run_root_init(model, device, give, params=True).items():
+                give([name], value)
+    left = None if root is None else {n for ns in aliases.values() for n in ns} - done
+    if left == set():
+        return
+    for path, module, values in module_states(model, seed=seed, init_fn=init_fn, device=device,
+                                              wanted=left if wanted is None else
+                                              (wanted if left is None else wanted & left)):
+        for local, value in values.items():
+            give([_join(path, local)], value)
+
+
+def computed_buffers(model: nn.Module, sink: Sink, device) -> dict[str, str]:
+    """Every buffer of `model` its own code computes (a fresh instance of the owning module's
+    class, or the root's init_weights()), handed to `sink(names, value)`; returns {buffer name:
+    why it cannot be computed} for the others. Parameters are neither allocated nor touched."""
+    aliases = _aliases(model)
+    done: set[str] = set()
+
+    def give(names, value) -> None:
+        names = aliases.get(names[0], names)
+        if not done.intersection(names):
+            sink(names, value)
+        done.update(names)
+    if root_init_fn(model) is not None:
+        for name, value in run_root_init(model, device, give, params=False).items():
+            give([name], value)
+    problems = {}
+    for path, module in model.named_modules():
+        names = [_join(path, k) for k, b in module._buffers.items() if b is not None]
+        if not names or done.issuperset(names):
+            continue
+        fresh, problem = _fresh(module, device)
+        for k, b in module._buffers.items():
+            if b is None or _join(path, k) in done:
+                continue
+            if fresh is not None and isinstance(fresh._buffers.get(k), torch.Tensor):
+                give([_join(path, k)], fresh._buffers[k].to(device))
+            else:
+                problems[_join(path, k)] = buffer_problem(module, path, problem or
+                                                          "its constructor does not make it")
+    return problems
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Full name -> every full name of the same tensor (ties), first owner first."""
+    by_id: dict[int, list[str]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        for k, t in _direct(m).items():
+            names = by_id.setdefault(id(t), [])
+            if _join(path, k) not in names:
+                names.append(_join(path, k))
+    return {n: names for names in by_id.values() for n in names}
+
+
 def module_states(model: nn.Module, *, seed: int, init_fn: InitFn | None, device,
-                  wanted: set[str] | None = None
+                  wanted: set[str] | None = None, own: "OwnInit | None" = None
                   ) -> Iterator[tuple[str, nn.Module, dict[str, torch.Tensor]]]:
     """(module path, module, {local name: initialized tensor}) for each module owning tensors
     first, in `named_modules` order, one module at a time; with `wanted` (full names), only the
     modules owning one of them. A tied tensor comes with its first owner only."""
+    own = own or OwnInit(model)
     seen: set[int] = set()
     for path, module in model.named_modules():
         first = {k: t for k, t in _direct(module).items() if id(t) not in seen}
@@ -130,69 +211,134 @@ def module_states(model: nn.Module, *, seed: int, init_fn: InitFn | None, device
             continue
         if wanted is not None and not any(_join(path, k) in wanted for k in first):
             continue
-        values = init_module(module, path, seed=seed, init_fn=init_fn, device=device)
+        values = init_module(module, path, seed=seed, init_fn=init_fn, device=device, own=own)
         yield path, module, {k: values[k] for k in first}
+    own.warn()
+
+
+class OwnInit:
+    """How `model` initializes itself when no init_fn is given (README, "Models that do not
+    fit"): each module's `reset_parameters()`, then the root's per-module `_init_weights(module)`
+    (Hugging Face's `PreTrainedModel`, nanoGPT) over it; a parameter neither set comes from a
+    fresh instance of its module's class (the values its constructor gives) or, failing that,
+    from the default, normal(0, 0.02) as GPT-2 and Megatron-LM use, with one warning naming
+    them. (A root-level whole-model `init_weights()`, torchtitan's, is autopart/root_init.py.)"""
+
+    def __init__(self, model: nn.Module):
+        fn = getattr(model, "_init_weights", None)
+        self.per_module = fn if callable(fn) else None
+        self.defaulted: list[str] = []
+
+    def __call__(self, shell: nn.Module, module: nn.Module, path: str, device) -> None:
+        if hasattr(shell, "reset_parameters"):
+            shell.reset_parameters()
+        if self.per_module is not None:
+            self.per_module(shell)
+        left = [k for k, p in shell._parameters.items() if p is not None and _unset(p)]
+        if not left:
+            return
+        fresh, _ = _fresh(module, device)
+        with torch.no_grad():
+            for k in left:
+                p = shell._parameters[k]
+                if fresh is not None and isinstance(fresh._parameters.get(k), torch.Tensor):
+                    p.copy_(fresh._parameters[k])
+                else:
+                    p.normal_(0.0, DEFAULT_STD)
+                    self.defaulted.append(_join(path, k))
+
+    def warn(self) -> None:
+        if self.defaulted:
+            warnings.warn(
+                f"autopart initialized {len(self.defaulted)} parameter(s) that no "
+                f"reset_parameters(), _init_weights or constructor sets with normal(0, "
+                f"{DEFAULT_STD}): {self.defaulted[:8]}{' ...' if len(self.defaulted) > 8 else ''}; "
+                "pass init_fn=... to choose otherwise, or load them with pm.load_pretrained(...)",
+                stacklevel=3)
+            self.defaulted = []
+
+
+DEFAULT_STD = 0.02
+
+
+def _unset(t: torch.Tensor) -> bool:
+    """Still the NaN init_module filled it with: nothing initialized it."""
+    return t.is_floating_point() and bool(torch.isnan(t).all())
 
 
 def init_module(module: nn.Module, path: str, *, seed: int, init_fn: InitFn | None,
-                device) -> dict[str, torch.Tensor]:
+                device, own: OwnInit | None = None) -> dict[str, torch.Tensor]:
     """`module`'s own tensors (not its children's), initialized on `device` under the
     generator of (seed, path); `module` itself is not changed."""
     device = torch.device(device)
     params = {k: p for k, p in module._parameters.items() if p is not None}
     buffers = {k: b for k, b in module._buffers.items() if b is not None}
-    shell = copy.copy(module)             # shares nothing mutable with `module` below
-    # None entries stay (a Linear without bias keeps `bias = None`)
-    shell._parameters = {k: None if p is None else
-                         nn.Parameter(torch.empty_like(p, device=device),
-                                      requires_grad=p.requires_grad)
-                         for k, p in module._parameters.items()}
-    shell._buffers = {k: None if b is None else torch.empty_like(b, device=device)
-                      for k, b in module._buffers.items()}
-    shell._modules = dict(module._modules)
+    shell = _shell(module, device)
     with _seeded(seed, path, device):
         if buffers:
             rebuilt = _rebuilt_buffers(module, path, device, trust_init_fn=init_fn is not None)
             shell._buffers.update(rebuilt)
         if init_fn is not None:
             init_fn(shell)
-        elif params and hasattr(shell, "reset_parameters"):
-            shell.reset_parameters()
         elif params:
-            raise AutopartError(
-                f"cannot initialize {type(module).__name__} at {path or '<root>'!r} on the meta "
-                f"device: it owns parameters {sorted(params)} but has no reset_parameters().\n"
-                "  remedy: pass init_fn=... (a function initializing one module in place, e.g. "
-                "a Hugging Face model's model._init_weights), or give the module a "
-                "reset_parameters(), or load weights with pm.load_pretrained(...)")
+            (own or OwnInit(module))(shell, module, path, device)
     return {**{k: v.detach() for k, v in shell._parameters.items() if v is not None},
             **{k: v for k, v in shell._buffers.items() if v is not None}}
 
 
+def _shell(module: nn.Module, device) -> nn.Module:
+    """A copy of `module` sharing nothing mutable with it, its own tensors new on `device`, the
+    floating ones NaN (so an initializer that skips one shows: `_unset`)."""
+    shell = copy.copy(module)
+    # None entries stay (a Linear without bias keeps `bias = None`)
+    shell._parameters = {k: None if p is None else
+                         nn.Parameter(_nan_like(p, device), requires_grad=p.requires_grad)
+                         for k, p in module._parameters.items()}
+    shell._buffers = {k: None if b is None else torch.empty_like(b, device=device)
+                      for k, b in module._buffers.items()}
+    shell._modules = dict(module._modules)
+    return shell
+
+
+def _nan_like(t: torch.Tensor, device) -> torch.Tensor:
+    out = torch.empty_like(t, device=device)
+    return out.fill_(float("nan")) if out.is_floating_point() else out
+
+
+def _fresh(module: nn.Module, device) -> tuple[nn.Module | None, str]:
+    """(a new instance of `module`'s class built on `device` from the module's attributes named
+    like its constructor's arguments, ""), or (None, why it cannot be built)."""
+    if any(p is not None for child in module.children() for p in child.parameters()):
+        return None, "it has children with parameters, which a rebuild would allocate too"
+    try:
+        args = _constructor_args(module)
+        with torch.device(device):
+            return type(module)(**args), ""
+    except Exception as e:   # noqa: BLE001  (any constructor failure: say which)
+        return None, f"rebuilding it failed: {type(e).__name__}: {e}"
+
+
 def _rebuilt_buffers(module: nn.Module, path: str, device, trust_init_fn: bool) -> dict:
     """The buffers a fresh instance of `module`'s class computes in its constructor."""
-    problem = None
-    if any(p is not None for child in module.children() for p in child.parameters()):
-        problem = "it has children with parameters, which a rebuild would allocate too"
-    else:
-        try:
-            args = _constructor_args(module)
-            with torch.device(device):
-                fresh = type(module)(**args)
-            return {k: b.to(device) for k, b in fresh._buffers.items() if b is not None
-                    and k in module._buffers}
-        except Exception as e:   # noqa: BLE001  (any constructor failure: say which, below)
-            problem = f"rebuilding it failed: {type(e).__name__}: {e}"
+    fresh, problem = _fresh(module, device)
+    if fresh is not None:
+        return {k: b.to(device) for k, b in fresh._buffers.items() if b is not None
+                and k in module._buffers}
     if trust_init_fn:
         return {}
+    raise AutopartError(buffer_problem(module, path, problem))
+
+
+def buffer_problem(module: nn.Module, path: str, problem: str) -> str:
     names = sorted(k for k, b in module._buffers.items() if b is not None)
-    raise AutopartError(
+    return (
         f"cannot compute the buffers {names} of {type(module).__name__} at "
         f"{path or '<root>'!r} on the meta device: autopart recomputes a buffer by constructing "
         f"a fresh {type(module).__name__} from the module's attributes named like its "
         f"constructor's arguments, but {problem}.\n  remedy: keep the constructor's arguments "
         "as attributes of the same names (self.config = config), move the buffer into a "
-        "module without parameterized children, or pass init_fn=... that fills it")
+        "module without parameterized children, give the root an init_weights() that computes "
+        "it (torchtitan's convention), or pass init_fn=... that fills it")
 
 
 def _constructor_args(module: nn.Module) -> dict:
@@ -231,10 +377,6 @@ def _direct(module: nn.Module) -> dict[str, torch.Tensor]:
             **{k: b for k, b in module._buffers.items() if b is not None}}
 
 
-def _owners(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    return {path: _direct(m) for path, m in model.named_modules()}
-
-
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
@@ -251,13 +393,6 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
 
 
-def full_name(path: str, local: str) -> str:
-    return _join(path, local)
-
-
-
-
-
 # -- one rank's share of a meta-device model -----------------------------------------------------
 
 def allocate_program(chunks, device) -> dict[str, torch.Tensor]:
@@ -272,6 +407,12 @@ def allocate_program(chunks, device) -> dict[str, torch.Tensor]:
             value = _attribute(chunk.gm, node.target)
             if not isinstance(value, torch.Tensor) or value.device.type != "meta":
                 continue
+            if node.target.startswith("_const_") and value.numel():
+                raise AutopartError(
+                    f"the model makes a tensor of {value.numel()} values in forward "
+                    f"({node.target[len('_const_'):]}, shape {list(value.shape)}), and on the "
+                    "meta device its values were never computed.\n  remedy: register it as a "
+                    "buffer in the module's constructor, or build the model on a real device")
             if node.target not in made:
                 empty = torch.empty(value.shape, dtype=value.dtype, device=device)
                 made[node.target] = (nn.Parameter(empty, requires_grad=value.requires_grad)
@@ -302,48 +443,16 @@ def retarget_devices(chunks, device) -> None:
                 gm.recompile()
 
 
-def fill_from_scratch(held: dict[str, torch.Tensor], model: nn.Module, plan, tp_rank: int,
-                      ep_rank: int, canonical: dict[str, str], *, seed: int,
-                      init_fn: InitFn | None, device) -> None:
-    """Initialize each module owning a tensor in `held` (canonical name -> this rank's local
-    tensor) whole, one at a time, and copy this rank's slice of it into `held`."""
-    from autopart.localize import rank_slice
-    wanted = {alias for alias, name in canonical.items() if name in held} | set(held)
-    for path, _, values in module_states(model, seed=seed, init_fn=init_fn, device=device,
-                                         wanted=wanted):
-        for local, value in values.items():
-            name = canonical.get(_join(path, local), _join(path, local))
-            if name in held:
-                with torch.no_grad():
-                    held[name].copy_(rank_slice(plan, name, value, tp_rank, ep_rank))
-
-
 def initial_state(model: nn.Module, names, *, seed: int, init_fn: InitFn | None,
                   device="cpu") -> dict[str, torch.Tensor]:
     """The from-scratch values of the full tensors `names` (state dict keys) of a meta model."""
-    names = set(names)
-    owner_names = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        for k, t in _direct(m).items():
-            owner_names.setdefault(id(t), []).append(_join(path, k))
-    out = {}
-    for path, module, values in module_states(model, seed=seed, init_fn=init_fn, device=device,
-                                              wanted=None if not names else _expand(model, names)):
-        for local, value in values.items():
-            for alias in owner_names.get(id(_direct(module)[local]), [_join(path, local)]):
-                if alias in names:
-                    out[alias] = value
+    names, out = set(names), {}
+
+    def keep(aliases: list[str], value: torch.Tensor) -> None:
+        out.update({a: value.clone() for a in aliases if a in names})
+    if names:
+        initial_values(model, keep, seed=seed, init_fn=init_fn, device=device, wanted=names)
     return out
-
-
-def _expand(model: nn.Module, names: set[str]) -> set[str]:
-    """`names` plus every other name of the same tensors (a tie is initialized by its first
-    owner, which may go by another name)."""
-    by_id: dict[int, set[str]] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        for k, t in _direct(m).items():
-            by_id.setdefault(id(t), set()).add(_join(path, k))
-    return set().union(*[ns for ns in by_id.values() if ns & names]) if names else set()
 
 
 def _attribute(module: nn.Module, target: str):
@@ -363,20 +472,50 @@ def _set_attribute(module: nn.Module, target: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
     else:
         setattr(module, leaf, value)
-__all__ = ["RankInit", "allocate_program", "retarget_devices", "fill_from_scratch", "init_module", "initial_state", "is_meta", "materialize", "module_states"]
+class RankWeights:
+    """A rank's share of a meta-device model: `allocate` gives its program real, unfilled tensors
+    (and the buffers the model's code computes); `fill` puts the from-scratch values of its
+    slices in them. The values can come instead from a checkpoint (runtime/pretrained.py)."""
 
+    def __init__(self, model: nn.Module, canonical: dict[str, str]):
+        self.model, self.canonical = model, canonical
 
-class RankInit:
-    """What a rank needs to build its share of a meta-device model from scratch; called by the
-    ParallelModel on its freshly localized (still meta) program."""
-
-    def __init__(self, model: nn.Module, canonical: dict[str, str], seed: int,
-                 init_fn: InitFn | None):
-        self.model, self.canonical, self.seed, self.init_fn = model, canonical, seed, init_fn
-
-    def __call__(self, program, plan, device) -> None:
+    def allocate(self, program, plan, device, extra: dict | None = None) -> dict[str, str]:
+        """Allocate this rank's tensors; returns {canonical name: why} for the model's tensors
+        that hold no values yet: every parameter, and each buffer the model's code cannot
+        compute (the same on every rank)."""
         retarget_devices(program.chunks, device)
         held = allocate_program(program.chunks, device)
-        fill_from_scratch(held, self.model, plan, program.coords["tp"],
-                          plan.mesh.ep_rank(program.rank), self.canonical, seed=self.seed,
-                          init_fn=self.init_fn, device=device)
+        problems = computed_buffers(self.model, self._into(held, plan, program, extra), device)
+        out = {self.canonical.get(n, n): "" for n, _ in self.model.named_parameters()}
+        out.update({self.canonical.get(n, n): why for n, why in problems.items()})
+        return out
+
+    def fill(self, held: dict, plan, program, device, *, seed: int, init_fn: InitFn | None
+             ) -> None:
+        """Initialize each tensor this rank holds from scratch, as autopart.materialize(model,
+        seed, init_fn) does the plain model's, keeping this rank's slice."""
+        wanted = {a for a, n in self.canonical.items() if n in held} | set(held)
+        initial_values(self.model, self._into(held, plan, program), seed=seed, init_fn=init_fn,
+                       device=device, wanted=wanted)
+
+    def _into(self, held: dict, plan, program, extra: dict | None = None) -> Sink:
+        """A sink copying this rank's slice of a full tensor into `held` (by canonical name),
+        and the whole of it into `extra` (state no chunk holds, by state dict key)."""
+        from autopart.localize import rank_slice
+        tp_rank, ep_rank = program.coords["tp"], plan.mesh.ep_rank(program.rank)
+
+        def put(names: list[str], value: torch.Tensor) -> None:
+            name = self.canonical.get(names[0], names[0])
+            if name in held:
+                with torch.no_grad():
+                    held[name].copy_(rank_slice(plan, name, value, tp_rank, ep_rank))
+            for key in names:
+                if extra is not None and key in extra:
+                    extra[key] = value.detach().to("cpu", copy=True)
+        return put
+
+
+__all__ = ["RankWeights", "allocate_program", "retarget_devices", "init_module", "initial_state",
+           "initial_values", "computed_buffers", "is_meta", "materialize", "module_states",
+           "meta_device", "OwnInit"]

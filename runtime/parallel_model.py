@@ -17,7 +17,7 @@ import torch.nn as nn
 from autopart.arguments import check_arguments, check_options
 from autopart.compiler import Compiled, compile as compile_model
 from autopart.errors import AutopartError
-from autopart.materialize import RankInit, initial_state, is_meta
+from autopart.materialize import RankWeights, initial_state, is_meta
 from autopart.mesh import Mesh
 from autopart.runtime.gradients import GradientReducer
 from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check_same_batch,
@@ -37,7 +37,7 @@ class ParallelModel:
 
     def __init__(self, compiled: Compiled, rank: int, device: torch.device, timeout: timedelta,
                  key_order: list[str], extra_state: dict[str, torch.Tensor],
-                 build: Callable | None = None, trace: str | None = None, zero: int = 0,
+                 weights: RankWeights | None = None, trace: str | None = None, zero: int = 0,
                  nonfinite: str = "raise", compile: bool | str = False,
                  zero_bucket_size: int | None = None):
         self.compiled = compiled
@@ -55,8 +55,12 @@ class ParallelModel:
         # this rank's own copies of its weight shards, its comms bound to its groups
         self.program = compiled.programs.instantiate(rank)
         bind_comms(self.program.chunks, self._groups)
-        if build is not None:   # a meta-device model: allocate and fill this rank's shards only
-            build(self.program, plan, device)
+        # a meta-device model: this rank allocates its shards only, filled later by exactly one
+        # of load_pretrained, load or init_weights; these names (global) hold no values yet
+        self._weights = weights
+        self._unfilled: dict[str, str] = {}    # name -> why autopart cannot compute it, or ""
+        if weights is not None:
+            self._unfilled = weights.allocate(self.program, plan, device, extra_state)
         else:
             for c in self.program.chunks:
                 c.gm.to(device)
@@ -95,6 +99,7 @@ class ParallelModel:
         # Reduce this step's gradients only. What .grad already holds (a train_step not yet zeroed,
         # as after two loss.backward() calls) was reduced then; reducing it again would count it
         # once per replica or per stage sharing it. It is added back after the reduction.
+        self._require_filled("train_step")
         checked = self._step.check_inputs(inputs, target)   # refused before any .grad moves
         shapes = [tuple(v.shape) for v in checked]
         if shapes != self._batch_shapes:   # first step, new shapes: one all-gather of a hash
@@ -139,6 +144,7 @@ class ParallelModel:
         """The plain model's complete state dict (every key, full shapes), on every rank; with
         `rank=r` on global rank r only, gathered one tensor at a time (the other ranks return {}
         and never hold a full tensor). Collective: every rank calls it with the same `rank`."""
+        self._require_filled("full_state_dict")
         if rank is None:
             return self._state.full_state_dict()
         return dict(self.full_state_dict_iter(rank))
@@ -156,6 +162,7 @@ class ParallelModel:
                                 f"{self.mesh.world_size}-rank mesh ({self.mesh}).\n  remedy: a "
                                 f"global rank in 0..{self.mesh.world_size - 1}, or rank=None "
                                 "for every rank")
+        self._require_filled("full_state_dict_iter")
         return self._state.full_state_dict_iter(rank)
 
     def load_pretrained(self, source) -> None:
@@ -164,8 +171,47 @@ class ParallelModel:
         safetensors with model.safetensors.index.json). Each rank reads only its slices
         (autopart/runtime/pretrained.py)."""
         from autopart.runtime.pretrained import load_pretrained
-        load_pretrained(self, source)
+        self._filled(load_pretrained(self, source))
         self._reload_masters()
+
+    def init_weights(self, seed: int = 0, init_fn: Callable | None = None) -> None:
+        """Fill this rank's shards from scratch: exactly its slices of what
+        `autopart.materialize(model, seed, init_fn)` gives the plain model (the model's own
+        initialization, found as autopart/materialize.py says, unless `init_fn` is given).
+        Not collective: each rank initializes the modules it holds a slice of."""
+        if self._weights is None:
+            raise AutopartError(
+                "init_weights: this ParallelModel was built from a model with real weights, "
+                "which it already holds.\n  remedy: build the model on the meta device "
+                "(autopart.meta_device()) to initialize it in parallelize's ranks")
+        from autopart.runtime.pretrained import held_tensors
+        plan = self.compiled.plan
+        self._weights.fill(held_tensors(self), plan, self.program, self.device, seed=seed,
+                           init_fn=init_fn)
+        extra = self._state.extra_state
+        extra.update(initial_state(self._weights.model, list(extra), seed=seed, init_fn=init_fn))
+        self._unfilled = {}
+        self._reload_masters()
+
+    def _filled(self, names) -> None:
+        self._unfilled = {n: why for n, why in self._unfilled.items() if n not in names}
+
+    def _require_filled(self, what: str) -> None:
+        """Refuse to use weights that were never filled (a meta model's, before a load or
+        init_weights). The set is the same on every rank, so all ranks refuse alike."""
+        if not self._unfilled:
+            return
+        why = next((w for w in self._unfilled.values() if w), "")
+        if why:       # a buffer no load fills and autopart cannot compute
+            raise AutopartError(f"{what}: {why}")
+        names = sorted(self._unfilled)
+        raise AutopartError(
+            f"{what}: {len(names)} tensor(s) of this model built on the meta device hold no "
+            f"values yet ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): "
+            "parallelize allocated them unfilled.\n  remedy: fill them first with one of "
+            "pm.load_pretrained(path) (the plain model's weights: safetensors, torch.save, a "
+            "Hugging Face or DCP directory), pm.load(path) (an autopart checkpoint) or "
+            "pm.init_weights(seed=0) (from scratch)")
 
     def optimizer(self, cls, **kwargs):
         """The optimizer for this rank's parameters: `cls(pm.parameters(), **kwargs)`, or with
@@ -174,6 +220,7 @@ class ParallelModel:
         slices again from the loaded parameters (or, handed to `load`, the saved state).
 
             opt = pm.optimizer(torch.optim.AdamW, lr=3e-4, weight_decay=0.1)"""
+        self._require_filled("optimizer")
         if not self.zero:
             return cls(self.parameters(), **kwargs)
         from autopart.runtime.optimizer import ZeroOptimizer
@@ -197,6 +244,7 @@ class ParallelModel:
     def save(self, path, optimizer=None, extra: dict | None = None, **kwargs) -> dict:
         """Save this model's shards, `optimizer`'s state, RNG states and `extra` to the checkpoint
         directory `path` (collective; atomic). See autopart/runtime/checkpoint.py."""
+        self._require_filled("save")
         from autopart.runtime.checkpoint import save
         return save(self, path, optimizer=optimizer, extra=extra, **kwargs)
 
@@ -205,6 +253,9 @@ class ParallelModel:
         returns its `extra` dict (collective). See autopart/runtime/checkpoint.py."""
         from autopart.runtime.checkpoint import load
         extra = load(self, path, optimizer=optimizer, **kwargs)
+        program = self.compiled.program    # every parameter and persistent buffer was read
+        self._filled({i.name for i in program.params.values()} |
+                     {i.name for i in program.buffers.values() if i.persistent})
         self._reload_masters(except_for=optimizer)
         return extra
 
@@ -214,7 +265,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                 microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
                 sequence_parallel: bool = False, recompute: str = "none",
                 memory_budget: str | int | None = None, optimizer: str = "adam",
-                timeout: timedelta = DEFAULT_TIMEOUT, seed: int = 0,
+                timeout: timedelta = DEFAULT_TIMEOUT, seed: int | None = None,
                 init_fn: Callable | None = None, trace: str | None = None,
                 zero: int = 0, nonfinite: str = "raise",
                 precision: str = "fp32", compile: bool | str = False,
@@ -286,15 +337,19 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                  list(compiled.program.buffers.values()) for a in (i.name, *i.aliases)}
     in_chunks = {n for c in compiled.program.chunks for n in c.gm.state_dict()}
     extra_keys = [k for k in keys if canonical.get(k, k) not in in_chunks]
-    if meta:
-        extra = initial_state(model, extra_keys, seed=seed, init_fn=init_fn)
-        build = RankInit(model, canonical, seed, init_fn)
+    state = model.state_dict()
+    if meta:   # allocated unfilled; values below (seed= or init_fn= given) or from a load
+        extra = {k: torch.empty_like(state[k], device="cpu") for k in extra_keys}
+        weights = RankWeights(model, canonical)
     else:
-        extra = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in extra_keys}
-        build = None
-    return ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, build,
-                         trace=trace_path(trace), zero=zero,
-                         nonfinite=nonfinite, compile=compile, zero_bucket_size=zero_bucket_size)
+        extra = {k: v.detach().cpu() for k, v in state.items() if k in extra_keys}
+        weights = None
+    pm = ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, weights,
+                       trace=trace_path(trace), zero=zero,
+                       nonfinite=nonfinite, compile=compile, zero_bucket_size=zero_bucket_size)
+    if meta and (seed is not None or init_fn is not None):
+        pm.init_weights(seed=0 if seed is None else seed, init_fn=init_fn)
+    return pm
 
 
 def zero_layouts(plan, params: dict, groups, bucket_size: int | None = None) -> tuple:

@@ -4,8 +4,10 @@
     pm.load_pretrained("llama-dir/")     # HF directory: *.safetensors + model.safetensors.index.json
 
 `source` is a state dict, a `torch.save` file (opened with mmap, so only the pages of the slices
-read are touched), a `.safetensors` file or a Hugging Face model directory (one
-`model.safetensors` or shards listed by `model.safetensors.index.json`). Safetensors are read with
+read are touched), a `.safetensors` file, a Hugging Face model directory (one
+`model.safetensors` or shards listed by `model.safetensors.index.json`) or a
+torch.distributed.checkpoint directory of the plain model's state dict (torchtitan's format:
+DCP reads only the saved chunks overlapping each slice). Safetensors are read with
 `safe_open(...).get_slice(key)[ranges]`: a tensor-parallel slice of a fused q|k|v weight is three
 ranges of rows, an expert slice a range of dim 0; no rank reads a tensor it does not hold.
 
@@ -105,11 +107,52 @@ class SafetensorsCheckpoint:
         return self._handle(key).get_slice(key)[index]
 
 
+class DcpCheckpoint:
+    """A torch.distributed.checkpoint directory of the plain model's state dict (torchtitan's
+    `dcp.save(model.state_dict(), ...)`): each read asks DCP for one box of one tensor, and DCP
+    reads only the saved chunks overlapping it. Entries that are not tensors (a training loop's
+    step counter saved beside the weights) are not keys."""
+
+    def __init__(self, path: Path):
+        import torch.distributed.checkpoint as dcp
+        self.where = str(path)
+        self.reader = dcp.FileSystemReader(str(path))
+        try:
+            meta = self.reader.read_metadata()
+        except Exception as e:  # noqa: BLE001  (an unreadable .metadata: say which and why)
+            raise AutopartError(f"load_pretrained: {path}/.metadata cannot be read as a "
+                                f"torch.distributed.checkpoint ({type(e).__name__}: {e})") from e
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        self.tensors = {k: m for k, m in meta.state_dict_metadata.items()
+                        if isinstance(m, TensorStorageMetadata)}
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, key: str) -> tuple[tuple, torch.dtype, str]:
+        m = self.tensors[key]
+        return tuple(m.size), m.properties.dtype, self.where
+
+    def read(self, key: str, index: tuple) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+        from autopart.runtime.checkpoint import Slices, _LoadPlanner
+        shape = tuple(self.tensors[key].size)
+        box = [(s.start, s.stop) for s in index] + [(0, n) for n in shape[len(index):]]
+        out = torch.empty([b - a for a, b in box], dtype=self.tensors[key].properties.dtype)
+        if out.numel():
+            piece = Slices(torch.Size(shape), [(torch.Size([a for a, _ in box]), out)])
+            dcp.load({key: piece}, storage_reader=self.reader, planner=_LoadPlanner(),
+                     no_dist=True)
+        return out
+
+
 def open_checkpoint(source):
     """A reader for `source` (see the module docstring)."""
     if isinstance(source, dict):
         return DictCheckpoint(source, "the given state dict")
     path = Path(source)
+    if path.is_dir() and (path / ".metadata").exists():
+        return DcpCheckpoint(path)
     if path.is_dir():
         return _hf_directory(path)
     if not path.exists():
@@ -191,13 +234,14 @@ def read_ranges(ckpt, key: str, ranges) -> torch.Tensor:
 
 # -- load -----------------------------------------------------------------------------------------
 
-def load_pretrained(pm, source) -> None:
-    """Overwrite `pm`'s shards (and the state no chunk holds) with their slices of `source`."""
+def load_pretrained(pm, source) -> set[str]:
+    """Overwrite `pm`'s shards (and the state no chunk holds) with their slices of `source`;
+    returns the canonical names of the model's tensors it filled (on every rank alike)."""
     ckpt = open_checkpoint(source)
     groups, skip = _expected(pm)
     stored = check_checkpoint(ckpt, groups, skip)
     plan, tp_rank, ep_rank = pm.compiled.plan, pm.coords["tp"], pm.ep_rank
-    for name, tensor in _held(pm).items():
+    for name, tensor in held_tensors(pm).items():
         if name not in stored:
             continue                                  # a non-persistent buffer
         key = stored[name]
@@ -213,6 +257,7 @@ def load_pretrained(pm, source) -> None:
         if name in stored:
             extra[name] = read_ranges(ckpt, stored[name], [[(0, n)] for n in extra[name].shape]
                                       ).to(extra[name].dtype).clone()
+    return set(stored)
 
 
 def _expected(pm) -> tuple[dict, set]:
@@ -270,7 +315,7 @@ def check_checkpoint(ckpt, groups: dict, skip: set) -> dict[str, str]:
     return stored
 
 
-def _held(pm) -> dict[str, torch.Tensor]:
+def held_tensors(pm) -> dict[str, torch.Tensor]:
     """This rank's tensors by canonical name, each once."""
     out = {}
     for c in pm.program.chunks:
@@ -280,4 +325,4 @@ def _held(pm) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["load_pretrained", "open_checkpoint", "rank_ranges", "read_ranges"]
+__all__ = ["held_tensors", "load_pretrained", "open_checkpoint", "rank_ranges", "read_ranges"]

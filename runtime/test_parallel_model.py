@@ -105,12 +105,18 @@ def test_parallelize_of_a_meta_model_names_the_buffers_it_cannot_compute(one_ran
     """A meta-device model is materialized rank by rank (autopart/materialize.py), which needs its
     buffers' values: Extras computes `scale` and `shift` in its constructor, next to children with
     parameters, so autopart cannot rebuild them and must say so, naming them and the remedy (a
-    bare "meta device" would match any meta error, e.g. a missing reset_parameters)."""
+    bare "meta device" would match any meta error, e.g. a missing reset_parameters). From
+    scratch (seed=) at once; weights left to a later load, at the first train_step if no load
+    filled them (persistent buffers come from a checkpoint)."""
     _, loss_fn, inputs, target = build(Case("x", model="extras"))
     with torch.device("meta"):
         model = Extras()
-    with pytest.raises(autopart.AutopartError, match=(
-            r"(?s)^cannot compute the buffers \['scale', 'shift'\] of Extras at '<root>' on the "
-            r"meta device: .*it has children with parameters, which a rebuild would allocate "
-            r"too\..*remedy: .*pass init_fn=\.\.\. that fills it$")):
-        autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=loss_fn, target=target)
+    message = (r"cannot compute the buffers \['scale', 'shift'\] of Extras at '<root>' on "
+               r"the meta device: .*it has children with parameters, which a rebuild would "
+               r"allocate too\..*remedy: .*pass init_fn=\.\.\. that fills it$")
+    with pytest.raises(autopart.AutopartError, match="(?s)^" + message):
+        autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=loss_fn, target=target,
+                             seed=0)
+    pm = autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=loss_fn, target=target)
+    with pytest.raises(autopart.AutopartError, match="(?s)^train_step: " + message):
+        pm.train_step(*inputs, target=target)

@@ -83,15 +83,25 @@ def test_materialize_rebuilds_non_persistent_buffers():
     assert torch.equal(meta.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq)
 
 
-def test_materialize_without_reset_parameters_is_a_clear_error():
+def test_materialize_without_reset_parameters_uses_the_constructor_or_warns():
+    """A parameter no reset_parameters() or _init_weights sets: the values a fresh instance of
+    its module's constructor gives (ones here), else normal(0, 0.02) with one warning naming it."""
     class Scale(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.ones(3))
+
+    class Pos(torch.nn.Module):                  # a raw parameter beside a child with weights
+        def __init__(self, n):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.pos = torch.nn.Parameter(torch.zeros(n, 4))
     with torch.device("meta"):
-        m = torch.nn.Sequential(Scale())
-    with pytest.raises(AutopartError, match=r"(?s)Scale at '0'.*init_fn"):
+        m = torch.nn.Sequential(Scale(), Pos(500))
+    with pytest.warns(UserWarning, match=r"normal\(0, 0\.02\): \['1\.pos'\]"):
         autopart.materialize(m)
+    assert torch.equal(m[0].w, torch.ones(3))
+    assert abs(m[1].pos.std().item() - 0.02) < 0.002 and not m[1].pos.isnan().any()
 
 
 def test_bad_checkpoints_name_the_key_and_the_file(tmp_path, single_process_group):
