@@ -8,6 +8,7 @@ under the plain model's names, so every later program names them as the user doe
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import io
 import logging
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim
@@ -102,8 +104,14 @@ def _check_scalar(loss, what: str):
 
 
 def capture(model: nn.Module, example_inputs: tuple, *, loss_fn: Callable | None = None,
-            target: torch.Tensor | None = None, layer_reuse: bool | None = None) -> Program:
+            target: torch.Tensor | None = None, layer_reuse: bool | None = None,
+            device: torch.device | None = None) -> Program:
     """Export `model` (with `loss_fn` applied) on one global batch into a Program.
+
+    `device` (a meta-device model): trace as if its tensors were on `device` (fake tensors), so
+    Python code that branches on a tensor's device (Hugging Face's MoE kernels choose CPU or CUDA
+    code) takes the branch the ranks will run, not the meta device's. The Program still holds
+    the meta tensors.
 
     With `layer_reuse` (default: on unless AUTOPART_LAYER_REUSE=0) a model whose layers repeat
     is traced with two of them and the others spliced in (autopart/layer_reuse.py): the same
@@ -123,7 +131,15 @@ def capture(model: nn.Module, example_inputs: tuple, *, loss_fn: Callable | None
     names = _input_names(model, len(example_inputs)) + (["target"] if target is not None else [])
 
     def trace() -> Program:       # the model as it is when called (layer reuse shortens it)
-        ep, dynamic = _export(wrapper, args)
+        if device is None or not any(t.is_meta for t in model.parameters()):
+            ep, dynamic = _export(wrapper, args)
+        else:
+            twin, fake_args = _fake_twin(model, args, device)
+            wrapper.model = twin
+            try:
+                ep, dynamic = _export(wrapper, fake_args)
+            finally:
+                wrapper.model = model
         return _to_program(ep, model, args, dynamic, names)
 
     program = layer_reuse_mod.capture_reusing(model, trace) \
@@ -142,6 +158,27 @@ def _input_names(model: nn.Module, n: int) -> list[str]:
         params = []
     names = [p.name for p in params[:n]]
     return names + [f"input_{i}" for i in range(len(names), n)]
+
+
+def _fake_twin(model: nn.Module, args: tuple, device) -> tuple[nn.Module, tuple]:
+    """A copy of the meta `model`, and `args`, as fake tensors on `device` (one fake tensor per
+    meta tensor: ties stay ties); export traces under their fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    twin, made = copy.deepcopy(model), {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        def fake(t):
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        for m in twin.modules():
+            for table in (m._parameters, m._buffers):
+                for k, v in table.items():
+                    if v is None or not v.is_meta:
+                        continue
+                    if id(v) not in made:
+                        made[id(v)] = (nn.Parameter(fake(v), requires_grad=v.requires_grad)
+                                       if isinstance(v, nn.Parameter) else fake(v))
+                    table[k] = made[id(v)]
+        fake_args = tuple(fake(a) if a.is_meta else a for a in args)
+    return twin, fake_args
 
 
 def _check_inputs(args: tuple) -> None:
@@ -329,7 +366,10 @@ class _State:
             return canon
         if node.name in self.to_const:
             const = "_const_" + node.name
-            self.attrs[const] = self.constants[self.to_const[node.name]]
+            value = self.constants[self.to_const[node.name]]
+            if is_fake(value):     # traced as a meta model on fake tensors: no values either
+                value = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            self.attrs[const] = value
             self.buffers[const] = TensorInfo(const, tuple(self.attrs[const].shape),
                                              self.attrs[const].dtype, (), False, False)
             return const

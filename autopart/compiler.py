@@ -153,13 +153,18 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
             dump_dir: str | None = None, recompute: str = "none",
             memory_budget: str | int | None = None, optimizer: str = "adam",
             precision: str = "fp32", zero: int = 0,
-            agree_order: Callable[[list], list] | None = None) -> Compiled:
+            agree_order: Callable[[list], list] | None = None,
+            trace_device: torch.device | str | None = None) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
 
     `agree_order` (parallelize passes one): given the structure of the captured graph (each
     node's key and inputs), returns the structure every rank must use (rank 0's), so that a
     forward whose op order depends on the process (a loop over a Python set) compiles one
     program on every rank (autopart/node_order.py).
+
+    `trace_device` (a meta-device model; parallelize passes the ranks' device type): trace its
+    forward as if on that device, so code that branches on a tensor's device takes the ranks'
+    branch (autopart/capture.py).
 
     >>> import torch, autopart
     >>> from examples.gpt import GPT
@@ -180,7 +185,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
     from autopart.memory import parse_bytes
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    program = _capture(model, example_inputs, loss_fn, target, mbs)
+    program = _capture(model, example_inputs, loss_fn, target, mbs, trace_device)
     if agree_order is not None:
         from autopart import node_order
         program, _ = node_order.follow(program, agree_order(
@@ -285,7 +290,7 @@ def _microbatch_size(inputs: tuple, mesh: Mesh, microbatches: int) -> int:
     return batch // (mesh.dp * microbatches)
 
 
-def _capture(model, inputs, loss_fn, target, mbs) -> Program:
+def _capture(model, inputs, loss_fn, target, mbs, device=None) -> Program:
     """Capture at a microbatch (at least 2 rows, so the batch size stays symbolic)."""
     rows = max(mbs, 2)
 
@@ -298,11 +303,11 @@ def _capture(model, inputs, loss_fn, target, mbs) -> Program:
 
     args = tuple(take(t) for t in inputs)
     whole = tuple(inputs) + ((target,) if target is not None else ())
-    program = capture(model, args, loss_fn=loss_fn, target=take(target))
+    program = capture(model, args, loss_fn=loss_fn, target=take(target), device=device)
     if not program.dynamic and rows != mbs:   # static graph: it must be the microbatch's own
         args = tuple(t[:mbs] for t in inputs)
         program = capture(model, args, loss_fn=loss_fn,
-                          target=None if target is None else target[:mbs])
+                          target=None if target is None else target[:mbs], device=device)
         target = None if target is None else target[:mbs]
     else:
         target = take(target)

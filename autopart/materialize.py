@@ -425,10 +425,13 @@ def retarget_devices(chunks, device) -> None:
     """Factory ops captured from meta inputs (`arange(..., device='meta')` for positions) make
     their tensors on `device` instead: the rank computes on real tensors."""
     device = torch.device(device)
-    meta = torch.device("meta")
 
-    def fix(v):
-        return device if isinstance(v, (torch.device, str)) and v in (meta, "meta") else v
+    def fix(v):   # meta, or the device type the program was traced for (cuda: cuda:0)
+        if isinstance(v, str) and v.split(":")[0] in ("meta", device.type):
+            v = torch.device(v)
+        if isinstance(v, torch.device) and v.type in ("meta", device.type):
+            return device
+        return v
     for chunk in chunks:
         split = chunk.backward
         graphs = [chunk.gm] + ([g for g in (split.forward, split.input_grad, split.weight_grad)

@@ -329,7 +329,8 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                              virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
                              recompute=recompute, memory_budget=memory_budget,
                              optimizer=optimizer, precision=precision, zero=zero,
-                             agree_order=rank0_order)
+                             agree_order=rank0_order,
+                             trace_device=torch.device(device.type) if meta else None)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
     # never changes in training; full_state_dict returns it as it is now.

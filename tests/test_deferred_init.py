@@ -157,6 +157,14 @@ def test_two_ranks_the_other_ways(tmp_path):
 
 
 @pytest.mark.full
+def test_hf_mixtral_dp2xep2(tmp_path):
+    """Traced for the ranks' device (fake tensors), not the meta device's: HF's MoE code picks
+    its CPU kernels (a float histc) as the ranks run them."""
+    _run(tmp_path, [DCase("mixtral-load", "hf-mixtral", {"dp": 2, "ep": 2}, "load"),
+                    DCase("mixtral-scratch", "hf-mixtral", {"dp": 2, "ep": 2}, "scratch")])
+
+
+@pytest.mark.full
 def test_hf_gpt2_zero1_and_torchtitan_llama_pp2xdp2(tmp_path):
     """HF GPT-2 with AdamW and zero=1 from a torch.save file and from scratch; torchtitan's
     Llama from its DCP checkpoint and from its own init_weights (freqs_cis computed by it)."""
