@@ -6,6 +6,11 @@ process vs autopart built on the meta device and loaded from a safetensors file.
 Prints each process's VmHWM (kernel high-water mark), minus that of a process that only imported
 torch (printed), and the ratio to the plain process; and the checkpoint load time per rank vs
 torch.load of the whole file. Target: every rank under 0.4 of the plain peak at pp=4.
+
+Then, per mesh, the time from calling parallelize to the end of the first train_step with the
+weights loaded by load_pretrained: deferred (parallelize leaves them unfilled, the default for a
+meta model) against init-then-load (parallelize(..., seed=0) initializes every shard from scratch
+first, what autopart did before). `--no-init-compare` skips the second run.
 """
 from __future__ import annotations
 
@@ -50,29 +55,35 @@ def plain(spec: str, path: str, steps: int) -> dict:
     return {"hwm": hwm(), "load_s": load_s, "phases": phases}
 
 
-def ranked(rank: int, world: int, spec: str, path: str, steps: int, mesh: dict) -> dict:
+def ranked(rank: int, world: int, spec: str, path: str, steps: int, mesh: dict,
+           seed: int | None = None) -> dict:
     import autopart
     from examples.gpt import GPT, lm_loss
     with torch.device("meta"):
         model = GPT(spec)
     x = torch.randint(0, 1000, (4, 128))
     phases = {"import": hwm()}       # the high-water mark after each phase: which one set it
+    start = time.perf_counter()
     pm = autopart.parallelize(model, autopart.Mesh(**mesh), (x,), loss_fn=lm_loss, target=x,
-                              microbatches=2, zero=1 if mesh.get("dp", 1) > 1 else 0)
+                              microbatches=2, zero=1 if mesh.get("dp", 1) > 1 else 0, seed=seed)
+    parallelize_s = time.perf_counter() - start
     phases["parallelize"] = hwm()
     t = time.perf_counter()
     pm.load_pretrained(path)
     load_s = time.perf_counter() - t
     phases["load"] = hwm()
     opt = pm.optimizer(torch.optim.Adam, lr=1e-4)
+    first_step_s = None
     for step in range(steps):
         pm.train_step(x, target=x)
+        first_step_s = first_step_s or time.perf_counter() - start
         phases[f"backward{step + 1}"] = hwm()
         opt.step(), opt.zero_grad()
         phases[f"step{step + 1}"] = hwm()
     state = {k: pm.compiled.memory[rank][k]
              for k in ("params", "grads", "master", "optimizer", "activations")}
-    return {"hwm": hwm(), "load_s": load_s, "phases": phases, "model_state": state}
+    return {"hwm": hwm(), "load_s": load_s, "phases": phases, "model_state": state,
+            "parallelize_s": parallelize_s, "first_step_s": first_step_s}
 
 
 def main() -> None:
@@ -83,6 +94,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--mesh", action="append", type=_mesh,
                     help="a mesh to measure, e.g. pp=4 or pp=2,dp=2 (repeatable; default both)")
+    ap.add_argument("--no-init-compare", action="store_true",
+                    help="skip the init-then-load run (parallelize(..., seed=0) before loading)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     with ctx.Pool(1) as pool:
@@ -111,6 +124,15 @@ def main() -> None:
                     f"{k} {v / 2**20:.0f}" for k, v in o["phases"].items()))
                 print("    explain's prediction (MiB): " + ", ".join(
                     f"{k} {v / 2**20:.0f}" for k, v in o["model_state"].items()))
+            if args.no_init_compare:
+                continue
+            old = spawn(ranked, 4, args.config, path, 1, mesh, 0, timeout=3600, pg_timeout=1800)
+            print(f"{mesh} parallelize -> first step, loaded with load_pretrained (slowest rank): "
+                  f"deferred {max(o['first_step_s'] for o in out):.1f} s "
+                  f"(parallelize {max(o['parallelize_s'] for o in out):.1f} s), init-then-load "
+                  f"{max(o['first_step_s'] for o in old):.1f} s (parallelize "
+                  f"{max(o['parallelize_s'] for o in old):.1f} s); ratio "
+                  f"{max(o['first_step_s'] for o in out) / max(o['first_step_s'] for o in old):.2f}")
 
 
 def _mesh(text: str) -> dict:
