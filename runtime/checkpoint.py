@@ -364,6 +364,7 @@ def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
     start = time.perf_counter()
     path = Path(path).absolute()
     rank = dist.get_rank()
+    _enter(pm, "save")
     # the temporary directory's name, the same on every rank; and rank 0's checks of `path` and
     # of `extra` (rank 0's is the one saved), in the first collective, so every rank raises alike
     # before anything is written
@@ -415,6 +416,13 @@ def _save_into(pm, path: Path, tmp: Path, token: str, optimizer, extra, model, r
     if rank != 0:
         marker = _read_marker(path)
     return marker
+
+
+def _enter(pm, what: str) -> None:
+    groups = getattr(pm, "_groups", None)
+    if groups is not None and getattr(groups, "timeout", None) is not None:
+        from autopart.runtime.groups import enter_together
+        enter_together(groups, what)
 
 
 def _check_extra(extra) -> str | None:
@@ -613,6 +621,7 @@ def load(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
     """
     path = _resolve(Path(path).absolute())
     rank, world = dist.get_rank(), dist.get_world_size()
+    _enter(pm, "load")
     # every rank reads the marker; a problem on one rank is raised on all of them
     marker, problem = None, None
     try:

@@ -5,6 +5,7 @@ each builder walks all groups of the mesh and keeps the one containing this rank
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +32,7 @@ class RankGroups:
     model: object = None  # ranks holding one whole model replica (same dp): pp x tp
     ep: object = None     # ranks exchanging tokens for their experts: same pp, tp, dp // ep
     ep_replica: object = None  # ranks holding the same experts: same pp, tp, dp % ep
+    timeout: timedelta | None = None   # the model's, which `world` was made with
 
 
 def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
@@ -61,7 +63,29 @@ def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
         group = _mine(groups, rank, timeout)
         if group is not None:
             shared[name] = group
-    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica)
+    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica, timeout)
+
+
+def enter_together(groups: RankGroups, what: str) -> None:
+    """Wait, within the model's timeout, until every rank entered the collective `what` (save,
+    load), and name the ranks that did not: a rank that never calls it would otherwise leave
+    the others blocked in the first collective for the default group's timeout (30 minutes by
+    torch's default). A monitored barrier (Gloo); NCCL has none, and its groups' own timeout
+    (this model's) bounds the wait there."""
+    if dist.get_backend(groups.world) != "gloo":
+        return
+    try:
+        dist.monitored_barrier(group=groups.world, timeout=groups.timeout, wait_all_ranks=True)
+    except RuntimeError as e:
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass", str(e))   # Gloo's wording
+        missing = sorted(int(r) for r in re.findall(r"\d+", found.group(1))) if found else []
+        who = f"rank(s) {missing}" if missing else "some rank"
+        raise AutopartError(
+            f"{what}: {who} did not enter it within {groups.timeout.total_seconds():.0f} s "
+            f"(parallelize's timeout); every rank must call {what} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:300]}).\n  remedy: call pm.{what}(...) on every rank, "
+            "not only on rank 0 (rank 0 alone writes the marker; the others write their "
+            "shards)") from e
 
 
 def rank0_order(structure: list) -> list:

@@ -52,3 +52,24 @@ def nonfinite_loss(rank: int, world: int, mode: str) -> dict:
             p.grad = None
     out["skipped"] = list(pm.skipped_steps)
     return out
+
+
+def save_on_one_rank(rank: int, world: int, hold_s: float, path: str) -> str:
+    """Rank 0 saves; the others never call save (they stay alive `hold_s` seconds): rank 0 must
+    fail within parallelize's timeout (10 s), naming the ranks that did not come."""
+    import time
+    import autopart
+
+    case = Case("one-saves", dp=world)
+    model, loss_fn, inputs, target = build(case)
+    pm = autopart.parallelize(model, autopart.Mesh(dp=world), inputs, loss_fn=loss_fn,
+                              target=target, timeout=timedelta(seconds=10))
+    if rank != 0:
+        time.sleep(hold_s)
+        return "did not save"
+    start = time.perf_counter()
+    try:
+        pm.save(path)
+        return f"no error after {time.perf_counter() - start:.1f} s"
+    except autopart.AutopartError as e:
+        return f"AutopartError after {time.perf_counter() - start:.1f} s: {e}"

@@ -473,6 +473,23 @@ def test_train_step_refuses_different_global_batches_on_different_ranks():
         assert torch.isfinite(torch.tensor(loss)) and steps == 1
 
 
+@pytest.mark.full     # a spawn that waits out a 10 s timeout
+def test_save_called_on_one_rank_fails_within_the_timeout_naming_the_others(tmp_path):
+    """Was: rank 0 still blocked after 60 s with parallelize(timeout=10 s). Now a monitored
+    barrier on the model's group (runtime/groups.enter_together) fails within the timeout and
+    names rank 1; nothing is written."""
+    from autopart.runtime.launch import spawn
+    from tests.failure_workers import save_on_one_rank
+    out = spawn(save_on_one_rank, 2, 25.0, str(tmp_path / "ck"), timeout=300, pg_timeout=120)
+    assert out[1] == "did not save"
+    assert out[0].startswith("AutopartError after "), out[0]
+    seconds = float(out[0].split("after ")[1].split(" s")[0])
+    assert seconds < 30, out[0]
+    assert "save: rank(s) [1] did not enter it within 10 s" in out[0], out[0]
+    assert "call pm.save(...) on every rank" in out[0]
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
 # -- a ZeRO optimizer built before a load that was not handed it: runtime/parallel_model.py ----
 
 def test_zero1_optimizer_built_before_load_steps_the_loaded_weights(single_process_group,

@@ -145,6 +145,7 @@ def test_dcp_directory_reads_only_the_slice(tmp_path):
 
 # -- spawned ranks --------------------------------------------------------------------------------
 
+@pytest.mark.full     # the fast tier's 20 minutes: its single-process tests above cover the logic
 def test_hf_llama_tp2_from_a_sharded_directory_and_hand_gpt_pp2_from_scratch(tmp_path):
     _run(tmp_path, [DCase("hf-llama-tp2-load", "hf-llama", {"tp": 2}, "load", "hf"),
                     DCase("hand-gpt-pp2-scratch", "hand-gpt", {"pp": 2}, "scratch")])
