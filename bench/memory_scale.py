@@ -44,7 +44,7 @@ def plain(spec: str, path: str, steps: int) -> dict:
     t = time.perf_counter()
     model.load_state_dict(torch.load(path, weights_only=True), strict=False)
     load_s = time.perf_counter() - t
-    x = torch.randint(0, 1000, (4, 128))     # the same global batch the ranks train
+    x = _batch()                             # the same global batch the ranks train
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     phases = {"load": hwm()}
     for step in range(steps):
@@ -61,7 +61,7 @@ def ranked(rank: int, world: int, spec: str, path: str, steps: int, mesh: dict,
     from examples.gpt import GPT, lm_loss
     with torch.device("meta"):
         model = GPT(spec)
-    x = torch.randint(0, 1000, (4, 128))
+    x = _batch()                     # the same global batch on every rank (train_step checks)
     phases = {"import": hwm()}       # the high-water mark after each phase: which one set it
     start = time.perf_counter()
     pm = autopart.parallelize(model, autopart.Mesh(**mesh), (x,), loss_fn=lm_loss, target=x,
@@ -133,6 +133,10 @@ def main() -> None:
                   f"{max(o['first_step_s'] for o in old):.1f} s (parallelize "
                   f"{max(o['parallelize_s'] for o in old):.1f} s); ratio "
                   f"{max(o['first_step_s'] for o in out) / max(o['first_step_s'] for o in old):.2f}")
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(0))
 
 
 def _mesh(text: str) -> dict:
