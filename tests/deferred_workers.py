@@ -5,7 +5,7 @@ pm.init_weights) and trained 3 steps beside the plain model.
 
 The plain reference is the real model seeded like the checkpoint the test process wrote, or
 autopart.materialize of a meta copy with the seed given to init_weights. Allocation is counted
-by the dispatcher (tests/meta_workers.LargestAlloc and TotalAlloc below), not by autopart.
+by the dispatcher (tests/meta_workers.LargestAlloc), not by autopart.
 """
 from __future__ import annotations
 
@@ -16,9 +16,6 @@ from datetime import timedelta
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests._workers import ATOL, RTOL, _compare, hf_loss
 from tests.meta_workers import LargestAlloc, held_bytes
@@ -138,28 +135,6 @@ def save_checkpoint(case: DCase, path: str) -> None:
         torch.save(model.state_dict(), path)
 
 
-class TotalAlloc(TorchDispatchMode):
-    """Bytes of every storage an aten op created while active (an output whose storage no input
-    has), summed: what a rank allocated, freed or not. Fake and meta tensors are not memory."""
-
-    def __init__(self):
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {_ptr(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not is_fake(t) and t.device.type != "meta" \
-                    and _ptr(t) not in inputs:
-                self.total += t.untyped_storage().nbytes()
-        return out
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return 0 if is_fake(t) or t.device.type == "meta" else t.untyped_storage().data_ptr()
-
-
 def _optimizer(case: DCase):
     if case.optim == "adamw":     # lr 1e-4: Adam's round-off moves (see meta_workers) stay < atol
         return torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1)
@@ -175,7 +150,7 @@ def run(rank: int, world: int, case: DCase) -> dict:
         meta_model, loss_fn = construct(case)
     inputs, target = batch()
     mesh = autopart.Mesh(**case.mesh)
-    allocated = TotalAlloc()
+    allocated = LargestAlloc()      # .total: every byte parallelize allocated
     with warnings.catch_warnings(record=True) as caught, allocated:
         warnings.simplefilter("always")
         pm = autopart.parallelize(meta_model, mesh, (inputs,), loss_fn=loss_fn, target=target,

@@ -228,12 +228,14 @@ def _check_gather(pm, ref: nn.Module, dst: int, atol: float, problems: list) -> 
 
 class LargestAlloc(TorchDispatchMode):
     """The bytes of the largest storage any aten op created while active (an op's output whose
-    storage none of its inputs has: views and in-place results allocate nothing). Counted by the
-    dispatcher, below autopart's code; fake and meta tensors (compilation) are not memory."""
+    storage none of its inputs has: views and in-place results allocate nothing), and `total`,
+    those bytes summed (freed or not). Counted by the dispatcher, below autopart's code; fake and
+    meta tensors (compilation) are not memory."""
 
     def __init__(self):
         super().__init__()
         self.largest = 0
+        self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -242,6 +244,7 @@ class LargestAlloc(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not is_fake(t) and t.device.type != "meta" \
                     and _ptr(t) not in inputs:
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
+                self.total += t.untyped_storage().nbytes()
         return out
 
 

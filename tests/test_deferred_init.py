@@ -4,7 +4,7 @@ torch.save file, a sharded Hugging Face directory, a torchtitan/DCP directory), 
 pm.init_weights (the model's own initialization: reset_parameters, Hugging Face's
 _init_weights, torchtitan's root init_weights, or a warned default). Each case trains 3 steps
 equal to the plain model (fp32, tests/_workers.py's tolerances); bytes allocated are counted by
-the dispatcher (tests/deferred_workers.TotalAlloc), not by autopart.
+the dispatcher (tests/meta_workers.LargestAlloc), not by autopart.
 
 Fast tier: python -m pytest -m "not full" tests/test_deferred_init.py
 Full:      python -m pytest tests/test_deferred_init.py
