@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -105,7 +106,7 @@ def trace_slices(trace: dict) -> list[Slice]:
     complete = [(n, e) for n, e in enumerate(events) if isinstance(e, dict) and e.get("ph") == "X"]
     if not complete:
         raise ValueError('the trace has no complete events ("ph": "X") to draw')
-    rows = [_event_row(n, e) for n, e in complete]
+    rows = _rows_by_rank([_event_row(n, e) for n, e in complete], events)
     origin = min(ts for _, ts, _, _ in rows)
     local = {}
     for rank, _, _, args in rows:
@@ -115,6 +116,26 @@ def trace_slices(trace: dict) -> list[Slice]:
         Slice(rank, (ts - origin) / 1e3, (ts + dur - origin) / 1e3, kind, chunk, mb, order[rank].index(chunk))
         for rank, ts, dur, (kind, chunk, mb) in rows
     ]
+
+
+def _rows_by_rank(rows: list, events: list) -> list:
+    """Give each event its rank: ``pid`` when the pids are 0..n-1 (autopart's own traces); else the
+    rank a ``process_name`` metadata event names ("rank 3"); else the pids' order. A profiler's
+    trace carries OS process ids (31338): taken as ranks they would draw 31,339 rows."""
+    pids = sorted({pid for pid, *_ in rows})
+    if pids == list(range(len(pids))):
+        return rows
+    named = {e.get("pid"): _rank_in_name(e) for e in events
+             if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "process_name"}
+    to_rank = {pid: named.get(pid) for pid in pids}
+    if sorted(r for r in to_rank.values() if r is not None) != list(range(len(pids))):
+        to_rank = {pid: n for n, pid in enumerate(pids)}   # the pids' order stands for the ranks'
+    return [(to_rank[pid], *rest) for pid, *rest in rows]
+
+
+def _rank_in_name(event: dict) -> int | None:
+    match = re.fullmatch(r"\s*(?:rank|Rank|RANK)\s*[:#]?\s*(\d+)\s*", str((event.get("args") or {}).get("name", "")))
+    return int(match.group(1)) if match else None
 
 
 def draw_trace(trace: dict, path: str | Path, *, title: str | None = None) -> Path:

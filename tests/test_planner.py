@@ -8,6 +8,7 @@ Run with -s to see the comparison table.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -333,3 +334,33 @@ def test_cli_recompute_selective_json():
     assert out.returncode in (0, 1), out.stderr          # 1: no selective layout fits 80 GB
     rows = json.loads(out.stdout)["layouts"]
     assert rows and {r["recompute"] for r in rows} == {"selective"}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"peak_flops": "fast"}, "peak_flops = 'fast': a number > 0"),
+    ({"gpus_per_node": 0}, "gpus_per_node = 0: an integer >= 1"),
+    ({"inter_bw": -25e9}, "inter_bw = -25000000000.0: a number > 0"),
+    ({"gemm_efficiency": 1.5}, "gemm_efficiency = 1.5: a number > 0 and <= 1"),
+    ({"latency_s": float("nan")}, "latency_s = nan"),
+])
+def test_cluster_file_values_are_checked(tmp_path, change, message):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**SELENE.to_dict(), **change}))
+    with pytest.raises(AutopartError, match=re.escape(message)) as e:
+        cluster(str(path))
+    assert str(path) in str(e.value) and "remedy" in str(e.value)
+
+
+def test_cluster_file_that_is_not_an_object(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(AutopartError, match="holds a JSON list; it must be one object"):
+        cluster(str(path))
+
+
+def test_bad_cluster_file_on_the_command_line_is_one_line_exit_2(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**SELENE.to_dict(), "memory_bytes": 0}))
+    out = _cli("plan", "examples/gpt.py:GPT", "--config", "megatron-1t", "--gpus", "3072", "--batch", "3072",
+               "--cluster", str(path))
+    assert out.returncode == 2 and "memory_bytes = 0: a number > 0" in out.stderr and "Traceback" not in out.stderr

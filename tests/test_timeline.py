@@ -91,3 +91,29 @@ def test_drawing_leaves_the_pyplot_backend_alone(tmp_path):
     s = make_schedule("zb-h1", pp=2, microbatches=2)
     draw_simulated(s, simulate(s), tmp_path / "t.png")
     assert matplotlib.get_backend() == before
+
+
+def test_os_process_ids_become_ranks_in_their_order():
+    """A trace whose pid is an OS process id draws one row per process, not 31,339 rows."""
+    trace = {"traceEvents": [trace_event("0F0", 0, 10, 31338, 0, 0, "F"),
+                             trace_event("1F0", 10, 10, 40112, 1, 0, "F")]}
+    assert [s.rank for s in trace_slices(trace)] == [0, 1]
+
+
+def test_process_name_metadata_says_which_rank_a_pid_is():
+    trace = {"traceEvents": [trace_event("1F0", 0, 10, 31338, 1, 0, "F"),
+                             trace_event("0F0", 10, 10, 40112, 0, 0, "F"),
+                             {"ph": "M", "name": "process_name", "pid": 31338, "args": {"name": "rank 1"}},
+                             {"ph": "M", "name": "process_name", "pid": 40112, "args": {"name": "rank 0"}}]}
+    assert [s.rank for s in trace_slices(trace)] == [1, 0]
+
+
+def test_trace_cli_on_os_pids_answers_at_once(tmp_path):
+    from autopart.cli import main
+
+    events = [trace_event(f"{k}{i}", 1000 * i, 900, pid, 0, i, k) for pid in (31338, 31339) for i in range(2)
+              for k in "FB"]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert main(["trace", str(path), "--png", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:8] == PNG

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,30 @@ class Cluster:
     latency_s: float = 1e-5
     op_overhead_s: float = 0.0     # per op: 0 on GPUs (launches are async, hidden behind the work)
 
+    def __post_init__(self):
+        problems = [f"{k} = {v!r}: {need}" for k, v, need in self._checks() if need]
+        if problems:
+            raise AutopartError(f"cluster {self.name!r} has values that cannot describe hardware:\n  "
+                                + "\n  ".join(problems)
+                                + "\n  remedy: fix them in the cluster file (`autopart plan --explain-cost` "
+                                  "prints a preset's values to start from)")
+
+    def _checks(self):
+        """(field, value, what it must be, or "" where it is)."""
+        def number(v, lo, hi=math.inf, lo_open=True):
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  and (v > lo if lo_open else v >= lo) and v <= hi)
+            return "" if ok else (f"a number {'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi < math.inf else ""))
+        yield "name", self.name, "" if isinstance(self.name, str) and self.name else "a non-empty string"
+        g = self.gpus_per_node
+        yield "gpus_per_node", g, "" if isinstance(g, int) and not isinstance(g, bool) and g >= 1 else "an integer >= 1"
+        for k in ("peak_flops", "hbm_bw", "memory_bytes", "intra_bw", "inter_bw"):
+            yield k, getattr(self, k), number(getattr(self, k), 0)
+        for k in ("gemm_efficiency", "intra_efficiency", "inter_efficiency", "memory_efficiency"):
+            yield k, getattr(self, k), number(getattr(self, k), 0, 1)
+        for k in ("gemm_half_dim", "attention_score_bytes", "latency_s", "op_overhead_s"):
+            yield k, getattr(self, k), number(getattr(self, k), 0, lo_open=False)
+
     CONSTANTS = ("gemm_efficiency", "gemm_half_dim", "attention_score_bytes", "intra_efficiency",
                  "inter_efficiency", "memory_efficiency", "latency_s", "op_overhead_s")
 
@@ -70,9 +95,16 @@ class Cluster:
     @classmethod
     def from_json(cls, path: str | Path) -> Cluster:
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise AutopartError(f"cannot read cluster file {path}: {e}") from e
+            raise AutopartError(f"cannot read cluster file {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise AutopartError(f"cluster file {path} holds a JSON {type(data).__name__}; it must be one object "
+                                f"with the keys {[f.name for f in dataclasses.fields(cls)]}")
+        try:
+            return cls.from_dict(data)
+        except AutopartError as e:
+            raise AutopartError(f"cluster file {path}: {e}") from None
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -69,9 +69,11 @@ def fit(base, rows, *, iterations: int = 80, simulate_top: int = 2):
         return dataclasses.replace(base, **{k: math.exp(v) for k, v in zip(FREE, x)})
 
     def loss(x):
+        values = {k: math.exp(v) for k, v in zip(FREE, x)}
+        if any(values.get(k, 0) > 1 for k in ("gemm_efficiency", "intra_efficiency", "inter_efficiency",
+                                               "memory_efficiency")):
+            return 1e9    # outside what a Cluster may hold
         c = make(x)
-        if max(c.gemm_efficiency, c.intra_efficiency, c.inter_efficiency, c.memory_efficiency) > 1:
-            return 1e9
         # ~ the largest error (the 5% bound is on each row), smooth for Nelder-Mead
         return sum(e ** 8 for e in errors(c, rows, simulate_top)) ** (1 / 8)
 
