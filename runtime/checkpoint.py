@@ -912,23 +912,50 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, verify: boo
     a directory `from_pretrained` loads). Returns the files written."""
     from safetensors.torch import save_file
 
-    state, marker = read_full_state_dict(checkpoint, verify=verify)
     out = Path(out)
     target = out if out.suffix == ".safetensors" else out / "model.safetensors"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in state.items()}
-    meta = {"format": "pt", "autopart_checkpoint": str(Path(checkpoint).absolute()),
-            "mesh": json.dumps(marker["mesh"])}
-    save_file(tensors, str(target), metadata=meta)
-    written = [target]
+    _check_writable(target)                      # before the (possibly long) read
+    state, marker = read_full_state_dict(checkpoint, verify=verify)
+    files = {target: None}
     hf = marker.get("hf")
     if hf is not None and target.parent == out:
         config = dict(hf["config"])
         config["architectures"] = config.get("architectures") or [hf["class"]]
-        cfg_file = out / "config.json"
-        cfg_file.write_text(json.dumps(config, indent=2, sort_keys=True))
-        written.append(cfg_file)
-    return written
+        files[out / "config.json"] = json.dumps(config, indent=2, sort_keys=True)
+    meta = {"format": "pt", "autopart_checkpoint": str(Path(checkpoint).absolute()),
+            "mesh": json.dumps(marker["mesh"])}
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temps = {}
+    try:   # each file under a temporary name, renamed only when all are written: a failure writes nothing
+        for path, text in files.items():
+            temps[path] = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            if text is None:
+                save_file({k: v.contiguous() for k, v in state.items()}, str(temps[path]), metadata=meta)
+            else:
+                temps[path].write_text(text)
+        for path, temp in temps.items():
+            os.replace(temp, path)
+    except BaseException:
+        for temp in temps.values():
+            temp.unlink(missing_ok=True)
+        for d in made:                           # innermost first
+            shutil.rmtree(d, ignore_errors=True)
+        raise
+    return list(files)
+
+
+def _check_writable(target: Path) -> None:
+    """Refuse an OUT that cannot receive `target`, naming why, before anything is read."""
+    if target.is_dir():
+        raise AutopartError(f"export: {target} is a directory; give a path ending in .safetensors that is "
+                            "not one, or a directory to hold model.safetensors")
+    parent = next(p for p in (target.parent, *target.parent.parents) if p.exists())
+    if not parent.is_dir():
+        raise AutopartError(f"export: {parent} is a file, so {target} cannot be written under it; give a "
+                            "directory or a path ending in .safetensors")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise AutopartError(f"export: cannot write under {parent} (permission denied); choose another OUT")
 
 
 def read_marker(path: str | os.PathLike) -> dict:

@@ -303,6 +303,35 @@ def test_export_to_plain_model_safetensors(tmp_path, single_process_group):
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
 
 
+def test_export_refuses_an_out_it_cannot_write_before_reading(tmp_path, single_process_group, capsys):
+    """OUT under a file, or a .safetensors path that is a directory: one line, exit 2, and checked
+    before the checkpoint is read (the checkpoint here does not even exist)."""
+    from autopart.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "d.safetensors").mkdir()
+    for out, says in ((tmp_path / "afile" / "out", "is a file"), (tmp_path / "d.safetensors", "is a directory")):
+        assert main(["export", str(tmp_path / "nowhere"), str(out)]) == 2
+        assert says in capsys.readouterr().err
+
+
+def test_a_failed_export_writes_nothing(tmp_path, single_process_group, monkeypatch):
+    import safetensors.torch
+
+    from autopart.runtime import checkpoint
+
+    _, _, _, path = _saved(tmp_path)
+
+    def full_disk(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.export(path, tmp_path / "new" / "deeper")
+    assert not (tmp_path / "new").exists()
+
+
 def test_export_hugging_face_gpt2(tmp_path, single_process_group):
     """An unmodified transformers GPT2LMHeadModel (random weights from a small config): trained,
     saved with model=, exported; AutoModelForCausalLM.from_pretrained loads the directory and
