@@ -102,7 +102,8 @@ class ParallelModel:
         self._require_filled("train_step")
         checked = self._step.check_inputs(inputs, target)   # refused before any .grad moves
         shapes = [tuple(v.shape) for v in checked]
-        if shapes != self._batch_shapes:   # first step, new shapes: one all-gather of a hash
+        relearn = shapes != self._batch_shapes
+        if relearn:   # first step, new shapes: one all-gather of a hash
             check_same_batch(checked, self._groups, self.steps + 1)
             self._batch_shapes = shapes
         earlier = {n: p.grad for n, p in self._params.items() if p.grad is not None}
@@ -115,18 +116,18 @@ class ParallelModel:
         if self._trace is not None:
             self._trace.end_step()
         self._grads.reduce()
-        if self.compiled.plan.stats:
-            self.last_stats = self._state.stats(ctx.stats)
-        if self.nonfinite != "ignore":
+        flag = None if self.nonfinite == "ignore" else \
+            nonfinite.local_flag(ctx.losses, self._params, self.device)
+        loss, self.last_stats, flagged = self._state.step_results(ctx.losses, scale, ctx.stats, flag, relearn)
+        if flagged is not None and flagged.item():   # the step's one host sync: before returning
             mine = nonfinite.local_problems(ctx.losses, self._params, self.coords["pp"])
-            report = nonfinite.find_nonfinite(self.steps, mine, self.rank, self._groups.world,
-                                              self.device)
+            report = nonfinite.gather_report(self.steps, mine, self.rank, self._groups.world)
             if nonfinite.handle(report, self.nonfinite, self._params):
                 self.skipped_steps.append(self.steps)
         for name, grad in earlier.items():
             p = self._params[name]
             p.grad = grad if p.grad is None else grad.add_(p.grad)
-        return self._state.loss(ctx.losses, scale)
+        return loss
 
     # -- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

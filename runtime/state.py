@@ -8,6 +8,7 @@ hold twice, or at all when the caller writes each tensor out).
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
@@ -28,29 +29,50 @@ class StateGatherer:
         # the last chunk's rank computes the loss and the statistics; its tp ranks compute the
         # same numbers, so tp rank 0 alone reports them
         self.holds_loss = coords["pp"] == plan.last_rank and coords["tp"] == 0
+        self._stat_meta: list | None = None      # [(shape, dtype)] of the statistics outputs
 
-    def loss(self, losses: list[torch.Tensor], scale: float | None = None) -> torch.Tensor:
-        """The global-batch loss, on every rank: the microbatch losses, each times `scale`
-        (default plan.loss_scale; runtime/step.py step_loss_scale), summed."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+    def step_results(self, losses: list[torch.Tensor], scale: float | None = None,
+                     per_microbatch: list[tuple] = (), flag: torch.Tensor | None = None,
+                     relearn: bool = False) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """The step's global-batch loss (the microbatch losses, each times `scale`, default
+        plan.loss_scale; runtime/step.py step_loss_scale), its statistics summed over the global
+        batch, and how many ranks flagged a non-finite value (`flag`: nonfinite.local_flag, None
+        when not checked), on every rank. One all-reduce of [loss, flag], one more per dtype of
+        the statistics; no host sync (`relearn`: the batch shapes changed, so the statistics'
+        shapes are gathered again: one all_gather_object)."""
+        total = torch.zeros(2, dtype=torch.float32, device=self.device)
         if self.holds_loss:
             scale = self.plan.loss_scale if scale is None else scale
-            total += torch.stack(losses).float().sum() * scale
+            total[0] += torch.stack(losses).float().sum() * scale
+        if flag is not None:
+            total[1] = flag
         dist.all_reduce(total, group=self.groups.world)
-        return total
+        stats = self._stats(per_microbatch, relearn) if self.plan.stats else {}
+        return total[0], stats, (total[1] if flag is not None else None)
 
-    def stats(self, per_microbatch: list[tuple]) -> dict[str, torch.Tensor]:
+    def _stats(self, per_microbatch: list[tuple], relearn: bool) -> dict[str, torch.Tensor]:
         """The statistics outputs summed over the global batch (their shapes and dtypes are the
-        model's: counts stay integers), on every rank."""
+        model's: counts stay integers). The ranks that do not compute them add zeros of the
+        shapes learnt once (the first step, and when the batch shapes change)."""
         names = self.plan.stats
         mine = None
         if self.holds_loss and per_microbatch:
-            mine = [torch.stack([mb[i] for mb in per_microbatch]).sum(0).cpu()
-                    for i in range(len(names))]
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=self.groups.world)
-        parts = [g for g in gathered if g is not None]
-        return {name: sum(p[i] for p in parts) for i, name in enumerate(names)}
+            mine = [torch.stack([mb[i] for mb in per_microbatch]).sum(0) for i in range(len(names))]
+        if relearn or self._stat_meta is None:
+            gathered: list = [None] * dist.get_world_size(self.groups.world)
+            meta = None if mine is None else [(tuple(t.shape), t.dtype) for t in mine]
+            dist.all_gather_object(gathered, meta, group=self.groups.world)
+            self._stat_meta = next(g for g in gathered if g is not None)
+        out = {}
+        for dtype in dict.fromkeys(d for _, d in self._stat_meta):     # one all-reduce per dtype
+            idx = [i for i, (_, d) in enumerate(self._stat_meta) if d == dtype]
+            flat = torch.cat([mine[i].reshape(-1).to(self.device) if mine is not None else
+                              torch.zeros(math.prod(self._stat_meta[i][0]), dtype=dtype, device=self.device)
+                              for i in idx])
+            dist.all_reduce(flat, group=self.groups.world)
+            for i, part in zip(idx, flat.split([math.prod(self._stat_meta[i][0]) for i in idx])):
+                out[names[i]] = part.view(self._stat_meta[i][0])
+        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict (every key, full shapes), on every rank."""

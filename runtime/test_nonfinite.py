@@ -51,3 +51,27 @@ def test_small_gradients_are_checked_together_and_named(bad):
     params["p3"].grad[0] = bad
     assert sorted(nonfinite._nonfinite_grads(params, block=100)) == ["p1", "p2", "p3"]
     assert sorted(nonfinite._nonfinite_grads(params)) == ["p1", "p2", "p3"]   # all small
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["loss", "small", "large", "bf16"])
+def test_local_flag_sees_every_non_finite_value_without_a_host_sync(bad, where, monkeypatch):
+    params = {}
+    for name, shape, dtype in [("small", (3, 4), torch.float32), ("large", (300, 500), torch.float32),
+                               ("bf16", (5,), torch.bfloat16)]:
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p.grad = torch.full(shape, 3e38 if dtype == torch.float32 else 1.0, dtype=dtype)
+        params[name] = p
+    params["none"] = torch.nn.Parameter(torch.zeros(2))               # no gradient: skipped
+    losses = [torch.tensor(2.0), torch.tensor(1.0)]
+    flags = []
+    for make_bad in (False, True):
+        if make_bad and where == "loss":
+            losses[1] = torch.tensor(bad)
+        elif make_bad:
+            params[where].grad.view(-1)[-1] = bad
+        for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
+            monkeypatch.setattr(torch.Tensor, method, lambda *a, m=method: pytest.fail(f"host sync: {m}"))
+        flags.append(nonfinite.local_flag(losses, params, torch.device("cpu")))
+        monkeypatch.undo()
+    assert [f.item() for f in flags] == [0.0, 1.0]
