@@ -18,6 +18,14 @@ from autopart.ir import Plan, Program, RankProgram
 from autopart.localize import unshard_tensor
 
 
+def _p2p(op, tensor: torch.Tensor, peer: int, group) -> None:
+    """One send or receive through batch_isend_irecv: NCCL runs a batch on the group's own
+    communicator, where a plain send/recv would build a 2-rank communicator for every pair of
+    ranks (pytorch/pytorch#129140); wait on whatever works come back (NCCL: one per batch)."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]):
+        work.wait()
+
+
 class StateGatherer:
     """Gathers one rank's results and state over `groups.world` (a RankGroups)."""
 
@@ -155,9 +163,9 @@ class StateGatherer:
                 parts[at] = held[name] if len(where) > 1 else held[name].clone()
             elif me == dst:
                 parts[at] = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.recv(parts[at], src=src, group=group)
+                _p2p(dist.irecv, parts[at], src, group)
             elif me == src:
-                dist.send(held[name].contiguous(), dst=dst, group=group)
+                _p2p(dist.isend, held[name].contiguous(), dst, group)
         return self._join(name, parts).cpu() if me == dst else None
 
     def _join(self, name: str, parts: dict) -> torch.Tensor:
