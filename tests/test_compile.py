@@ -436,3 +436,27 @@ def test_table1_rows(row):
     assert len(matches) == 1
     # the table prints one decimal: 1.652B is listed as 1.7
     assert abs(matches[0].n_params() / 1e9 - r["params_billion"]) <= 0.05
+
+
+def test_compile_runs_the_model_on_one_microbatch_never_the_global_batch(monkeypatch):
+    """Issue 33 row 11 (suspected: a full forward at the global batch on every GPU inside
+    parallelize, out of memory for models that fit only when split): export traces on fake
+    tensors, and the one real forward (the example check, under no_grad) runs on a microbatch;
+    a meta model runs no real forward at all."""
+    import autopart.capture as capture_mod
+
+    runs = []
+    real_run = capture_mod._NamingInterpreter.run
+    monkeypatch.setattr(capture_mod._NamingInterpreter, "run",
+                        lambda self, *a: runs.append((a[0].shape[0], torch.is_grad_enabled())) or real_run(self, *a))
+    x = torch.randint(0, 64, (32, 16))
+    torch.manual_seed(0)
+    autopart.compile(GPT(config("tiny,n_layer=2,block_size=16,vocab_size=64")), Mesh(dp=2), (x,),
+                     loss_fn=lm_loss, target=x, microbatches=4)
+    assert runs == [(4, False)]          # 32 rows / (dp 2 * 4 microbatches)
+    runs.clear()
+    with torch.device("meta"):
+        meta = GPT(config("tiny,n_layer=2,block_size=16,vocab_size=64"))
+    xm = x.to("meta")
+    autopart.compile(meta, Mesh(dp=2), (xm,), loss_fn=lm_loss, target=xm, microbatches=4)
+    assert runs == []
