@@ -22,9 +22,30 @@ is a forward and a backward kernel set; Inductor's FX-graph and AOTAutograd cach
 (TORCHINDUCTOR_CACHE_DIR) make a second run of the same model start warm.
 
 A segment Inductor cannot compile runs eager, with one warning naming the layer.
+
+compile="cudagraphs": each artifact also replays as CUDA graphs, through Inductor's CUDA graph
+trees (what torch.compile(mode="reduce-overhead") uses), under torch's contract for them:
+  * parameters and buffers are static inputs: a segment's arguments that are nn.Parameters or
+    the chunk's own state (get_attr) are marked in AOTAutograd's static_input_indices (which
+    Dynamo fills for torch.compile and nothing fills for a graph handed to compile_fx), so a
+    replay reads the weights where they are instead of copying them into the graph's input
+    buffers. The tree records one CUDA graph per call position in the step (layer x microbatch
+    x forward/backward), each keyed to its layer's weight addresses; the optimizer updates
+    them in place, so step 3 onwards replays (step 1 warms up, step 2 records);
+  * one artifact per distinct input layout (the key below), so each shape has its own graphs;
+  * each train_step begins with torch.compiler.cudagraph_mark_step_begin() (StepDriver, via
+    cudagraph_steps): every replay of a step runs in one generation of the tree, the outputs
+    of earlier microbatches and layers (activations saved for backward, .grad accumulated
+    over microbatches) stay live in the tree's pool while the step runs;
+  * what outlives the step is taken out of the pool at its end: a replay of the next step
+    writes over the pool's tensors, so each .grad (autograd's AccumulateGrad adopts the
+    backward graph's output as .grad) and the microbatch losses and statistics are cloned.
+    That is one gradient-sized copy per step; it keeps gradient accumulation across
+    train_steps and a kept loss exact.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import operator
@@ -37,6 +58,8 @@ import torch.fx as fx
 
 from autopart.ops import op_info
 from autopart.runtime.executor import COMPILED
+
+CUDAGRAPHS = "autopart_cudagraphs"   # gm.meta key: the chunk's artifacts replay as CUDA graphs
 
 _FREE_OPS = {torch.ops.aten.sym_size.int, operator.mul, operator.add, operator.sub,
              operator.floordiv, operator.mod, operator.neg, operator.truediv}
@@ -260,6 +283,7 @@ class SegmentCompiler:
     def __init__(self, cudagraphs: bool = False):
         # CUDA graphs replay a segment's kernels in one launch: static shapes only, which ours
         # are (one artifact per input layout)
+        self.cudagraphs = cudagraphs
         self.options = {"triton.cudagraphs": True} if cudagraphs else {}
         # Our artifacts are compiled without donated buffers (_inductor), which leaves their
         # metadata's donated list unset (None); torch's backward then refuses a retain_graph
@@ -273,23 +297,25 @@ class SegmentCompiler:
 
     def runner(self, seg: Segment) -> "CompiledSegment":
         self.report.segments += 1
-        return CompiledSegment(self, seg.signature, seg.label, seg.gm, seg.modules)
+        state = tuple(i for i, n in enumerate(seg.inputs) if n.op == "get_attr")
+        return CompiledSegment(self, seg.signature, seg.label, seg.gm, seg.modules, state)
 
     def get(self, seg: "CompiledSegment", args: tuple):
+        static = static_positions(seg.state, args) if self.cudagraphs else ()
         key = (seg.signature, torch.is_grad_enabled(), _autocast_state(args),
-               tuple(map(_layout, args)))
+               tuple(map(_layout, args)), static)
         fn = self.cache.get(key)
         if fn is None:
-            fn = self.cache[key] = self._compile(seg, list(args))
+            fn = self.cache[key] = self._compile(seg, list(args), static)
         return fn
 
-    def _compile(self, seg, args: list):
+    def _compile(self, seg, args: list, static: tuple = ()):
         if seg.signature in self._eager:
             return seg.gm
         from torch._dynamo.utils import counters
         start, hits = time.perf_counter(), counters["aot_autograd"]["autograd_cache_hit"]
         try:
-            fn = _inductor(copy.deepcopy(seg.gm), args, self.options, self.report)
+            fn = _inductor(copy.deepcopy(seg.gm), args, self.options, self.report, static)
             self.report.artifacts += 1
             self.report.cached += counters["aot_autograd"]["autograd_cache_hit"] - hits
         except Exception as e:   # noqa: BLE001 -- any Inductor failure: this layer runs eager
@@ -303,6 +329,14 @@ class SegmentCompiler:
             fn = seg.gm
         self.report.seconds += time.perf_counter() - start
         return fn
+
+
+def static_positions(state: tuple, args) -> tuple[int, ...]:
+    """The positions of a segment's arguments that keep their address from step to step: the
+    chunk's own parameters and buffers (`state`: inputs read by get_attr) and any argument that
+    is an nn.Parameter (a recomputed region's or a split program's parameter inputs).
+    compile="cudagraphs" marks them static: replays read them in place."""
+    return tuple(i for i, a in enumerate(args) if i in state or isinstance(a, torch.nn.Parameter))
 
 
 def _autocast_state(args: tuple):
@@ -322,13 +356,15 @@ def _layout(a):
     return a
 
 
-def _inductor(gm: fx.GraphModule, args: list, options: dict, report: CompileReport):
+def _inductor(gm: fx.GraphModule, args: list, options: dict, report: CompileReport,
+              static: tuple = ()):
     """compile_fx specialized on `args` (static shapes), as standalone_compile does: a fake
     mode with a ShapeEnv in a tracing context, without which Inductor bypasses its FX-graph and
     AOTAutograd caches; the backward lowered now, not at the first backward, so its seconds
     are counted here. No donated buffers: a zero-bubble schedule runs a chunk it could not
     split at compile time as two autograd calls (I with retain_graph=True, then W), which a
-    backward that frees its saved buffers as it goes refuses."""
+    backward that frees its saved buffers as it goes refuses. `static`: the positions of
+    `args` that are static inputs of the CUDA graphs (static_positions)."""
     from torch._functorch import config as functorch_config
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
@@ -344,16 +380,47 @@ def _inductor(gm: fx.GraphModule, args: list, options: dict, report: CompileRepo
         for k in ("val", "tensor_meta", "example_value"):
             node.meta.pop(k, None)
     with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), config.patch(options), \
-            functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False):
+            functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False), \
+            _static_inputs(gm, static):
         return compile_fx(gm, args, inner_compile=inner, ignore_shape_env=True)
+
+
+@contextlib.contextmanager
+def _static_inputs(gm: fx.GraphModule, static: tuple):
+    """AOTAutograd with `static` in its static_input_indices: the forward graph's
+    static_input_idxs (compile_fx reads fw_metadata.static_input_indices), remapped by
+    AOTAutograd itself if it dedupes or adds inputs, and part of its cache key. torch.compile
+    gets them from Dynamo (_try_get_metadata_from_dynamo: the lifted parameters, and inputs
+    marked static); a graph of ours comes without Dynamo's metadata, so the same function is
+    answered here. The segment graph holds no parameters of its own, so AOTAutograd's
+    arguments are the segment's, in order. The backward marks its saved values static itself
+    (compile_fx_backward: every input before the tangents)."""
+    if not static:
+        yield
+        return
+    from torch._functorch import aot_autograd
+    assert not any(True for _ in gm.parameters()) and not any(True for _ in gm.buffers())
+    found = aot_autograd._try_get_metadata_from_dynamo
+
+    def with_ours(mod, *args, **kwargs):
+        sources, indices = found(mod, *args, **kwargs)
+        return sources, sorted(set(indices) | set(static))
+
+    aot_autograd._try_get_metadata_from_dynamo = with_ours
+    try:
+        yield
+    finally:
+        aot_autograd._try_get_metadata_from_dynamo = found
 
 
 class CompiledSegment:
     """Called from the chunk graph in place of the segment's nodes."""
 
-    def __init__(self, compiler: SegmentCompiler, signature: str, label: str, gm, modules=()):
+    def __init__(self, compiler: SegmentCompiler, signature: str, label: str, gm, modules=(),
+                 state: tuple = ()):
         self.compiler, self.signature, self.label, self.gm = compiler, signature, label, gm
         self.modules = list(modules)
+        self.state = state        # positions of inputs that are the chunk's parameters/buffers
 
     def __call__(self, *args):
         return self.compiler.get(self, args)(*args)
@@ -422,6 +489,7 @@ def compile_rank_program(rank_program, compiler: SegmentCompiler):
     for c in rank_program.chunks:
         gm = rewrite(c.gm, c.layers, c.chunk, compiler, f"inductor{c.chunk}")
         gm.meta[COMPILED] = True       # the executor's autograd I/W split runs it whole
+        gm.meta[CUDAGRAPHS] = compiler.cudagraphs
         chunks.append(replace(c, gm=gm, backward=_split(c, compiler)))
     return replace(rank_program, chunks=tuple(chunks))
 
@@ -435,3 +503,37 @@ def _split(chunk, compiler):
     return replace(sb, **{k: rewrite(getattr(sb, k), chunk.layers, chunk.chunk, compiler,
                                      f"inductor{chunk.chunk}_{k}")
                           for k in ("forward", "input_grad", "weight_grad")})
+
+
+# -- compile="cudagraphs": around each train_step -----------------------------------------------
+
+class CudagraphSteps:
+    """What a step of a compile="cudagraphs" rank does around its actions (StepDriver.run):
+    mark the step's beginning for the CUDA graph trees before the first replay, and at its end
+    clone what outlives it out of the trees' pool (the module docstring)."""
+
+    def __init__(self, chunks):
+        params = {}
+        for c in chunks:
+            for p in c.gm.parameters():
+                params.setdefault(id(p), p)
+        self.params = list(params.values())
+
+    def begin(self) -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+
+    def end(self, ctx) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad = p.grad.clone()
+        ctx.losses[:] = [t.clone() for t in ctx.losses]
+        ctx.stats[:] = [tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in row)
+                        for row in ctx.stats]
+
+
+def cudagraph_steps(chunks) -> CudagraphSteps | None:
+    """The step hooks of a rank program whose chunks replay CUDA graphs, else None."""
+    chunks = list(chunks)
+    if any(c.gm.meta.get(CUDAGRAPHS) for c in chunks):
+        return CudagraphSteps(chunks)
+    return None

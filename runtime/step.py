@@ -19,6 +19,7 @@ import torch
 
 from autopart.errors import AutopartError
 from autopart.ir import REDUCED_DTYPES, Plan, RankProgram
+from autopart.runtime.compiled import cudagraph_steps
 from autopart.runtime.executor import StepContext, run_actions
 
 
@@ -32,6 +33,9 @@ class StepDriver:
         self.trace = trace          # a runtime.trace.Recorder, or None
         self.coords, self.group, self.device = rank_program.coords, peer_group, device
         self.chunks = {c.chunk: c for c in rank_program.chunks}
+        # compile="cudagraphs": the step's beginning marked, what outlives it cloned out of the
+        # CUDA graph pool at its end (runtime/compiled.py); None otherwise
+        self.cudagraphs = cudagraph_steps(rank_program.chunks)
 
     def run(self, inputs: tuple, target: torch.Tensor | None, step: int = 0,
             checked: list | None = None, loss_scale: float | None = None) -> StepContext:
@@ -50,8 +54,12 @@ class StepDriver:
             device=self.device, group=self.group, trace=self.trace,
             loss_scale=plan.loss_scale if loss_scale is None else loss_scale,
             step=step, reduced=REDUCED_DTYPES[plan.precision])
+        if self.cudagraphs is not None:
+            self.cudagraphs.begin()
         with compute_precision(plan.precision, self.device):
             run_actions(self.actions, ctx)
+        if self.cudagraphs is not None:
+            self.cudagraphs.end(ctx)
         return ctx
 
     def replica_rows(self, inputs: tuple, target, checked: list | None = None

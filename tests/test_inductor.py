@@ -256,6 +256,137 @@ def test_cuda_compiled_matches_plain(single_process_group, mode):
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.full
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_graphs_over_steps_microbatches_and_layer_reuse(single_process_group, precision):
+    """compile="cudagraphs" against the plain model over 4 steps (step 1 warms the CUDA graph
+    trees up, step 2 records, 3 and 4 replay), 2 microbatches, 3 repeats of one block sharing
+    one artifact, SGD stepping the weights in place between steps: every step's loss (all kept
+    until the end: a replay must not overwrite a returned loss) and gradients, then two
+    train_steps accumulated without zeroing (a replay must not overwrite the .grad kept from
+    the step before)."""
+    import copy
+    model, x, y = _gpt(3)
+    model, x, y = model.cuda(), x.cuda(), y.cuda()
+    plain = copy.deepcopy(model)
+    pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), loss_fn=lm_loss, target=y,
+                              microbatches=2, precision=precision, compile="cudagraphs")
+    from autopart.runtime.compiled import describe
+    assert 3 in {a["uses"] for a in describe(pm.compiled)[0]["artifacts"]}   # the 3 blocks' one
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    tol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
+    plain_params = dict(plain.named_parameters())
+    losses, refs = [], []
+    for _ in range(4):
+        losses.append(pm.train_step(x, target=y))
+        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16"):
+            ref = lm_loss(plain(x), y)
+        ref.backward()
+        refs.append(ref.detach().float())
+        for name, p in pm.named_parameters():
+            torch.testing.assert_close(p.grad, plain_params[name].grad, **tol)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(refs), **tol)
+    pm.train_step(x, target=y)          # accumulated: two steps' gradients, no step between
+    pm.train_step(x, target=y)
+    with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16"):
+        ref = lm_loss(plain(x), y)
+    ref.backward()
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * plain_params[name].grad, **tol)
+
+
+def test_cudagraphs_marks_parameters_static():
+    """compile="cudagraphs": a segment's parameter arguments reach Inductor's forward graph as
+    static inputs (AOTAutograd's static_input_indices, which compile_fx hands on as
+    static_input_idxs), so a CUDA graph replay reads the weights in place instead of copying
+    them; a plain tensor argument is not static. Checked on the CPU through compile_fx's inner
+    compile (what cudagraphify receives), not with a CUDA graph."""
+    import torch.fx as fx
+    from torch._inductor import compile_fx as inductor_compile_fx
+    from autopart.runtime.compiled import (CompileReport, SegmentCompiler, _inductor,
+                                           static_positions)
+
+    class Block(nn.Module):
+        def forward(self, x, w, b):
+            return (torch.relu(x @ w + b) * 2).sum()
+
+    SegmentCompiler(cudagraphs=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    w, b = nn.Parameter(torch.randn(8, 8)), torch.randn(8)
+    assert static_positions((2,), (x, w, b)) == (1, 2)    # w a Parameter, b the chunk's buffer
+    seen, real = [], inductor_compile_fx.compile_fx_inner
+
+    def record(gm, example_inputs, **kw):
+        seen.append((kw.get("is_backward", False), list(kw["static_input_idxs"])))
+        return real(gm, example_inputs, **kw)
+
+    inductor_compile_fx.compile_fx_inner = record
+    try:
+        fn = _inductor(fx.symbolic_trace(Block()), [x, w, b], {}, CompileReport(), (1, 2))
+    finally:
+        inductor_compile_fx.compile_fx_inner = real
+    forward = [idx for backward, idx in seen if not backward]
+    assert forward == [[1, 2]], seen
+    out = fn(x, w, b)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    torch.testing.assert_close(out, Block()(x, w, b))
+
+
+def test_cudagraphs_step_plumbing(single_process_group, monkeypatch):
+    """compile="cudagraphs" without a GPU, Inductor replaced by the segment graph itself: each
+    train_step marks the CUDA graph trees' step beginning once, before its first segment call;
+    every block segment gets its parameters as static positions; the step leaves .grad (and the
+    returned loss) in tensors of its own, cloned after the last backward; and the results are
+    the plain model's over 3 steps of 2 microbatches plus an accumulated step."""
+    import copy
+    from autopart.runtime import compiled as compiled_mod
+
+    calls, statics = [], []
+
+    def eager(gm, args, options, report, static=()):
+        assert options == {"triton.cudagraphs": True}
+        statics.append((static, [isinstance(args[i], nn.Parameter) for i in static]))
+        report.graphs += 1
+
+        def run(*a):
+            calls.append("segment")
+            return gm(*a)
+        return run
+
+    monkeypatch.setattr(compiled_mod, "_inductor", eager)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin",
+                        lambda: calls.append("mark"))
+    model, x, y = _gpt(2)
+    plain = copy.deepcopy(model)
+    pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), loss_fn=lm_loss, target=y,
+                              microbatches=2, compile="cudagraphs")
+    for step in range(3):
+        calls.clear()
+        loss = pm.train_step(x, target=y)
+        assert calls[0] == "mark" and calls.count("mark") == 1, calls[:3]
+        assert calls.count("segment") > 2
+        ref = lm_loss(plain(x), y)
+        ref.backward()
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+        grads = dict(plain.named_parameters())
+        for name, p in pm.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6)
+            p.grad = None
+        plain.zero_grad()
+    assert statics and all(all(is_param) for _, is_param in statics)
+    assert any(len(static) >= 4 for static, _ in statics)     # a block: its weights static
+    pm.train_step(x, target=y)
+    pm.train_step(x, target=y)
+    lm_loss(plain(x), y).backward()
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * dict(plain.named_parameters())[name].grad,
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_an_artifact_backward_runs_as_input_then_weight_gradients():
     """A zero-bubble schedule runs a chunk it could not split at compile time as two autograd
     calls: I (input gradients, retain_graph=True) then W (weight gradients). Inductor's donated
