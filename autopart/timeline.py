@@ -3,7 +3,8 @@
 Two sources, one drawing: a simulated run (:func:`autopart.schedule.simulate`'s ``timeline``) and a
 measured one, a Chrome / Perfetto trace (``{"traceEvents": [...]}``, complete events ``"ph": "X"``
 with ``ts`` / ``dur`` in microseconds, ``pid`` the global rank, ``args`` holding ``chunk``,
-``microbatch`` and ``kind``: F, B, I, W or SEND_F / RECV_F / SEND_B / RECV_B). Forward, fused
+``microbatch`` and ``kind``: F, B, I, W or SEND_F / RECV_F / SEND_B / RECV_B; REDUCE events, the
+gradient all-reduces autopart's traces hold beside the actions, are left out). Forward, fused
 backward, input gradient, weight gradient and transfers get their own colours; whatever a row
 leaves uncovered is idle time and shows in the idle colour, so the bubble is visible. Each box
 holds its microbatch number; a rank's later chunks are drawn lighter.
@@ -45,6 +46,7 @@ LEGEND = {
 }
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SKIPPED_KINDS = ("REDUCE",)  # gradient all-reduces: read, not drawn (see _is_reduction)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ def trace_slices(trace: dict) -> list[Slice]:
     events = trace.get("traceEvents") if isinstance(trace, dict) else None
     if not isinstance(events, list):
         raise ValueError('a trace is a JSON object with a "traceEvents" list')
-    complete = [(n, e) for n, e in enumerate(events) if isinstance(e, dict) and e.get("ph") == "X"]
+    complete = [(n, e) for n, e in enumerate(events) if isinstance(e, dict) and e.get("ph") == "X"
+                and not _is_reduction(e)]
     if not complete:
         raise ValueError('the trace has no complete events ("ph": "X") to draw')
     rows = _rows_by_rank([_event_row(n, e) for n, e in complete], events)
@@ -116,6 +119,13 @@ def trace_slices(trace: dict) -> list[Slice]:
         Slice(rank, (ts - origin) / 1e3, (ts + dur - origin) / 1e3, kind, chunk, mb, order[rank].index(chunk))
         for rank, ts, dur, (kind, chunk, mb) in rows
     ]
+
+
+def _is_reduction(event: dict) -> bool:
+    """A gradient bucket's all-reduce (autopart/runtime/trace.py): it overlaps the rank's
+    actions on a row of its own, so the one-row-per-rank drawing leaves it out."""
+    args = event.get("args")
+    return isinstance(args, dict) and args.get("kind") in SKIPPED_KINDS
 
 
 def _rows_by_rank(rows: list, events: list) -> list:

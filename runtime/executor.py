@@ -17,6 +17,10 @@ Gloo it blocks until the data is there. NCCL also returns one work for a whole b
 returns one per op (_Batch): a receive is waited on through whichever work covers it.
 `hoist_receives` moves receives earlier in the lists, before the computes that precede their use,
 where the validator proves that safe.
+
+With data parallelism, `ctx.grads` (runtime/gradients.py StepBuckets) is told before and after
+each compute, so that gradient buckets are all-reduced as soon as the backward finishes them;
+they are waited on at the end of the list, after the sends.
 """
 from __future__ import annotations
 
@@ -68,6 +72,8 @@ class StepContext:
                                                    #   posted at, specs)]
     losses: list = field(default_factory=list)
     stats: list = field(default_factory=list)      # per microbatch: the model's other outputs
+    grads: object = None    # runtime.gradients.StepBuckets: gradient all-reduces posted as the
+                            # backward finishes them (told before and after each compute)
 
 
 def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
@@ -82,6 +88,8 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
             sends += _communicate(actions[i:j], ctx)
             i = j
         else:
+            if ctx.grads is not None:
+                ctx.grads.before(i)
             try:
                 _compute(actions[i], ctx)
             except PeerFailure:
@@ -89,10 +97,14 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
             except RuntimeError as e:     # a collective inside the chunk (tp, ep) timed out
                 raise PeerFailure(f"rank {dist.get_rank()} failed in {actions[i]} at step "
                                   f"{ctx.step}: {e}") from e
+            if ctx.grads is not None:
+                ctx.grads.after(i)
             i += 1
     _wait_received(ctx, None)
     for batch, indices in sends:
         batch.wait(indices, ctx)
+    if ctx.grads is not None:   # the gradient buckets, before anything reads .grad
+        ctx.grads.finish(lambda work, what: _wait(work, what, ctx), lambda: _now(ctx))
     return ctx.losses
 
 

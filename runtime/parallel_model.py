@@ -77,6 +77,7 @@ class ParallelModel:
                                 self._groups.pp, device, trace=self._trace,
                                 input_specs=compiled.input_specs)
         self._grads = GradientReducer(plan, self._params, self._groups, self.coords, device)
+        self._step.reducer = self._grads    # its buckets go out during the backward
         self.zero = zero
         if zero:   # ZeRO-1: gradients reduce-scattered, optimizer state 1/dp (runtime/optimizer.py)
             self._grads.zero_layouts = zero_layouts(plan, self._params, self._groups,

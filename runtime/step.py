@@ -36,6 +36,8 @@ class StepDriver:
         # compile="cudagraphs": the step's beginning marked, what outlives it cloned out of the
         # CUDA graph pool at its end (runtime/compiled.py); None otherwise
         self.cudagraphs = cudagraph_steps(rank_program.chunks)
+        # a runtime.gradients.GradientReducer: posts gradient buckets while the step runs
+        self.reducer = None
 
     def run(self, inputs: tuple, target: torch.Tensor | None, step: int = 0,
             checked: list | None = None, loss_scale: float | None = None) -> StepContext:
@@ -53,7 +55,9 @@ class StepDriver:
             batch=mbs, seq=int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None,
             device=self.device, group=self.group, trace=self.trace,
             loss_scale=plan.loss_scale if loss_scale is None else loss_scale,
-            step=step, reduced=REDUCED_DTYPES[plan.precision])
+            step=step, reduced=REDUCED_DTYPES[plan.precision],
+            grads=self.reducer.overlap(self.actions, self.chunks, self.trace)
+            if self.reducer is not None else None)
         if self.cudagraphs is not None:
             self.cudagraphs.begin()
         with compute_precision(plan.precision, self.device):

@@ -2,9 +2,11 @@
 
 `parallelize(..., trace="step.json")` (or AUTOPART_TRACE=step.json on every rank) gives each rank
 a Recorder. The executor records each compute (F, B, I, W) from start to end, each send while it
-is posted, and each receive while the rank waits for its data (zero when the data arrived during
-earlier work; the post time is in args.posted_us). After every train_step the ranks' events are
-gathered to rank 0, which rewrites the one file with every step so far: one process (track) per
+is posted, each receive while the rank waits for its data (zero when the data arrived during
+earlier work; the post time is in args.posted_us), and each gradient bucket's all-reduce from
+when it was posted to when its wait returned (kind REDUCE, on a second row of the rank: tid 1;
+autopart.timeline leaves those out). After every train_step the ranks' events are gathered to
+rank 0, which rewrites the one file with every step so far: one process (track) per
 global rank, a slice per action named like the schedule's token (`2F0`), with args chunk,
 microbatch, kind and step. Times are microseconds from a barrier all ranks passed when the
 recorder was made, so ranks on different hosts line up to within that barrier's skew.
@@ -38,10 +40,24 @@ class Recorder:
         args = {"chunk": action.chunk, "microbatch": action.microbatch, "kind": str(action.kind),
                 "step": self.step}
         if posted is not None:
-            args["posted_us"] = round((posted - self.origin) * 1e6, 1)
+            args["posted_us"] = self._us(posted)
         self.pending.append({"name": str(action), "ph": "X", "pid": self.rank, "tid": 0,
-                             "ts": round((start - self.origin) * 1e6, 1),
+                             "ts": self._us(start),
                              "dur": round(max(end - start, 0.0) * 1e6, 1), "args": args})
+
+    def record_reduction(self, bucket: int, elements: int, posted: float, start: float,
+                         end: float) -> None:
+        """A gradient bucket's all-reduce (runtime/gradients.py): a slice from when it was posted
+        to when its wait returned, on its own row (tid 1) beside the actions; args.wait_us is
+        when the rank began waiting for it, args.kind REDUCE."""
+        args = {"kind": "REDUCE", "bucket": bucket, "elements": elements, "step": self.step,
+                "posted_us": self._us(posted), "wait_us": self._us(start)}
+        self.pending.append({"name": f"REDUCE{bucket}", "ph": "X", "pid": self.rank, "tid": 1,
+                             "ts": self._us(posted), "dur": round(max(end - posted, 0.0) * 1e6, 1),
+                             "args": args})
+
+    def _us(self, t: float) -> float:
+        return round((t - self.origin) * 1e6, 1)
 
     def end_step(self) -> None:
         """Gather this step's events on rank 0 and rewrite the trace file there."""

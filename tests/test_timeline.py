@@ -117,3 +117,17 @@ def test_trace_cli_on_os_pids_answers_at_once(tmp_path):
     path.write_text(json.dumps({"traceEvents": events}))
     assert main(["trace", str(path), "--png", str(tmp_path / "t.png")]) == 0
     assert (tmp_path / "t.png").read_bytes()[:8] == PNG
+
+
+def test_gradient_reductions_are_read_but_not_drawn(tmp_path):
+    """autopart's traces hold each gradient bucket's all-reduce (args.kind REDUCE, tid 1, no
+    chunk or microbatch) beside the actions: loading and drawing skip them."""
+    reduce = {"name": "REDUCE0", "ph": "X", "ts": 500, "dur": 900, "pid": 0, "tid": 1,
+              "args": {"kind": "REDUCE", "bucket": 0, "elements": 10, "step": 0}}
+    events = [trace_event("0F0", 0, 400, 0, 0, 0, "F"), trace_event("0B0", 400, 800, 0, 0, 0, "B"),
+              reduce]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace = load_trace(path)
+    assert [s.kind for s in trace_slices(trace)] == ["F", "B"]
+    assert draw_trace(trace, tmp_path / "t.png").read_bytes()[:8] == PNG
