@@ -1,0 +1,359 @@
+"""`python -m autopart.smoke [--dry-run] [--json]`: a GPU machine's check of autopart, one command.
+
+Each step is one row of one table (step, status, seconds, key figure, note):
+
+  cuda tests        the repository's tests that skip without CUDA (a skipif whose reason names
+                    CUDA), run by pytest in a subprocess; a checkout only (a wheel has no tests/)
+  train             a tiny GPT (defined here: examples/ is not installed with the package) on
+                    one GPU, world 1 over NCCL, precision="bf16", zero=1, 2 microbatches, 4
+                    AdamW steps: each loss against the plain model's under autocast
+  resume            pm.save after step 2; a fresh model and optimizer pm.load it and train steps
+                    3 and 4: their losses equal the uninterrupted run's
+  compile=True      the train run with compile=True, its 4 losses against the eager run's
+  compile=cudagraphs  the same with compile="cudagraphs" (step 1 warms up, 2 records, 3-4 replay)
+  pp=2 1f1b         with 2+ GPUs, 2 ranks over NCCL, fp32, SGD, 2 steps: every loss and every
+  tp=2              parameter after against the plain model; skipped on fewer GPUs
+
+--dry-run (a CPU machine, CI): the same steps on the CPU over Gloo, 2 CPU ranks for the 2-GPU
+steps; each row says what it could not do there (no NCCL; no CUDA graphs: compile="cudagraphs"
+runs Inductor's CPU code; the CUDA tests are selected and run, and skip). About a minute and a
+half on 2 cores with Inductor's cache cold.
+
+Exit status 0 when every row that ran passed, 1 otherwise. Also a pytest plugin (`-p
+autopart.smoke`): with AUTOPART_SMOKE_CUDA_TESTS=1 it keeps only the tests that need CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_CUDA_TESTS = "AUTOPART_SMOKE_CUDA_TESTS"
+_VOCAB, _SEQ, _BATCH = 64, 16, 4
+_BF16_TOL = 2e-2    # a loss of ~4 computed in bf16 against the plain model's: roundings differ
+
+
+# -- the tiny GPT (nanoGPT's shape: tied embedding, pre-norm blocks) -----------------------------
+
+class _Attention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(width), _Attention(width, heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    """Token embedding (tied with the output), position embedding, `layers` blocks, a norm."""
+
+    def __init__(self, layers: int = 2, width: int = 32, heads: int = 2):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(_VOCAB, width), nn.Embedding(_SEQ, width)
+        self.blocks = nn.ModuleList([_Block(width, heads) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, _VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+        for emb in (self.tok, self.pos):     # GPT-2's init: the first loss near ln(vocab)
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _gpt(device, seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT().to(device)
+
+
+def _batch(step: int, device):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = (torch.randint(0, _VOCAB, (_BATCH, _SEQ), generator=g) for _ in range(2))
+    return x.to(device), y.to(device)
+
+
+# -- rows ---------------------------------------------------------------------------------------
+
+def _row(name: str, status: str, seconds: float = 0.0, figure: str = "", note: str = "") -> dict:
+    return {"name": name, "status": status, "seconds": round(seconds, 1), "figure": figure,
+            "note": note}
+
+
+def _check(rows: list, name: str, note: str, fn) -> None:
+    """Run `fn` (returns (passed, figure)) as the row `name`; an exception fails the row."""
+    start = time.perf_counter()
+    try:
+        passed, figure = fn()
+        status = "pass" if passed else "fail"
+    except Exception as e:   # noqa: BLE001 -- the row says what failed; the next step still runs
+        status, figure = "fail", f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+        traceback.print_exc(file=sys.stderr)
+    rows.append(_row(name, status, time.perf_counter() - start, figure, note))
+
+
+def _max_diff(a, b) -> float:
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+# -- world 1: train, resume, compile ------------------------------------------------------------
+
+def _train(device, steps: int, compile=False, save: str | None = None, load: str | None = None,
+           first: int = 0) -> list[float]:
+    """Losses of train_steps first.. of the tiny GPT (bf16, zero=1, 2 microbatches, AdamW);
+    `save`: a checkpoint after step 2; `load`: start from one (a model of another seed)."""
+    import autopart
+    x, y = _batch(first, device)
+    pm = autopart.parallelize(_gpt(device, seed=1 if load else 0), autopart.Mesh(pp=1), (x,),
+                              loss_fn=lm_loss, target=y, microbatches=2, precision="bf16",
+                              zero=1, compile=compile)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
+    if load:
+        pm.load(load, optimizer=opt)
+    losses = []
+    for step in range(first, first + steps):
+        if save and step == 2:
+            pm.save(save, optimizer=opt)
+        x, y = _batch(step, device)
+        losses.append(float(pm.train_step(x, target=y)))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _plain(device, steps: int) -> list[float]:
+    """The plain model's losses under the bf16 recipe (forward in autocast, fp32 weights)."""
+    model = _gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def single_gpu(rank: int, world: int, dry: bool, workdir: str) -> list[dict]:
+    """The world-1 rows (spawned: one rank, NCCL on cuda:0, or Gloo on the CPU with --dry-run)."""
+    from autopart.runtime.launch import rank_device
+    device = rank_device()
+    where = "dry-run: cpu/gloo" if dry else f"{torch.cuda.get_device_name(device)}, nccl"
+    rows, eager = [], []
+
+    def train():
+        eager[:] = _train(device, 4, save=os.path.join(workdir, "ckpt"))
+        d = _max_diff(eager, _plain(device, 4))
+        return d <= _BF16_TOL, f"4 losses {eager[0]:.3f}..{eager[-1]:.3f}, max |diff| vs plain {d:.1e}"
+
+    def resume():
+        resumed = _train(device, 2, load=os.path.join(workdir, "ckpt"), first=2)
+        d = _max_diff(resumed, eager[2:])
+        return d <= 1e-5, f"steps 3-4 after load: max |diff| vs uninterrupted {d:.1e}"
+
+    def compiled(mode):
+        def run():
+            losses = _train(device, 4, compile=mode)
+            d = _max_diff(losses, eager)
+            return d <= _BF16_TOL, f"4 losses, max |diff| vs eager {d:.1e}"
+        return run
+
+    _check(rows, "train bf16 zero=1", f"{where}, world 1", train)
+    _check(rows, "save / resume", where, resume)
+    _check(rows, "compile=True", where, compiled(True))
+    _check(rows, "compile=cudagraphs", where + (", no CUDA graphs on the CPU" if dry else ""),
+           compiled("cudagraphs"))
+    return rows
+
+
+# -- world 2: pipeline and tensor parallel against the plain model ------------------------------
+
+def _equivalence(device, mesh, schedule: str = "1f1b") -> tuple[bool, str]:
+    import autopart
+    model = _gpt(device)
+    plain = copy.deepcopy(model)
+    x, y = _batch(0, device)
+    pm = autopart.parallelize(model, mesh, (x,), loss_fn=lm_loss, target=y, microbatches=2,
+                              schedule=schedule)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    ours, refs = [], []
+    for step in range(2):
+        x, y = _batch(step, device)
+        ours.append(float(pm.train_step(x, target=y)))
+        ref = lm_loss(plain(x), y)
+        ref.backward()
+        refs.append(float(ref.detach()))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full, state = pm.full_state_dict(), plain.state_dict()
+    pdiff = max(float((full[k].to(device) - v).abs().max()) for k, v in state.items())
+    ldiff = _max_diff(ours, refs)
+    tol = 1e-5 if device.type == "cpu" else 1e-4
+    return (ldiff <= tol and pdiff <= tol and set(full) == set(state),
+            f"2 steps: loss |diff| {ldiff:.1e}, parameters |diff| {pdiff:.1e}")
+
+
+def two_gpus(rank: int, world: int, dry: bool) -> list[dict]:
+    import autopart
+    from autopart.runtime.launch import rank_device
+    device = rank_device()
+    where = "dry-run: 2 cpu ranks/gloo/fp32" if dry else "2 GPUs, nccl, fp32"
+    rows: list = []
+    _check(rows, "pp=2 1f1b", where, lambda: _equivalence(device, autopart.Mesh(pp=2)))
+    _check(rows, "tp=2", where, lambda: _equivalence(device, autopart.Mesh(tp=2)))
+    return rows
+
+
+# -- the CUDA tests -----------------------------------------------------------------------------
+
+def pytest_collection_modifyitems(config, items):
+    """With AUTOPART_SMOKE_CUDA_TESTS=1: only the tests a skipif keeps off machines without CUDA."""
+    if os.environ.get(_CUDA_TESTS) != "1":
+        return
+    keep = [i for i in items if any("CUDA" in str(m.kwargs.get("reason", ""))
+                                    for m in i.iter_markers("skipif"))]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
+
+
+def cuda_tests(dry: bool, timeout: float) -> dict:
+    root = Path(__file__).resolve().parent.parent
+    name = "cuda tests"
+    if not (root / "tests").is_dir() or not (root / "pyproject.toml").is_file():
+        return _row(name, "skip", note=f"no tests/ beside the package ({root}): an installed "
+                                       "wheel; run from a checkout")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "autopart.smoke", "-p",
+               "no:cacheprovider", f"--junitxml={report}"]
+        try:
+            done = subprocess.run(cmd, cwd=root, env={**os.environ, _CUDA_TESTS: "1"},
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return _row(name, "fail", time.perf_counter() - start, f"over {timeout:.0f} s")
+        seconds = time.perf_counter() - start
+        if not report.is_file():
+            tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+            return _row(name, "fail", seconds, f"pytest exit {done.returncode}: {tail[0]}")
+        counts = {k: 0 for k in ("tests", "failures", "errors", "skipped")}
+        for suite in ET.parse(report).getroot().iter("testsuite"):
+            for k in counts:
+                counts[k] += int(suite.get(k, 0))
+    bad = counts["failures"] + counts["errors"]
+    passed = counts["tests"] - bad - counts["skipped"]
+    figure = (f"{counts['tests']} selected: {passed} passed, {bad} failed, "
+              f"{counts['skipped']} skipped")
+    if bad or done.returncode not in (0,) or not counts["tests"]:
+        sys.stderr.write(done.stdout[-4000:])
+        return _row(name, "fail", seconds, figure + f" (pytest exit {done.returncode})")
+    note = "dry-run: no CUDA here, so they skip" if dry else "python -m pytest, full tier included"
+    return _row(name, "pass", seconds, figure, note)
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+def run(dry: bool) -> list[dict]:
+    from autopart.runtime.launch import spawn
+    rows = [cuda_tests(dry, 300 if dry else 3600)]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cpu" if dry else "cuda"
+    single = ["train bf16 zero=1", "save / resume", "compile=True", "compile=cudagraphs"]
+    if not dry and not gpus:
+        rows += [_row(n, "skip", note="no CUDA device (--dry-run runs it on the CPU)")
+                 for n in single]
+    else:
+        with tempfile.TemporaryDirectory() as workdir:
+            rows += _spawned(spawn, single_gpu, 1, single, dry, workdir, device=device,
+                             timeout=600 if dry else 1800)
+    pair = ["pp=2 1f1b", "tp=2"]
+    if not dry and gpus < 2:
+        rows += [_row(n, "skip", note=f"needs 2 GPUs, this machine has {gpus}") for n in pair]
+    else:
+        rows += _spawned(spawn, two_gpus, 2, pair, dry, device=device, timeout=600)
+    return rows
+
+
+def _spawned(spawn, fn, world: int, names: list, *args, device: str, timeout: float) -> list:
+    """Rank 0's rows of `fn` over `world` spawned ranks; every row failed if a rank did."""
+    start = time.perf_counter()
+    try:
+        return spawn(fn, world, *args, device=device, timeout=timeout)[0]
+    except Exception as e:   # noqa: BLE001 -- a rank died: its rows say so
+        why = str(e).strip().splitlines()
+        sys.stderr.write(str(e) + "\n")
+        return [_row(n, "fail", time.perf_counter() - start, (why[-1] if why else "")[:160],
+                     f"{world} spawned rank(s) failed") for n in names]
+
+
+def table(rows: list[dict]) -> str:
+    cols = [("step", "name"), ("status", "status"), ("s", "seconds"), ("figure", "figure"),
+            ("note", "note")]
+    cells = [[h for h, _ in cols]] + [[str(r[k]) for _, k in cols] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) if i == 2 else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(cell, widths))).rstrip() for cell in cells]
+    return "\n".join([lines[0], "-" * len(max(lines, key=len)), *lines[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m autopart.smoke", description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="the same steps on the CPU over Gloo (a machine without GPUs, CI)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON, not a table")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    rows = run(args.dry_run)
+    ok = all(r["status"] != "fail" for r in rows)
+    summary = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "skip")}
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "ok": ok, "seconds": round(
+            time.perf_counter() - start, 1), "counts": summary, "rows": rows}, indent=1))
+    else:
+        print(table(rows))
+        print(f"{summary['pass']} passed, {summary['fail']} failed, {summary['skip']} skipped "
+              f"in {time.perf_counter() - start:.0f} s" + (" (dry-run)" if args.dry_run else ""))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":     # run as autopart.smoke, so spawned ranks import the same functions
+    from autopart.smoke import main as _main
+    sys.exit(_main())
