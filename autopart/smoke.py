@@ -8,7 +8,8 @@ Each step is one row of one table (step, status, seconds, key figure, note):
                     one GPU, world 1 over NCCL, precision="bf16", zero=1, 2 microbatches, 4
                     AdamW steps: each loss against the plain model's under autocast
   resume            pm.save after step 2; a fresh model and optimizer pm.load it and train steps
-                    3 and 4: their losses equal the uninterrupted run's
+                    3 and 4: their losses equal the uninterrupted run's (step 4 on a GPU
+                    within 2e-3: its gradients may be summed in another order)
   compile=True      the train run with compile=True, its 4 losses against the eager run's
   compile=cudagraphs  the same with compile="cudagraphs" (step 1 warms up, 2 records, 3-4 replay)
   pp=2 1f1b         with 2+ GPUs, 2 ranks over NCCL, fp32, SGD, 2 steps: every loss and every
@@ -183,9 +184,13 @@ def single_gpu(rank: int, world: int, dry: bool, workdir: str) -> list[dict]:
         return d <= _BF16_TOL, f"4 losses {eager[0]:.3f}..{eager[-1]:.3f}, max |diff| vs plain {d:.1e}"
 
     def resume():
+        # step 3 reads only the loaded state: the same loss. Step 4 also reads step 3's
+        # gradients, which a GPU may sum in another order (atomics in attention's backward),
+        # and a bf16 rounding can then flip: 2e-3 there, exact on the CPU
         resumed = _train(device, 2, load=os.path.join(workdir, "ckpt"), first=2)
-        d = _max_diff(resumed, eager[2:])
-        return d <= 1e-5, f"steps 3-4 after load: max |diff| vs uninterrupted {d:.1e}"
+        d3, d4 = (abs(a - b) for a, b in zip(resumed, eager[2:], strict=True))
+        return (d3 <= 1e-5 and d4 <= (1e-5 if device.type == "cpu" else 2e-3),
+                f"after load: step 3 |diff| {d3:.1e}, step 4 {d4:.1e} vs uninterrupted")
 
     def compiled(mode):
         def run():

@@ -75,3 +75,23 @@ def test_the_plugin_keeps_only_tests_that_need_cuda(monkeypatch):
     monkeypatch.setenv("AUTOPART_SMOKE_CUDA_TESTS", "1")
     smoke.pytest_collection_modifyitems(Config, kept)
     assert kept == [items[0], items[2]] and Config.hook.deselected == [items[1], items[3]]
+
+
+def test_a_failed_row_fails_the_run(monkeypatch, capsys):
+    """Exit status 1 when a row that ran failed (skips do not count); ranks that died fail every
+    row of their spawn, with the error's last line."""
+    from autopart import smoke
+
+    def dead(fn, world, *args, **kwargs):
+        raise RuntimeError("1 of 2 ranks failed:\n--- rank 1: ValueError: boom")
+
+    rows = smoke._spawned(dead, smoke.two_gpus, 2, ["pp=2 1f1b", "tp=2"], True, device="cpu",
+                          timeout=1)
+    assert [(r["name"], r["status"]) for r in rows] == [("pp=2 1f1b", "fail"), ("tp=2", "fail")]
+    assert "boom" in rows[0]["figure"]
+    monkeypatch.setattr(smoke, "run", lambda dry: [smoke._row("a", "skip", note="why"), *rows])
+    assert smoke.main(["--dry-run"]) == 1
+    out = capsys.readouterr().out
+    assert "0 passed, 2 failed, 1 skipped" in out and "boom" in out
+    monkeypatch.setattr(smoke, "run", lambda dry: [smoke._row("a", "skip", note="why")])
+    assert smoke.main(["--json"]) == 0
