@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopart.ops import is_autopart_op
+from autopart.runtime.step_watch import PeerFailure
 
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 COMPILED = "autopart_compiled"      # gm.meta key: the chunk's graph runs Inductor artifacts
@@ -72,6 +73,9 @@ class StepContext:
                                                    #   posted at, specs)]
     losses: list = field(default_factory=list)
     stats: list = field(default_factory=list)      # per microbatch: the model's other outputs
+    batches: list = field(default_factory=list)    # every _Batch posted, in order: what a
+                                                   # failure names (runtime/step_watch.py)
+    watch: object = None    # runtime.step_watch.StepWatch: told after each action
     grads: object = None    # runtime.gradients.StepBuckets: gradient all-reduces posted as the
                             # backward finishes them (told before and after each compute)
 
@@ -87,9 +91,13 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
                 j += 1
             sends += _communicate(actions[i:j], ctx)
             i = j
+            if ctx.watch is not None:
+                ctx.watch.progress()
         else:
             if ctx.grads is not None:
                 ctx.grads.before(i)
+            if ctx.watch is not None:
+                ctx.watch.begin(actions[i])
             try:
                 _compute(actions[i], ctx)
             except PeerFailure:
@@ -99,6 +107,8 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
                                   f"{ctx.step}: {e}") from e
             if ctx.grads is not None:
                 ctx.grads.after(i)
+            if ctx.watch is not None:
+                ctx.watch.progress()
             i += 1
     _wait_received(ctx, None)
     for batch, indices in sends:
@@ -106,11 +116,6 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
     if ctx.grads is not None:   # the gradient buckets, before anything reads .grad
         ctx.grads.finish(lambda work, what: _wait(work, what, ctx), lambda: _now(ctx))
     return ctx.losses
-
-
-class PeerFailure(RuntimeError):
-    """A wait of the step that failed: the peer died or stopped responding within the timeout.
-    The message names this rank, the action, the peer and the step."""
 
 
 def _wait(work, what: str, ctx: StepContext) -> None:
@@ -219,6 +224,7 @@ def _communicate(batch, ctx: StepContext) -> list:
     if not ops:
         return []
     posted = _Batch(ops, what)
+    ctx.batches.append(posted)
     for store, key, bufs, a, indices, specs in landing:
         store[key] = bufs
         ctx.posted.append((store, key, posted, indices, a, start, specs))

@@ -27,6 +27,7 @@ from autopart.runtime.nonfinite import check_mode as check_nonfinite_mode
 from autopart.runtime.state import StateGatherer
 from autopart.runtime.executor import hoist_receives
 from autopart.runtime.step import StepDriver, step_loss_scale
+from autopart.runtime.step_watch import watch_for
 from autopart.runtime.trace import Recorder, trace_path
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -78,6 +79,8 @@ class ParallelModel:
                                 input_specs=compiled.input_specs)
         self._grads = GradientReducer(plan, self._params, self._groups, self.coords, device)
         self._step.reducer = self._grads    # its buckets go out during the backward
+        # a failure names the step, the action and the peer, also where NCCL would only hang
+        self._step.watch = watch_for(self._groups, rank)
         self.zero = zero
         if zero:   # ZeRO-1: gradients reduce-scattered, optimizer state 1/dp (runtime/optimizer.py)
             self._grads.zero_layouts = zero_layouts(plan, self._params, self._groups,
@@ -111,20 +114,21 @@ class ParallelModel:
         for p in self._params.values():
             p.grad = None
         self.steps += 1
-        scale = step_loss_scale(self.compiled.plan, self.compiled.program.loss_count,
-                                self.compiled.program.inputs, checked)
-        ctx = self._step.run(inputs, target, self.steps, checked, loss_scale=scale)
-        if self._trace is not None:
-            self._trace.end_step()
-        self._grads.reduce()
-        flag = None if self.nonfinite == "ignore" else \
-            nonfinite.local_flag(ctx.losses, self._params, self.device)
-        loss, self.last_stats, flagged = self._state.step_results(ctx.losses, scale, ctx.stats, flag, relearn)
-        if flagged is not None and flagged.item():   # the step's one host sync: before returning
-            mine = nonfinite.local_problems(ctx.losses, self._params, self.coords["pp"])
-            report = nonfinite.gather_report(self.steps, mine, self.rank, self._groups.world)
-            if nonfinite.handle(report, self.nonfinite, self._params):
-                self.skipped_steps.append(self.steps)
+        with self._step.watch.watching(self.steps):
+            scale = step_loss_scale(self.compiled.plan, self.compiled.program.loss_count,
+                                    self.compiled.program.inputs, checked)
+            ctx = self._step.run(inputs, target, self.steps, checked, loss_scale=scale)
+            if self._trace is not None:
+                self._trace.end_step()
+            self._grads.reduce()
+            flag = None if self.nonfinite == "ignore" else \
+                nonfinite.local_flag(ctx.losses, self._params, self.device)
+            loss, self.last_stats, flagged = self._state.step_results(ctx.losses, scale, ctx.stats, flag, relearn)
+            if flagged is not None and flagged.item():   # the step's one host sync: before returning
+                mine = nonfinite.local_problems(ctx.losses, self._params, self.coords["pp"])
+                report = nonfinite.gather_report(self.steps, mine, self.rank, self._groups.world)
+                if nonfinite.handle(report, self.nonfinite, self._params):
+                    self.skipped_steps.append(self.steps)
         for name, grad in earlier.items():
             p = self._params[name]
             p.grad = grad if p.grad is None else grad.add_(p.grad)

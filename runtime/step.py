@@ -38,6 +38,7 @@ class StepDriver:
         self.cudagraphs = cudagraph_steps(rank_program.chunks)
         # a runtime.gradients.GradientReducer: posts gradient buckets while the step runs
         self.reducer = None
+        self.watch = None       # a runtime.step_watch.StepWatch: names what a failure waited for
 
     def run(self, inputs: tuple, target: torch.Tensor | None, step: int = 0,
             checked: list | None = None, loss_scale: float | None = None) -> StepContext:
@@ -57,7 +58,9 @@ class StepDriver:
             loss_scale=plan.loss_scale if loss_scale is None else loss_scale,
             step=step, reduced=REDUCED_DTYPES[plan.precision],
             grads=self.reducer.overlap(self.actions, self.chunks, self.trace)
-            if self.reducer is not None else None)
+            if self.reducer is not None else None, watch=self.watch)
+        if self.watch is not None:
+            self.watch.ctx = ctx
         if self.cudagraphs is not None:
             self.cudagraphs.begin()
         with compute_precision(plan.precision, self.device):

@@ -5,6 +5,7 @@ the watchdog once the group's timeout has passed, as NCCL's does)."""
 from __future__ import annotations
 
 import os
+import time
 import re
 import subprocess
 import sys
@@ -156,3 +157,33 @@ def test_checkpoint_suite_under_the_contract():
                           str(ROOT / "tests" / "test_checkpoint.py")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=3000)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+# -- failures under the contract: named, although no wait raises ----------------------------------
+
+@pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.full)])
+def test_a_dead_or_stuck_peer_is_named_under_the_contract(how, monkeypatch, capfd):
+    """Issue 33 row 7. Rank 1 dies (exit) or stops responding (hang) in its first forward of step
+    2. No wait raises under NCCL's contract. Dead: the survivor's next collective fails and its
+    error names the step, the transfer that never completed and its peer, and that rank 1 sent no
+    report. Stuck: nothing raises at all; each rank's StepWatch fires after 3/4 of the timeout,
+    prints the report (the step, the action, the peer, the other rank's report) and ends the rank
+    (exit code 75) before the contract's watchdog would (134, nothing named)."""
+    from autopart.runtime.step_watch import PEER_FAILURE_EXIT
+    from tests._workers import die_mid_step
+
+    monkeypatch.setenv(nccl_contract.ENV, "1")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        spawn(die_mid_step, 2, how, 1, 10.0, 1, timeout=240, pg_timeout=300)
+    elapsed = time.monotonic() - start
+    text = str(info.value) + "\n" + capfd.readouterr().err
+    waited = r"rank 0 was waiting for the batch \[[^\]]*from rank 1[^\]]*\] at step 2"
+    if how == "exit":
+        assert re.search(r"rank 0 failed after [0-9.]+ s in step 2: PeerFailure: " + waited, text), text[-3000:]
+        assert "no report from rank(s) [1]: dead, or stuck outside the step" in text, text[-3000:]
+    else:
+        assert f"--- rank 0: exit code {PEER_FAILURE_EXIT}" in text, text[-3000:]
+        assert re.search("autopart: " + waited + r": no progress for [0-9.]+ s \(the timeout is 10 s\)", text), text[-3000:]
+        assert re.search(r"reported by rank 1: rank 1 was running 1F0 at step 2", text), text[-3000:]
+    assert elapsed < 120, f"spawn took {elapsed:.0f} s"
