@@ -185,10 +185,25 @@ class _Batch:
         coalesced = len(self.works) != len(self.ops)
         for i in (range(len(self.works)) if coalesced else indices):
             if i in self.pending:
-                what = self.what[i] if not coalesced else \
-                    "was waiting for the batch [" + "; ".join(self.what) + "]"
-                _wait(self.works[i], what, ctx)
+                # formatted only if the wait fails (str of the _What, or of the batch)
+                _wait(self.works[i], self.what[i] if not coalesced else self, ctx)
                 self.pending.discard(i)
+
+    def __str__(self) -> str:
+        return "was waiting for the batch [" + "; ".join(map(str, self.what)) + "]"
+
+
+class _What:
+    """What a failed wait for one transfer means ("was waiting for 1RECV_F0 from rank 0"),
+    formatted only when a failure reads it: never in the step's hot path."""
+
+    __slots__ = ("verb", "action", "preposition", "peer")
+
+    def __init__(self, verb: str, action, preposition: str, peer: int):
+        self.verb, self.action, self.preposition, self.peer = verb, action, preposition, peer
+
+    def __str__(self) -> str:
+        return f"{self.verb} {self.action} {self.preposition} rank {self.peer}"
 
 
 def _communicate(batch, ctx: StepContext) -> list:
@@ -209,7 +224,7 @@ def _communicate(batch, ctx: StepContext) -> list:
             for spec, t in pairs:
                 peer = ctx.peer(spec.peer_rank)
                 ops.append(dist.P2POp(dist.isend, _on_wire(t, ctx).contiguous(), peer, ctx.group))
-                what.append(f"could not deliver {a} to rank {peer}")
+                what.append(_What("could not deliver", a, "to", peer))
         else:
             if a.kind == "RECV_F":
                 store, specs = ctx.acts, chunk.recvs
@@ -220,7 +235,7 @@ def _communicate(batch, ctx: StepContext) -> list:
             for s, b in zip(specs, bufs):
                 peer = ctx.peer(s.peer_rank)
                 ops.append(dist.P2POp(dist.irecv, b, peer, ctx.group))
-                what.append(f"was waiting for {a} from rank {peer}")
+                what.append(_What("was waiting for", a, "from", peer))
     if not ops:
         return []
     posted = _Batch(ops, what)

@@ -60,8 +60,8 @@ def first_unfinished(batches) -> str | None:
             except RuntimeError:        # a work that failed may raise when asked
                 done = False
             if not done:
-                return ("was waiting for the batch [" + "; ".join(batch.what) + "]") if coalesced \
-                    else batch.what[i]
+                return ("was waiting for the batch [" + "; ".join(map(str, batch.what)) + "]") \
+                    if coalesced else str(batch.what[i])
     return None
 
 

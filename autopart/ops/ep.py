@@ -138,17 +138,17 @@ def local_offsets(layout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _row_plan(offsets: torch.Tensor, layout: torch.Tensor, ep: int):
     """(rows sent to each rank, rows received from each rank, permutation of the received rows
-    into local-expert order)."""
-    send = _counts(offsets).view(ep, -1).sum(dim=1).tolist()
-    recv = layout.sum(dim=1).tolist()
+    into local-expert order). One host sync: all_to_all_single takes its split sizes as Python
+    ints; the backward reuses the forward's plan."""
+    sizes = torch.cat([_counts(offsets).view(ep, -1).sum(dim=1), layout.sum(dim=1)]).tolist()
+    send, recv = sizes[:ep], sizes[ep:]
     flat = layout.reshape(-1)                              # blocks in arrival order (r, e)
     starts = torch.cumsum(flat, 0) - flat                  # where block (r, e) starts
     by_expert = layout.t().reshape(-1)                     # blocks wanted in (e, r) order
     block_start = starts.view(layout.shape).t().reshape(-1)
-    total = int(flat.sum())
-    within = torch.arange(total, device=flat.device) - torch.repeat_interleave(
-        torch.cumsum(by_expert, 0) - by_expert, by_expert)
-    perm = torch.repeat_interleave(block_start, by_expert) + within
+    within = torch.arange(sum(recv), device=flat.device) - torch.repeat_interleave(
+        torch.cumsum(by_expert, 0) - by_expert, by_expert, output_size=sum(recv))
+    perm = torch.repeat_interleave(block_start, by_expert, output_size=sum(recv)) + within
     return send, recv, perm
 
 
@@ -160,14 +160,14 @@ def _rows_a2a(x: torch.Tensor, out_rows: int, in_splits, out_splits, comm) -> to
     return out
 
 
-def _rows_forward(x, offsets, layout, comm):
-    send, recv, perm = _row_plan(offsets, layout, comm.size)
+def _rows_forward(x, plan, comm):
+    send, recv, perm = plan
     got = _rows_a2a(x[:sum(send)], sum(recv), send, recv, comm)
     return got[perm]
 
 
-def _rows_backward(y, offsets, layout, comm, rows: int):
-    send, recv, perm = _row_plan(offsets, layout, comm.size)
+def _rows_backward(y, plan, comm, rows: int):
+    send, recv, perm = plan
     back = torch.empty_like(y)
     back[perm] = y
     out = _rows_a2a(back, sum(send), recv, send, comm)
@@ -179,27 +179,25 @@ def _rows_backward(y, offsets, layout, comm, rows: int):
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, layout, comm):
-        ctx.save_for_backward(offsets, layout)
+        ctx.plan = _row_plan(offsets, layout, comm.size)   # kept for the backward: no new sync
         ctx.comm, ctx.rows = comm, x.shape[0]
-        return _rows_forward(x, offsets, layout, comm)
+        return _rows_forward(x, ctx.plan, comm)
 
     @staticmethod
     def backward(ctx, g):
-        offsets, layout = ctx.saved_tensors
-        return _rows_backward(g, offsets, layout, ctx.comm, ctx.rows), None, None, None
+        return _rows_backward(g, ctx.plan, ctx.comm, ctx.rows), None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, offsets, layout, rows, comm):
-        ctx.save_for_backward(offsets, layout)
+        ctx.plan = _row_plan(offsets, layout, comm.size)
         ctx.comm = comm
-        return _rows_backward(y, offsets, layout, comm, rows)
+        return _rows_backward(y, ctx.plan, comm, rows)
 
     @staticmethod
     def backward(ctx, g):
-        offsets, layout = ctx.saved_tensors
-        return _rows_forward(g, offsets, layout, ctx.comm), None, None, None, None
+        return _rows_forward(g, ctx.plan, ctx.comm), None, None, None, None
 
 
 def dispatch_rows(x: torch.Tensor, offsets: torch.Tensor, layout: torch.Tensor,
