@@ -217,7 +217,7 @@ def module_states(model: nn.Module, *, seed: int, init_fn: InitFn | None, device
 
 
 class OwnInit:
-    """How `model` initializes itself when no init_fn is given (README, "Models that do not
+    """How `model` initializes itself when no init_fn is given (docs/memory.md, "Models that do not
     fit"): each module's `reset_parameters()`, then the root's per-module `_init_weights(module)`
     (Hugging Face's `PreTrainedModel`, nanoGPT) over it; a parameter neither set comes from a
     fresh instance of its module's class (the values its constructor gives) or, failing that,

@@ -17,7 +17,7 @@ share is a >= 12% error). Adam: atol 1e-5 for everything, since Adam divides eac
 element by its own running magnitude, so an element whose gradient is within a few hundred ulps
 of zero moves by a visibly different fraction of lr=1e-3 (measured up to 1.6e-6); 1e-5 is still
 1% of one Adam step. A non-finite value (NaN, inf) on either side is always a FAIL. bf16 is
-refused: its results differ from the fp32 plain model by ~4e-3 relative (README, Mixed
+refused: its results differ from the fp32 plain model by ~4e-3 relative (docs/memory.md, Mixed
 precision), too much for an elementwise check to tell a wrong layout from rounding; the layout is
 the same in fp32, so rehearse it in fp32.
 """

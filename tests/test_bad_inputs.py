@@ -1,4 +1,4 @@
-"""README's "Bad input" rows, tried as a new user would: each gets a clear error at compile time
+"""docs/bad-input.md's rows, tried as a new user would: each gets a clear error at compile time
 that names what is wrong and what to do, never a traceback from deep inside torch.
 
 The inputs come from tests/data/bad-inputs-tried.md (what a new user got before)."""

@@ -40,7 +40,7 @@ _GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
 CASES = [pytest.param(c, id=c.name) for c in FAST_2] + [
     pytest.param(c, id=c.name, marks=pytest.mark.full) for c in FULL_2 + FULL_4 + FULL_8]
 
-# Linears the README's families table says stay replicated over tp, by family: BERT's masked-LM
+# Linears docs/families.md's table says stay replicated over tp, by family: BERT's masked-LM
 # head transform (dense -> gelu -> LayerNorm over its output features, then the tied decoder);
 # DeepSeek-V3's low-rank q and kv down-projections (an RMSNorm over their outputs; Megatron
 # keeps them whole too).
@@ -62,7 +62,7 @@ _FULL_ONLY = {"qwen3", "gemma3", "stablelm", "deepseek-v3", "llama-gqa"}
     for n in sorted(set(FAMILIES) - {"gpt-oss", "qwen3-moe"}) + ["gpt4", "hf", "renamed"]])
 def test_no_replicated_linear_warnings_beyond_the_table(name):
     """Compiling each family (and the suite's other dense models) for tp=2 warns only about the
-    replicated linears the README's families table lists, in one grouped warning, and no rank
+    replicated linears docs/families.md's table lists, in one grouped warning, and no rank
     holds more than 60% of the parameters. (GPT-OSS and Qwen3-MoE need ep besides tp: their
     experts stay whole under tp alone, which compile refuses; see below.)"""
     import autopart

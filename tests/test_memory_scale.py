@@ -227,7 +227,7 @@ def test_gather_onto_one_rank_tp2_builds_no_full_sharded_tensor(tmp_path):
     gathering, less than the smallest tp-sharded weight's full size; on rank 1, one full tensor;
     during load_pretrained + train_step + optimizer step, less than the full size of the largest
     tp-sharded weight on both ranks (no rank ever builds one). From-scratch initialization in
-    parallelize does build each module's full weights, one module at a time (README), which the
+    parallelize does build each module's full weights, one module at a time (docs/memory.md), which the
     printed numbers show."""
     ranks = _run(tmp_path, [MetaCase("gpt-wide-tp2", model="gpt-wide", tp=2, steps=2,
                                      gather_to=1, count_allocs=True)], ["safetensors"], 2)
