@@ -112,6 +112,8 @@ class Compiled:
     activation_runs: Any = field(repr=False, default=None)
     # what train_step must be given, per input: shapes, dtypes, embedding tables (capture.py)
     input_specs: tuple = field(repr=False, default=())
+    # the program check's report: {"checked": distinct programs run, "skipped": [...]}
+    check: dict = field(repr=False, default_factory=dict)
 
     @functools.cached_property
     def memory(self):

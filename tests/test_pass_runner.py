@@ -107,6 +107,23 @@ def test_the_ir_and_the_ops_import_no_pass_and_no_runtime():
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
+CLI_MODULES = ("autopart.cli", "autopart.compile_cli", "autopart.export_cli", "autopart.plan_cli",
+               "autopart.verify_cli", "autopart.__main__")
+
+
+def test_the_library_imports_no_command_line_module():
+    """The command line sits on top of the library: a module that is not one of the commands
+    (or the smoke, itself a command) never imports one, at the top or inside a function."""
+    commands = {m.rsplit(".", 1)[1] for m in CLI_MODULES} | {"smoke"}
+    for folder in ("autopart", "runtime", "passes"):
+        for path in _sources(folder):
+            if folder == "autopart" and path.parent == ROOT / "autopart" and path.stem in commands:
+                continue
+            bad = {m for m in _imports(path) if m in CLI_MODULES}
+            assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: library code belongs " \
+                            "in a library module the command imports (e.g. autopart/model_files.py)"
+
+
 def test_passes_folder_holds_only_passes_and_their_tests():
     top = {p.stem for p in (ROOT / "passes").iterdir()
            if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}

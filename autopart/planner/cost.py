@@ -25,7 +25,6 @@ from autopart.planner.cluster import Cluster
 from autopart.planner.profile import Part, Profile
 
 SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b")
-RECOMPUTE = ("full", "none")
 # precision -> (param bytes, grad bytes, master bytes, activation bytes, gradient all-reduce bytes).
 # Megatron keeps fp32 main gradients; with fp16 (the paper) it all-reduces them in fp16, with bf16
 # in fp32 (accumulate_allreduce_grads_in_fp32), so bf16 moves twice the bytes.

@@ -33,8 +33,8 @@ def reference_rows(path: Path = REFERENCE) -> list[dict]:
 
 
 def _config_name(row: dict) -> str:
-    from autopart.compile_cli import _load
-    mod, _ = _load(GPT)
+    from autopart.model_files import load_target
+    mod, _ = load_target(GPT)
     for name, cfg in mod.CONFIGS.items():
         if name.startswith("megatron-") and (cfg.n_embd, cfg.n_layer, cfg.n_head) == (
                 row["hidden_size"], row["num_layers"], row["attention_heads"]):

@@ -72,7 +72,7 @@ class Profile:
 
 def load_profile(target: str, spec: str | None) -> Profile:
     """The profile of FILE.py:NAME built with `spec`, from the cache or by capturing one layer."""
-    from autopart.compile_cli import _load
+    from autopart.model_files import load_target as _load
     import time
     file = Path(target.rpartition(":")[0])
     module, name = _load(target)
@@ -95,7 +95,7 @@ def load_profile(target: str, spec: str | None) -> Profile:
 
 
 def _capture_profile(module, name: str, spec: str | None) -> dict:
-    from autopart.compile_cli import _build
+    from autopart.model_files import build as _build
     built = _build(module, name, spec, 2, meta=True)
     return profile_data(built.model, built.inputs, built.loss_fn, built.target)
 
