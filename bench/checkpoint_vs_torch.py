@@ -57,7 +57,9 @@ def _timed(fn, barrier=None) -> float:
     return time.perf_counter() - start
 
 
-def torch_side(args) -> dict:
+def torch_ops(args):
+    """(save, load, model, file, folder): the plain model after one Adam step, and its
+    torch.save / torch.load of the model's and the optimizer's state."""
     from examples.gpt import lm_loss
     model = _build(args.config)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -66,19 +68,25 @@ def torch_side(args) -> dict:
     opt.step(), opt.zero_grad()
     d = Path(tempfile.mkdtemp(prefix="torch-ckpt-", dir=args.dir))
     f = d / "model.pt"
+
+    def save():
+        with open(f, "wb") as stream:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+
+    def load():
+        state = torch.load(f)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+    return save, load, model, f, d
+
+
+def torch_side(args) -> dict:
+    save, load, model, f, d = torch_ops(args)
     saves, loads = [], []
     for _ in range(args.repeat):
-        def save():
-            with open(f, "wb") as stream:
-                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, stream)
-                stream.flush()
-                os.fsync(stream.fileno())
         saves.append(_timed(save))
-
-        def load():
-            state = torch.load(f)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"])
         loads.append(_timed(load))
     size = f.stat().st_size
     shutil.rmtree(d)
@@ -109,8 +117,14 @@ def rank_side(rank: int, world: int, args) -> dict:
     barrier = dist.barrier
     saves, loads, loads_nv = [], [], []
     problems = []
+    # --paired: rank 0 also times torch.save / torch.load of the plain model right after each of
+    # autopart's (the other ranks wait at the barrier), so every round has its own ratio
+    t_save, t_load, *t_rest = torch_ops(args) if args.paired and rank == 0 else (None,) * 5
+    t_saves, t_loads = [], []
     for i in range(args.repeat):
         saves.append(_timed(lambda: checkpoint.save(pm, path, optimizer=opt), barrier))
+        if args.paired:
+            t_saves.append(_timed(t_save or (lambda: None), barrier))
         before = {n: p.detach().clone() for n, p in pm.named_parameters()}
         moments = {n: opt.state[p]["exp_avg"].clone() for n, p in pm.named_parameters()}
         with torch.no_grad():
@@ -118,6 +132,8 @@ def rank_side(rank: int, world: int, args) -> dict:
                 p.zero_()
         fresh = torch.optim.Adam(pm.parameters(), lr=1e-4)
         loads.append(_timed(lambda: checkpoint.load(pm, path, optimizer=fresh), barrier))
+        if args.paired:
+            t_loads.append(_timed(t_load or (lambda: None), barrier))
         if i == 0:
             for n, p in pm.named_parameters():
                 if not torch.equal(p, before[n]) or not torch.equal(fresh.state[p]["exp_avg"],
@@ -130,9 +146,18 @@ def rank_side(rank: int, world: int, args) -> dict:
     mine = sum(f["bytes"] for name, f in marker["files"].items()
                if name.startswith(f"__{rank}_"))
     held = sum(p.numel() for p in pm.parameters())
-    return {"rank": rank, "save_s": min(saves), "load_s": min(loads), "load_noverify_s":
-            min(loads_nv), "bytes_written": mine, "held_params": held, "problems": problems,
-            "total_bytes": sum(f["bytes"] for f in marker["files"].values())}
+    out = {"rank": rank, "save_s": min(saves), "load_s": min(loads), "load_noverify_s":
+           min(loads_nv), "bytes_written": mine, "held_params": held, "problems": problems,
+           "total_bytes": sum(f["bytes"] for f in marker["files"].values())}
+    if args.paired:
+        out.update(save_all=saves, load_all=loads, load_noverify_all=loads_nv)
+        if rank == 0:
+            model, f, d = t_rest
+            out["torch"] = {"save_s": min(t_saves), "load_s": min(t_loads), "bytes": f.stat().st_size,
+                            "params": sum(p.numel() for p in model.parameters()),
+                            "save_all": t_saves, "load_all": t_loads}
+            shutil.rmtree(d)
+    return out
 
 
 def main(argv=None) -> int:
@@ -147,6 +172,10 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--paired", action="store_true",
+                   help="time torch.save/load on rank 0 right after autopart's in every round "
+                        "(instead of in a process of its own first); --json then adds the "
+                        "per-round ratios")
     args = p.parse_args(argv)
     from autopart import Mesh
     from autopart.runtime.launch import spawn
@@ -155,8 +184,9 @@ def main(argv=None) -> int:
     own_dir = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-")
     try:
-        plain = torch_side(args)
+        plain = None if args.paired else torch_side(args)
         ranks = spawn(rank_side, world, args, timeout=args.timeout, pg_timeout=600)
+        plain = plain or ranks[0]["torch"]
     finally:
         if own_dir:
             shutil.rmtree(args.dir, ignore_errors=True)
@@ -170,9 +200,15 @@ def main(argv=None) -> int:
            "save_ratio": save / plain["save_s"], "load_ratio": load / plain["load_s"],
            "load_noverify_ratio": load_nv / plain["load_s"], "problems": problems,
            "loadavg": os.getloadavg()}
+    if args.paired:   # per round: the slowest rank's time / torch's
+        out["round_ratios"] = {
+            key: [max(r[f"{key}_all"][i] for r in ranks) / plain[f"{base}_all"][i]
+                  for i in range(args.repeat)]
+            for key, base in (("save", "save"), ("load", "load"), ("load_noverify", "load"))}
     mib = 2 ** 20
     lines = [f"checkpoint of examples.gpt {args.config} ({plain['params'] / 1e6:.1f}M parameters) "
-             f"with Adam state; autopart on {world} ranks ({args.mesh}), best of {args.repeat}",
+             f"with Adam state; autopart on {world} ranks ({args.mesh}), best of {args.repeat}"
+             + (" (torch on rank 0, paired round by round)" if args.paired else ""),
              "",
              f"{'':28s}{'torch (1 process)':>20s}{'autopart':>12s}{'ratio':>8s}",
              f"{'save s':28s}{plain['save_s']:20.2f}{save:12.2f}{out['save_ratio']:8.2f}",

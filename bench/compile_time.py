@@ -14,6 +14,7 @@ Nothing is allocated: the weights would need 4 bytes per parameter (700 GB for 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -102,6 +103,8 @@ def main() -> None:
     p.add_argument("--precision", default=None, help="compile's precision= (default fp32)")
     p.add_argument("--repeat", type=int, default=1, help="runs; the table shows the fastest")
     p.add_argument("--target", type=float, default=30.0, help="seconds, whole process")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON line with every run on stdout (the table goes to stderr)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -109,6 +112,15 @@ def main() -> None:
         child(args.model, args.pp, args.dp, args.tp, args.virtual_stages, args.microbatches, options)
         return
     runs = [run_once(args) for _ in range(args.repeat)]
+    if args.json:
+        with contextlib.redirect_stdout(sys.stderr):
+            table(args, runs)
+        print(json.dumps({"bench": "compile_time", "runs": runs, "loadavg": os.getloadavg()}))
+    else:
+        table(args, runs)
+
+
+def table(args, runs: list[dict]) -> None:
     best = min(runs, key=lambda r: r["process_wall"])
     print(f"{args.model} ({best['params'] / 1e9:.1f}B parameters) pp={args.pp} dp={args.dp} tp={args.tp} "
           f"v={args.virtual_stages}: {best['ranks']} ranks, {best['chunks']} chunks "

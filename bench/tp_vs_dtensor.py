@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     result = {"tp": 2, "model": f"Llama {args.layers} layers, hidden {args.hidden}, "
               f"batch {args.batch}x{args.seq}", "first_step_loss": first, "losses_match": ok,
               "median_step_seconds": med, "ratio_autopart_over_dtensor": ratio,
-              "autopart_param_share": out["params"]["autopart"] / out["params"]["plain"]}
+              "autopart_param_share": out["params"]["autopart"] / out["params"]["plain"],
+              "step_seconds": out["times"]}     # rank 0's, step by step (the sides alternate)
     if args.json:
         print(json.dumps(result))
     else:

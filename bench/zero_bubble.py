@@ -86,15 +86,22 @@ def predicted_ms(schedule, costs: dict) -> tuple[float, float]:
     return sim.makespan, unit.bubble
 
 
-def rank_main(rank: int, world: int, opts: dict) -> dict:
-    import autopart
+def model_and_batch(opts: dict):
+    """(plain GPT, its config, tokens, targets, the generator that drew them): the same on every rank."""
     torch.manual_seed(opts["seed"])
     cfg = config(opts["config"])
     plain = GPT(cfg)
-    m, mbs = opts["microbatches"], opts["microbatch_size"]
+    n = opts["microbatches"] * opts["microbatch_size"]
     g = torch.Generator().manual_seed(opts["seed"] + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (m * mbs, cfg.block_size), generator=g)
-    targets = torch.randint(0, cfg.vocab_size, (m * mbs, cfg.block_size), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (n, cfg.block_size), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (n, cfg.block_size), generator=g)
+    return plain, cfg, tokens, targets, g
+
+
+def rank_main(rank: int, world: int, opts: dict) -> dict:
+    import autopart
+    plain, cfg, tokens, targets, g = model_and_batch(opts)
+    m, mbs = opts["microbatches"], opts["microbatch_size"]
     hidden = 0.02 * torch.randn(mbs, cfg.block_size, cfg.n_embd, generator=g)
     results = []
     for name, v, torch_cls in ROWS:
@@ -143,6 +150,42 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
     return {"results": results}
 
 
+def paired_main(rank: int, world: int, opts: dict) -> dict:
+    """--paired: autopart's 1F1B and each named schedule, built side by side from the same weights
+    and stepped back to back in every round (1F1B first, each step from a barrier, the slowest
+    rank's time), so that each schedule's ratio to 1F1B is a median of per-round ratios. Each
+    one's first step must match the plain model, as in rank_main."""
+    import autopart
+    plain, _, tokens, targets, _ = model_and_batch(opts)
+    m = opts["microbatches"]
+    ref_loss = float(pvt.plain_step(plain, tokens, targets))
+    ref = dict(plain.named_parameters())
+    pms = {}
+    for name, v in [("1f1b", 1), *opts["paired"]]:
+        pm = autopart.parallelize(copy.deepcopy(plain), autopart.Mesh(pp=PP), (tokens,),
+                                  loss_fn=lm_loss, target=targets, microbatches=m, schedule=name,
+                                  virtual_stages=v)
+        loss = float(pm.train_step(tokens, target=targets))
+        errs = torch.tensor([abs(loss - ref_loss), pvt._grad_error(
+            [(p.grad, ref[n].grad) for n, p in pm.named_parameters()])])
+        dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+        if not (float(errs[1]) <= opts["tol"] and float(errs[0]) <= opts["tol"] * 10):
+            raise AssertionError(f"{name} v={v}: autopart differs from the plain model: {errs.tolist()}")
+        pms[name + (f" v={v}" if v > 1 else "")] = pm
+    wall: dict = {k: [] for k in pms}
+    for it in range(opts["warmup"] + opts["steps"]):
+        for k, pm in pms.items():
+            pvt._zero(pm.parameters())
+            dt, _ = pvt._timed(lambda: pm.train_step(tokens, target=targets))
+            if it >= opts["warmup"]:
+                wall[k].append(dt)
+    for k, xs in wall.items():
+        t = torch.tensor(xs, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)          # a step lasts as long as its slowest rank
+        wall[k] = [1e3 * x for x in t.tolist()]
+    return {"paired": wall}
+
+
 def table(opts: dict, results: list[dict]) -> str:
     cfg = config(opts["config"])
     base = next(r["autopart_ms"] for r in results if r["schedule"] == "1f1b")
@@ -189,11 +232,28 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--trace-dir", help="keep each schedule's traced step there (<name>-v<v>.json)")
+    ap.add_argument("--paired", metavar="SCHEDULE[:V],...",
+                    help="instead of the table: autopart's 1F1B and these schedules (e.g. "
+                         "zb-h1,zb-v:2) stepped back to back in every round; prints the median "
+                         "per-round ratio of each to 1F1B (--json: every step time)")
     a = ap.parse_args(argv)
     opts = dict(microbatches=a.microbatches, microbatch_size=a.microbatch_size, steps=a.steps,
                 warmup=a.warmup, config=a.config, seed=a.seed, tol=a.tol,
                 trace_dir=str(Path(a.trace_dir).resolve()) if a.trace_dir else None)
     from autopart.runtime.launch import spawn
+    if a.paired:
+        opts["paired"] = [(n, int(v or 1)) for n, _, v in (x.partition(":") for x in a.paired.split(","))]
+        wall = spawn(paired_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]["paired"]
+        ratios = {k: statistics.median(x / y for x, y in zip(xs, wall["1f1b"]))
+                  for k, xs in wall.items() if k != "1f1b"}
+        print("\n".join(f"{k}: median step {statistics.median(wall[k]):.0f} ms, vs 1f1b "
+                        f"({statistics.median(wall['1f1b']):.0f} ms) {r:.3f} (median of {a.steps} "
+                        f"per-round ratios)" for k, r in ratios.items()),
+              file=sys.stderr if a.json else sys.stdout)
+        if a.json:
+            print(json.dumps({"bench": "zero_bubble", "options": opts, "paired_ms": wall,
+                              "ratio_to_1f1b": ratios}))
+        return 0
     out = spawn(rank_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]
     text = table(opts, out["results"])
     print(text, file=sys.stderr if a.json else sys.stdout)

@@ -1,0 +1,271 @@
+"""The headline benchmarks in one go, each run twice, recorded in bench/RESULTS.md.
+
+    python -m bench                          # every benchmark, 30 rounds, twice; appends to RESULTS.md
+    python -m bench --quick --no-record      # plumbing check: 3 rounds, once each, never recorded
+    python -m bench --only pipeline,tp --rounds 40 --json
+
+Each benchmark script runs as its own process, twice. A run's figure is the median of its
+per-round values: for a ratio, the per-round ratios of the two sides that stepped back to back in
+that round (so the machine's drift cancels); for a time in seconds (compile, plan), the median of
+its processes. When a benchmark's two figures differ by more than 3% (the larger over the smaller)
+the pair is printed and recorded as "noisy", not as a result. See bench/README.md "run_all".
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+RESULTS = BENCH / "RESULTS.md"
+NOISE = 0.03          # two runs further apart than this (relative) are noisy
+MIN_ROUNDS = 30       # fewer rounds are a trial, never recorded
+QUICK_ROUNDS = 3
+
+
+@dataclass
+class Bench:
+    name: str                                        # for --only
+    script: str                                      # in bench/
+    args: Callable[[int], list[str]]                 # rounds -> the script's options
+    rows: dict[str, str]                             # row -> what its figure is
+    values: Callable[[dict], dict[str, list[float]]]  # the script's JSON -> row -> per-round values
+    unit: str = "ratio"                              # or "s"
+    rounds: Callable[[int], int] = lambda r: r       # rounds -> the rounds (or processes) it takes
+    timeout: float = 900
+
+
+def _per_round(a: list[float], b: list[float]) -> list[float]:
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} and {len(b)} rounds: not paired")
+    return [x / y for x, y in zip(a, b)]
+
+
+def _pipeline(out: dict) -> dict:
+    return {f"pp {r['schedule']}": _per_round(r["autopart_ms_all"], r["torch_ms_all"])
+            for r in out["results"]}
+
+
+def _zero_bubble(out: dict) -> dict:
+    base = out["paired_ms"]["1f1b"]
+    return {f"{k} / 1f1b": _per_round(v, base) for k, v in out["paired_ms"].items() if k != "1f1b"}
+
+
+BENCHMARKS = [
+    Bench("pipeline", "pipeline_vs_torch.py", lambda r: ["--steps", str(r)],
+          {"pp 1f1b": "autopart / torch.distributed.pipelining step (Schedule1F1B), pp=2, GPT 8 "
+                      "layers n_embd=64, 32 microbatches of 1",
+           "pp interleaved-1f1b": "the same, interleaved 1F1B v=2 (ScheduleInterleaved1F1B)"},
+          _pipeline),
+    Bench("tp", "tp_vs_dtensor.py", lambda r: ["--steps", str(r)],
+          {"tp=2": "autopart / DTensor parallelize_module step (fwd+bwd+SGD), HF Llama 4 layers "
+                   "h=256, batch 8x128"},
+          lambda out: {"tp=2": _per_round(out["step_seconds"]["autopart"],
+                                          out["step_seconds"]["dtensor"])}),
+    Bench("zero-bubble", "zero_bubble.py", lambda r: ["--paired", "zb-h1,zb-v:2", "--steps", str(r)],
+          {"zb-h1 / 1f1b": "autopart ZB-H1 / autopart 1F1B step, pp=2, GPT 8 layers n_embd=256, "
+                           "4 microbatches of 8",
+           "zb-v v=2 / 1f1b": "autopart ZB-V (v=2) / autopart 1F1B step, the same"},
+          _zero_bubble),
+    Bench("health", "health_check.py", lambda r: ["--steps", str(3 * r)],
+          {"health pp=2": "nonfinite='raise' / 'ignore' step, pp=2, tiny GPT (overhead-bound), "
+                          "3x the rounds",
+           "health tp=2": "the same, tp=2"},
+          lambda out: {f"health {r['mesh']}": _per_round(r["raise_ms_all"], r["ignore_ms_all"])
+                       for r in out["results"]},
+          rounds=lambda r: 3 * r),
+    Bench("checkpoint", "checkpoint_vs_torch.py",
+          lambda r: ["--paired", "--config", "tiny,n_layer=4,n_embd=256,vocab_size=8192", "--repeat", str(r)],
+          {"checkpoint save": "autopart save (4 ranks, pp=2 x dp=2, DCP) / torch.save, GPT 4 layers "
+                              "n_embd=256 vocab 8192 with Adam state, 64 MB (not gpt2-124m's "
+                              "1.4 GB: 30 rounds of it take long)",
+           "checkpoint load": "autopart load (CRC-32 verified) / torch.load + load_state_dict",
+           "checkpoint load (sizes only)": "autopart load(verify=False) / torch.load"},
+          lambda out: {"checkpoint save": out["round_ratios"]["save"],
+                       "checkpoint load": out["round_ratios"]["load"],
+                       "checkpoint load (sizes only)": out["round_ratios"]["load_noverify"]}),
+    Bench("compile-1t", "compile_time.py",
+          lambda r: ["--model", "megatron-1t", "--pp", "64", "--tp", "8", "--dp", "6",
+                     "--repeat", str(max(1, r // 10))],
+          {"compile 1T s": "seconds, whole process: autopart.compile of megatron-1t on pp=64 tp=8 "
+                           "dp=6 (3072 ranks), meta device; a process per round, rounds/10 of them"},
+          lambda out: {"compile 1T s": [x["process_wall"] for x in out["runs"]]},
+          unit="s", rounds=lambda r: max(1, r // 10)),
+    Bench("plan", "plan_time.py", lambda r: ["--repeat", str(max(1, r // 15))],
+          {"plan cold s": "seconds, whole `autopart plan` process, megatron-1t on 3072 GPUs, "
+                          "layer-profile cache empty; rounds/15 processes",
+           "plan warm s": "the same with the profile cached"},
+          lambda out: {"plan cold s": [x["cold_s"] for x in out["runs"]],
+                       "plan warm s": [x["warm_s"] for x in out["runs"]]},
+          unit="s", rounds=lambda r: max(1, r // 15)),
+]
+
+
+# -- one benchmark -------------------------------------------------------------------------------
+def invoke(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    """Runs one benchmark process: (exit status, stdout, stderr). Tests replace it."""
+    try:
+        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return 124, "", f"timed out after {timeout:.0f} s\n{e.stderr or ''}"
+    return p.returncode, p.stdout, p.stderr
+
+
+def run_once(bench: Bench, rounds: int) -> tuple[dict[str, float] | None, float, str]:
+    """One run: (row -> the median of its per-round values, or None on failure; seconds; error)."""
+    argv = [sys.executable, str(BENCH / bench.script), *bench.args(rounds), "--json"]
+    start = time.perf_counter()
+    code, out, err = invoke(argv, bench.timeout)
+    seconds = time.perf_counter() - start
+    try:
+        if code != 0:
+            raise RuntimeError(f"exit status {code}")
+        values = bench.values(json.loads(out.strip().splitlines()[-1]))
+        return {row: statistics.median(v) for row, v in values.items()}, seconds, ""
+    except Exception as e:   # noqa: BLE001 - a failed benchmark is reported, the others still run
+        tail = " | ".join(err.strip().splitlines()[-3:])
+        return None, seconds, f"{e}: {tail}"[:400]
+
+
+def verdict(first: float | None, second: float | None) -> str:
+    """'result' when the two runs agree within NOISE (the larger over the smaller), else 'noisy'."""
+    if first is None or second is None:
+        return "failed"
+    lo, hi = sorted((first, second))
+    return "result" if lo > 0 and hi / lo - 1 <= NOISE + 1e-12 else "noisy"
+
+
+def measure(bench: Bench, rounds: int, runs: int, log=sys.stderr) -> list[dict]:
+    """The benchmark run `runs` times: one dict per row (figures, verdict, rounds, seconds)."""
+    figures, seconds, errors = [], 0.0, []
+    for i in range(runs):
+        got, s, error = run_once(bench, rounds)
+        seconds += s
+        figures.append(got or {})
+        if error:
+            errors.append(f"run {i + 1}: {error}")
+        print(f"  {bench.name} run {i + 1}/{runs}: {s:.0f} s: " + (
+            ", ".join(f"{k} {v:.3f}" for k, v in got.items()) if got else f"FAILED {error}"),
+              file=log, flush=True)
+    rows = []
+    for row, what in bench.rows.items():
+        got = [f.get(row) for f in figures]
+        v = verdict(got[0], got[1]) if runs == 2 else ("failed" if None in got else "quick")
+        rows.append({"benchmark": row, "what": what, "unit": bench.unit, "runs": got,
+                     "verdict": v, "rounds": bench.rounds(rounds), "seconds": seconds,
+                     "errors": errors})
+    return rows
+
+
+# -- the record ----------------------------------------------------------------------------------
+def _fmt(x: float | None, unit: str) -> str:
+    return "-" if x is None else f"{x:.2f} s" if unit == "s" else f"{x:.3f}"
+
+
+def _spread(row: dict) -> str:
+    a, b = (row["runs"] + [None, None])[:2]
+    return f"{100 * (max(a, b) / min(a, b) - 1):.1f}%" if a and b else "-"
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'benchmark':<30}{'run 1':>10}{'run 2':>10}{'apart':>8}  {'verdict':<8}{'rounds':>7}{'seconds':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        a, b = (r["runs"] + [None, None])[:2]
+        lines.append(f"{r['benchmark']:<30}{_fmt(a, r['unit']):>10}{_fmt(b, r['unit']):>10}"
+                     f"{_spread(r):>8}  {r['verdict']:<8}{r['rounds']:>7}{r['seconds']:>9.0f}")
+    return "\n".join(lines)
+
+
+def git_state() -> tuple[str, bool]:
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") or "?", bool(git("status", "--porcelain",
+                                                               "--untracked-files=no"))
+
+
+def section(rows: list[dict], *, when: datetime.datetime, commit: str, dirty: bool,
+            load_before, load_after, command: str, rounds: int) -> str:
+    """The Markdown section appended to RESULTS.md for one invocation."""
+    la = ", ".join(f"{x:.2f}" for x in load_before)
+    lb = ", ".join(f"{x:.2f}" for x in load_after)
+    out = [f"## {when:%Y-%m-%d %H:%M}: `{command}`", "",
+           f"Commit {commit}{' (working tree dirty)' if dirty else ''}; {os.cpu_count()} cpus; load "
+           f"average (1, 5, 15 min) {la} before, {lb} after; {rounds} rounds. A run's figure is the "
+           f"median of its per-round values (ratios: lower is faster for autopart; `s`: seconds); "
+           f"two runs more than {100 * NOISE:.0f}% apart are noisy, not a result.", "",
+           "| benchmark | what | run 1 | run 2 | apart | verdict | rounds | seconds |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        a, b = (r["runs"] + [None, None])[:2]
+        out.append(f"| {r['benchmark']} | {r['what']} | {_fmt(a, r['unit'])} | {_fmt(b, r['unit'])} "
+                   f"| {_spread(r)} | {r['verdict']} | {r['rounds']} | {r['seconds']:.0f} |")
+    errors = [f"- {r['benchmark']}: {e}" for r in rows for e in r["errors"]]
+    return "\n".join(out + ([""] + sorted(set(errors)) if errors else [])) + "\n"
+
+
+def record(text: str, path: Path | None = None) -> None:
+    with open(path or RESULTS, "a") as f:
+        f.write("\n" + text)
+
+
+# -- command line --------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"{QUICK_ROUNDS} rounds, each benchmark once: a plumbing check, never recorded")
+    ap.add_argument("--only", help="NAME[,NAME]: of " + ", ".join(b.name for b in BENCHMARKS))
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS,
+                    help=f"rounds per run (default {MIN_ROUNDS}; fewer are not recorded)")
+    ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--json", action="store_true",
+                    help="one JSON line with every row on stdout (the table goes to stderr)")
+    a = ap.parse_args(argv)
+    names = [n.strip() for n in a.only.split(",")] if a.only else [b.name for b in BENCHMARKS]
+    unknown = sorted(set(names) - {b.name for b in BENCHMARKS})
+    if unknown:
+        ap.error(f"unknown benchmark {', '.join(unknown)}; known: "
+                 f"{', '.join(b.name for b in BENCHMARKS)}")
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    rounds, runs = (QUICK_ROUNDS, 1) if a.quick else (a.rounds, 2)
+    recording = not (a.no_record or a.quick or rounds < MIN_ROUNDS)
+    command = " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])])
+    log = sys.stderr
+    load_before, when = os.getloadavg(), datetime.datetime.now()
+    print(f"{command}: {', '.join(names)}; {rounds} rounds, {runs} run(s) each; load average "
+          f"{load_before[0]:.2f}", file=log, flush=True)
+    rows = []
+    for bench in BENCHMARKS:
+        if bench.name in names:
+            rows += measure(bench, rounds, runs, log)
+    load_after = os.getloadavg()
+    text = table(rows)
+    print(text, file=log if a.json else sys.stdout)
+    print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; {runs} run(s); "
+          f"noisy: the two runs more than {100 * NOISE:.0f}% apart", file=log)
+    if recording:
+        commit, dirty = git_state()
+        record(section(rows, when=when, commit=commit, dirty=dirty, load_before=load_before,
+                       load_after=load_after, command=command, rounds=rounds))
+        print(f"recorded in {RESULTS}", file=log)
+    else:
+        print("not recorded" + (" (--quick)" if a.quick else " (--no-record)" if a.no_record else
+                                f" (fewer than {MIN_ROUNDS} rounds)"), file=log)
+    if a.json:
+        print(json.dumps({"rounds": rounds, "runs": runs, "load_before": load_before,
+                          "load_after": load_after, "rows": rows}))
+    return 1 if any(r["verdict"] == "failed" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
