@@ -10,7 +10,8 @@ from autopart.compiler import Compiled, Plan, RankProgram, compile
 from autopart.errors import AutopartError
 from autopart.mesh import Mesh
 from autopart.materialize import materialize, meta_device
-from autopart.runtime import ParallelModel, parallelize
+from autopart.api import parallelize
+from autopart.runtime import ParallelModel
 from autopart.verification import VerifyReport, verify
 
 __version__ = "0.1.0"

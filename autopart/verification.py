@@ -268,7 +268,7 @@ def verify_rank(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn=
     `merge` turns into the report. `perturb` (tests only): a plain parameter's name, nudged by
     1e-3 in the plain copy before training, so the layout must be reported as differing."""
     import torch.distributed as dist
-    from autopart.runtime import parallelize
+    from autopart.api import parallelize
 
     rtol, atol = tolerance_for(optimizer, tolerance)
     rank = dist.get_rank()

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import autopart
-from autopart.runtime import launch, parallel_model
+from autopart import api
+from autopart.runtime import launch
 from tests._workers import Case, build
 
 
@@ -33,7 +34,7 @@ def test_meta_models_materialize_on_the_backends_device(monkeypatch, backend, ex
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     with autopart.meta_device():
         model = torch.nn.Linear(4, 4)
-    assert parallel_model._device_of(model) == expected
+    assert api._device_of(model) == expected
     assert launch.rank_device() == expected
 
 

@@ -124,6 +124,22 @@ def test_the_library_imports_no_command_line_module():
                             "in a library module the command imports (e.g. autopart/model_files.py)"
 
 
+def test_the_runtime_imports_no_compiler_planner_or_front_door():
+    """runtime/ executes a compiled plan: the compiler, capture, the planner, the passes and the
+    front door (autopart/api.py, which calls both) sit above it; type-only imports excepted."""
+    above = ("autopart.compiler", "autopart.capture", "autopart.planner", "autopart.passes",
+             "autopart.api", *CLI_MODULES)
+    for path in _sources("runtime"):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If)
+                       and getattr(t.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(t)}
+        bad = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+               and id(n) not in typing_only and n.module.startswith(above)}
+        bad -= {"autopart.api"} if path.name == "__init__.py" else set()   # the lazy re-export
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: the runtime runs what " \
+                        "the compiler made; autopart/api.py joins them"
+
+
 def test_passes_folder_holds_only_passes_and_their_tests():
     top = {p.stem for p in (ROOT / "passes").iterdir()
            if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
