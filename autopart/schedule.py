@@ -44,6 +44,7 @@ from autopart import _C
 
 __all__ = [
     "SCHEDULES",
+    "hoist_receives",
     "Action",
     "Kind",
     "Schedule",
@@ -497,3 +498,39 @@ def _format_grid(ranks: Sequence[Sequence[Action]], marks: set[tuple[int, int]],
     if previous < total - 1:
         lines.append(f"... {total - 1 - previous} steps")
     return "\n".join(lines)
+
+
+# -- lowering for the runtime -------------------------------------------------------------------
+
+def hoist_receives(schedule: Schedule) -> Schedule:
+    """The lowering the runtime runs: `schedule` with each receive moved up past the computes
+    before it (so its transfer runs during them), as far as the validator still proves the lists
+    deadlock-free. The order of the transfers themselves never changes: only batches merge."""
+    ranks = [list(r) for r in schedule.ranks]
+    for r in range(len(ranks)):
+        i = 0
+        while i < len(ranks[r]):
+            if ranks[r][i].kind in (Kind.RECV_F, Kind.RECV_B):
+                i = _hoist_one(schedule, ranks, r, i)
+            i += 1
+    return Schedule(schedule.name, schedule.pp, schedule.microbatches,
+                          schedule.virtual_stages, tuple(tuple(a) for a in ranks))
+
+
+def _hoist_one(schedule, ranks: list, r: int, i: int) -> int:
+    """Move ranks[r][i] to the earliest valid place after the previous transfer; its new index."""
+    actions = ranks[r]
+    top = i
+    while top > 0 and actions[top - 1].kind.is_compute:
+        top -= 1
+    for j in range(top, i):
+        trial = actions[:j] + [actions[i]] + actions[j:i] + actions[i + 1:]
+        candidate = [trial if k == r else a for k, a in enumerate(ranks)]
+        try:
+            validate(Schedule(schedule.name, schedule.pp, schedule.microbatches,
+                                          schedule.virtual_stages, tuple(map(tuple, candidate))))
+        except ScheduleError:
+            continue
+        ranks[r] = trial
+        return j
+    return i

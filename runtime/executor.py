@@ -15,8 +15,8 @@ orders the transfer, so a rank never idles until its peer has posted the matchin
 NCCL a wait only orders the compute stream after the transfer, so the host never blocks; with
 Gloo it blocks until the data is there. NCCL also returns one work for a whole batch where Gloo
 returns one per op (_Batch): a receive is waited on through whichever work covers it.
-`hoist_receives` moves receives earlier in the lists, before the computes that precede their use,
-where the validator proves that safe.
+The lists it runs are lowered first by autopart/schedule.py `hoist_receives` (receives moved earlier,
+before the computes that precede their use, where the validator proves that safe).
 
 With data parallelism, `ctx.grads` (runtime/gradients.py StepBuckets) is told before and after
 each compute, so that gradient buckets are all-reduced as soon as the backward finishes them;
@@ -466,42 +466,6 @@ def _accumulate(params: dict, names, grads) -> None:
             p.grad = g.detach()
         else:
             p.grad += g
-
-
-def hoist_receives(schedule):
-    """`schedule` with each receive moved up past the computes before it (so its transfer runs
-    during them), as far as the validator still proves the lists deadlock-free. The order of
-    the transfers themselves never changes: only batches merge."""
-    from autopart import schedule as sched
-    ranks = [list(r) for r in schedule.ranks]
-    for r in range(len(ranks)):
-        i = 0
-        while i < len(ranks[r]):
-            if ranks[r][i].kind in (sched.Kind.RECV_F, sched.Kind.RECV_B):
-                i = _hoist_one(schedule, ranks, r, i)
-            i += 1
-    return sched.Schedule(schedule.name, schedule.pp, schedule.microbatches,
-                          schedule.virtual_stages, tuple(tuple(a) for a in ranks))
-
-
-def _hoist_one(schedule, ranks: list, r: int, i: int) -> int:
-    """Move ranks[r][i] to the earliest valid place after the previous transfer; its new index."""
-    from autopart import schedule as sched
-    actions = ranks[r]
-    top = i
-    while top > 0 and actions[top - 1].kind.is_compute:
-        top -= 1
-    for j in range(top, i):
-        trial = actions[:j] + [actions[i]] + actions[j:i] + actions[i + 1:]
-        candidate = [trial if k == r else a for k, a in enumerate(ranks)]
-        try:
-            sched.validate(sched.Schedule(schedule.name, schedule.pp, schedule.microbatches,
-                                          schedule.virtual_stages, tuple(map(tuple, candidate))))
-        except sched.ScheduleError:
-            continue
-        ranks[r] = trial
-        return j
-    return i
 
 
 # -- the program as run: the same graph, cheaper calls -----------------------------------------------

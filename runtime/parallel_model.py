@@ -23,7 +23,7 @@ from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check
 from autopart.runtime import nonfinite
 from autopart.runtime.nonfinite import check_mode as check_nonfinite_mode
 from autopart.runtime.state import StateGatherer
-from autopart.runtime.executor import hoist_receives
+from autopart.schedule import hoist_receives
 from autopart.runtime.step import StepDriver, step_loss_scale
 from autopart.runtime.step_watch import watch_for
 from autopart.runtime.trace import Recorder

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 
 from autopart import schedule as sched
-from autopart.runtime.executor import hoist_receives
+from autopart.schedule import hoist_receives
 from tests._workers import Case, assert_all_ranks_equal_plain, run_group
 
 FAST_2 = [   # the first one also writes the trace the trace test reads
