@@ -15,7 +15,7 @@ accumulation act on it as usual). `step` runs the user's optimizer class on this
 slice (its state, Adam's two moments, is 1/d of the plain optimizer's), then all-gathers the
 updated slices into the parameters: a reduce-scatter plus an all-gather move the same bytes as
 the all-reduce they replace. Checkpoints store the state per parameter, as the plain optimizer
-holds it (gather_state_by_parameter, load_slices; the mapping is in runtime/checkpoint.py), so
+holds it (gather_state_by_parameter, load_slices; the mapping is in runtime/checkpoint/), so
 they load at any zero level.
 
 Buckets (`parallelize(..., zero_bucket_size=)`, elements, default 40M as Megatron-LM's
@@ -314,7 +314,7 @@ class ZeroOptimizer:
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
-    # -- per-parameter state, the plain optimizer's form (checkpoints: runtime/checkpoint.py) --
+    # -- per-parameter state, the plain optimizer's form (checkpoints: runtime/checkpoint/) --
     def slice_state(self, index: int) -> dict:
         """Layout `index`'s optimizer state as one slice-long tensor per key (the buckets'
         joined; a view when there is one bucket), or a scalar state (Adam's `step`) as is."""

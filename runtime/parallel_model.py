@@ -250,14 +250,14 @@ class ParallelModel:
 
     def save(self, path, optimizer=None, extra: dict | None = None, **kwargs) -> dict:
         """Save this model's shards, `optimizer`'s state, RNG states and `extra` to the checkpoint
-        directory `path` (collective; atomic). See autopart/runtime/checkpoint.py."""
+        directory `path` (collective; atomic). See autopart/runtime/checkpoint/."""
         self._require_filled("save")
         from autopart.runtime.checkpoint import save
         return save(self, path, optimizer=optimizer, extra=extra, **kwargs)
 
     def load(self, path, optimizer=None, **kwargs) -> dict:
         """Load a checkpoint saved on any mesh into this model (in place) and `optimizer`;
-        returns its `extra` dict (collective). See autopart/runtime/checkpoint.py."""
+        returns its `extra` dict (collective). See autopart/runtime/checkpoint/."""
         from autopart.runtime.checkpoint import load
         extra = load(self, path, optimizer=optimizer, **kwargs)
         program = self.compiled.program    # every parameter and persistent buffer was read

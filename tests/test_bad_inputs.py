@@ -362,7 +362,7 @@ def test_load_pretrained_refuses_entries_that_are_not_tensors(as_file, tmp_path)
     assert open_checkpoint({"lin.weight": torch.zeros(2, 2)}).keys() == ["lin.weight"]
 
 
-# -- pm.save: runtime/checkpoint.py, extra checked in the first collective, nothing left behind ---
+# -- pm.save: runtime/checkpoint/, extra checked in the first collective, nothing left behind ---
 
 @pytest.fixture
 def one_rank_pm(single_process_group):

@@ -1,0 +1,209 @@
+"""Per rank: state bytes, the activation peak over the schedule's actions, the memory table."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+import torch
+import torch.utils.checkpoint
+from autopart.analysis import evaluate
+from autopart.ir import REDUCED_DTYPES, Program
+
+from .activations import ActivationCache, ChunkActivations
+from .units import ADAM_STEP, KEYS, OPTIMIZER_STATES, check_zero
+
+def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str = "fp32",
+                zero: int = 0, local=None) -> dict[str, int]:
+    """params / grads / master / optimizer bytes of one rank holding `chunks` (localized, or
+    global with `local(name, tensor)` giving the tensor of this rank's shape, see _RankShapes):
+
+        params     every parameter and buffer element at its dtype (fp32: 4 bytes)
+        grads      every trainable element at its dtype (full-shaped .grad, also with zero=1)
+        zero=0     master 0 (the parameters are the masters); optimizer 4 * states per element
+        zero=1     runtime/optimizer.py lays the trainable parameters end to end per replica
+                   group (dense over dp, experts over dp/ep), padded to the group size d; this
+                   rank keeps an fp32 copy of its ceil(n/d) elements (master 4 bytes each) and
+                   the optimizer's state for them (4 * states bytes each)
+    plus, for Adam, one 4-byte `step` per tensor stepped (each parameter, or each flat slice)."""
+    check_zero(zero)        # precision changes no state byte (see the module docstring)
+    held: dict = {}
+    for c in chunks:
+        for name, t in list(c.gm.named_parameters()) + list(c.gm.named_buffers()):
+            if name.startswith("recompute_"):
+                continue
+            held.setdefault(name, t)
+    if local is not None:
+        held = {name: local(name, t) for name, t in held.items()}
+    params = sum(t.numel() * t.element_size() for t in held.values())
+    trainable = {n: t for n, t in held.items() if n in program.params and t.requires_grad}
+    grads = sum(t.numel() * t.element_size() for t in trainable.values())
+    per = OPTIMIZER_STATES[optimizer]
+    step = ADAM_STEP if optimizer == "adam" else 0
+    if not zero:
+        numel = sum(t.numel() for t in trainable.values())
+        return {"params": params, "grads": grads, "master": 0,
+                "optimizer": per * 4 * numel + step * len(trainable)}
+    slices = _zero_slices(trainable, program, mesh)
+    return {"params": params, "grads": grads, "master": 4 * sum(slices),
+            "optimizer": per * 4 * sum(slices) + step * len(slices)}
+
+
+def _zero_slices(trainable: dict, program: Program, mesh) -> list[int]:
+    """Elements of this rank's slice of each ZeRO-1 flat buffer (runtime/optimizer.FlatLayout):
+    the dense parameters over the dp replicas, the experts over the dp/ep ranks holding them."""
+    experts = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
+    out = []
+    for names, d in (([n for n in trainable if n not in experts], mesh.dp),
+                     ([n for n in trainable if n in experts], mesh.dp // mesh.ep)):
+        if names:
+            out.append(-(-sum(trainable[n].numel() for n in names) // d))
+    return out
+
+
+def activation_peak(actions, acts: dict[int, ChunkActivations], b: int, s: int | None):
+    """(peak saved bytes, in-flight counts per chunk at that peak) walking one rank's actions:
+    a forward adds its chunk's saved bytes, a backward (W when split) drops them; while a
+    backward reruns recomputed regions, that microbatch holds up to its `transient` instead."""
+    at = {c: evaluate(a.saved, b, s) for c, a in acts.items()}
+    rerun = {c: evaluate(a.transient, b, s) for c, a in acts.items()}
+    kinds = {str(a.kind) for a in actions}
+    release = "W" if "W" in kinds else "B"
+    alive, live, peak, where = {}, 0.0, 0.0, {}
+    for a in actions:
+        kind = str(a.kind)
+        if kind == "F":
+            alive[a.chunk] = alive.get(a.chunk, 0) + 1
+            live += at[a.chunk]
+            if live > peak:
+                peak, where = live, dict(alive)
+        elif kind in ("B", "I"):
+            during = live - at[a.chunk] + max(at[a.chunk], rerun[a.chunk])
+            if during > peak:
+                peak, where = during, dict(alive)
+        if kind == release:
+            alive[a.chunk] -= 1
+            live -= at[a.chunk]
+    return peak, where
+
+
+def buffer_bytes(acts: dict[int, ChunkActivations], in_flight: dict, b: int, s) -> float:
+    held = sum(evaluate(acts[c].sends, b, s) * n for c, n in in_flight.items())
+    return held + max((evaluate(a.sends, b, s) for a in acts.values()), default=0.0)
+
+
+class MemoryTable(Mapping):
+    """rank -> {params, grads, master, optimizer, activations, buffers, total} (ints, bytes),
+    for any global rank, built on first access; ranks with the same programs share one entry."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.mesh = compiled.plan.mesh
+        self.optimizer = compiled.plan.optimizer
+        self.precision = getattr(compiled.plan, "precision", "fp32")
+        self.zero = getattr(compiled, "zero", 0)
+        self._acts: dict = {}
+        # the program checker's fake runs counted the saved tensors already (check_programs.py)
+        self._runs = getattr(compiled, "activation_runs", None) or \
+            ActivationCache(REDUCED_DTYPES[self.precision])
+        self._cache: dict = {}
+
+    def __getitem__(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.mesh.world_size:
+            raise KeyError(rank)
+        c = self.mesh.coords(rank)
+        key = (c["pp"], c["tp"], self.mesh.ep_rank(rank))
+        if key not in self._cache:
+            self._cache[key] = self._rank(rank)
+        return dict(self._cache[key])
+
+    def __iter__(self):
+        return iter(range(self.mesh.world_size))
+
+    def __len__(self) -> int:
+        return self.mesh.world_size
+
+    def activations(self, rank: int) -> dict[int, ChunkActivations]:
+        """chunk -> ChunkActivations for the chunks of `rank` (formulas in b and s)."""
+        compiled = self.compiled
+        out = {}
+        pp, local = self.mesh.coords(rank)["pp"], local_shaper(compiled.program, self.mesh)
+        for ch in compiled.program.chunks:
+            if ch.rank != pp:
+                continue
+            if ch.chunk not in self._acts:     # tp/ep ranks of a chunk save the same sizes
+                self._acts[ch.chunk] = self._runs.get(
+                    ch, compiled.program, compiled.plan.microbatch_size, compiled.program.seq_len,
+                    local)
+            out[ch.chunk] = self._acts[ch.chunk]
+        return out
+
+    def _rank(self, rank: int) -> dict[str, int]:
+        compiled = self.compiled
+        plan, program = compiled.plan, compiled.program
+        b, s = plan.microbatch_size, program.seq_len
+        c = self.mesh.coords(rank)
+        pp = c["pp"]
+        # the global chunks with this rank's shard shapes: localizing every pipeline rank's
+        # chunks (a GraphModule each) only to count bytes is most of a 3072-rank table's time
+        chunks = [ch for ch in program.chunks if ch.rank == pp]
+        local = _RankShapes(plan, c["tp"], self.mesh.ep_rank(rank))
+        state = state_bytes(program, chunks, self.mesh, self.optimizer, self.precision,
+                            self.zero, local=local)
+        return with_activations(state, compiled.schedule.ranks[pp], self.activations(rank), b, s)
+
+
+class _RankShapes:
+    """name, full tensor -> a meta tensor of the shape, dtype and trainability one rank holds,
+    cut as localize_module cuts it (experts, then tp sections); one per distinct case."""
+
+    def __init__(self, plan, tp_rank: int, ep_rank: int):
+        self.plan, self.tp_rank, self.ep_rank = plan, tp_rank, ep_rank
+        self._seen: dict = {}
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        from autopart.localize import rank_cuts, shard_tensor
+        cuts = rank_cuts(self.plan, name, self.tp_rank, self.ep_rank)
+        if not cuts:
+            return t
+        key = (tuple(t.shape), t.dtype, t.requires_grad, repr(cuts))
+        if key not in self._seen:
+            local = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for sh, size, rank in cuts:
+                local = shard_tensor(local, sh.dim, sh.sections, size, rank)
+            self._seen[key] = local.requires_grad_(t.requires_grad)
+        return self._seen[key]
+
+
+def local_shaper(program: Program, mesh):
+    """param name, full shape -> the shape tp/ep rank 0 holds (every rank's is the same size)."""
+    tp_shards = program.tp.params if (program.tp is not None and mesh.tp > 1) else {}
+    ep_shards = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
+
+    def local(name, shape):
+        shape = list(shape)
+        for shards, size in ((ep_shards, mesh.ep), (tp_shards, mesh.tp)):
+            if name in shards:
+                shape[shards[name].dim] //= size
+        return tuple(shape)
+    return local
+
+
+def _rank_chunks_local(program, mesh, pp: int):
+    """This pipeline rank's chunks as tp/ep rank 0 holds them (views, nothing copied)."""
+    from autopart.localize import localize_module
+    tp = program.tp.params if (program.tp is not None and mesh.tp > 1) else {}
+    ep = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
+    return [dataclasses.replace(ch, gm=localize_module(ch.gm, tp_shards=tp, tp=(mesh.tp, 0),
+                                                       ep_shards=ep, ep=(mesh.ep, 0), copy=False))
+            for ch in program.chunks if ch.rank == pp]
+
+
+def with_activations(state: dict, actions, acts: dict, b: int, s) -> dict[str, int]:
+    """`state` (state_bytes' dict) plus the activations and p2p buffers of a rank that runs
+    `actions` with its chunks' `acts`, and the total: the memory table's row and the one
+    choose_recompute weighs."""
+    out = dict(state)
+    peak, in_flight = activation_peak(actions, acts, b, s)
+    out["activations"] = int(peak)
+    out["buffers"] = int(buffer_bytes(acts, in_flight, b, s))
+    out["total"] = sum(out[k] for k in KEYS[:-1])
+    return out
