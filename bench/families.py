@@ -1,4 +1,4 @@
-"""The model-families table of the README: each family compiled (with the fake-tensor program
+"""The model-families table of docs/families.md: each family compiled (with the fake-tensor program
 check) for pp, tp, tp + sequence parallelism and ep, then trained for 3 steps on 2 spawned Gloo
 ranks against the unmodified model (tests/_workers.equivalence). Prints a markdown table.
 
