@@ -175,9 +175,14 @@ class StepWatch:
         step, stalled = self.step, self.clock() - self.last
         if step is None or self.report is not None or stalled < self.timeout_s * STALL:
             return False
+        waiting = self.ctx is not None and first_unfinished(self.ctx.batches) is not None
+        busy = self.action is not None and not waiting
         report = self.describe(stalled_s=stalled)
-        self.report = report
+        self.report = None if busy else report
         print(f"autopart: {report}", file=self.err or sys.stderr, flush=True)
+        if busy:     # in its own compute (an Inductor compile, say), no transfer stuck: report
+            self.last = self.clock()     # once per STALL, and leave the rank alone
+            return True
         if self.abort is not None:       # NCCL: nothing else would end the blocked sync in time
             self.abort()
             time.sleep(min(self.timeout_s * GRACE, 30.0))

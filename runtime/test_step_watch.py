@@ -124,3 +124,19 @@ def test_a_rank_stuck_in_its_own_compute_names_the_action():
     clock.now = 8.0
     assert watch.check_stall()
     assert "rank 1 was running 1F0 at step 2: no progress for 8.0 s" in err.getvalue()
+
+
+def test_a_rank_busy_in_its_own_compute_is_reported_not_ended():
+    """No transfer stuck and the host inside an action (an Inductor compile of the first
+    microbatch, say): the monitor says so and leaves the rank alone, also under NCCL."""
+    clock, err, events = Clock(), io.StringIO(), []
+    watch = StepWatch(0, 2, 10.0, clock=clock, err=err, abort=lambda: events.append("abort"),
+                      exit_fn=lambda code: events.append(code))
+    watch.step, watch.last = 1, 0.0
+    watch.ctx = SimpleNamespace(batches=[batch([Work()], ["could not deliver 0SEND_F0 to rank 1"])])
+    watch.begin("0F0")
+    clock.now = 8.0
+    assert watch.check_stall() and events == [] and watch.report is None
+    assert "rank 0 was running 0F0 at step 1: no progress for 8.0 s" in err.getvalue()
+    clock.now = 12.0
+    assert not watch.check_stall()          # reported again only after another 3/4 timeout
