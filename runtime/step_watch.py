@@ -112,9 +112,12 @@ class StepWatch:
         """An action finished (the executor calls this after each)."""
         self.last, self.action = self.clock(), None
 
-    def describe(self, error: BaseException | None = None, stalled_s: float | None = None) -> str:
-        """This rank's report (published to the store), with the other ranks' reports."""
-        where = first_unfinished(self.ctx.batches) if self.ctx is not None else None
+    def describe(self, error: BaseException | None = None, stalled_s: float | None = None,
+                 where: str | None = None) -> str:
+        """This rank's report (published to the store), with the other ranks' reports; `where`:
+        first_unfinished of the step's batches, when the caller has it already."""
+        if where is None and self.ctx is not None:
+            where = first_unfinished(self.ctx.batches)
         step = self.step
         action = self.action
         if where is not None:
@@ -145,10 +148,9 @@ class StepWatch:
         wait_s = min(2.0, self.timeout_s / 10) if wait_s is None else wait_s
         keys = {r: f"{self.prefix}{self.step}/{r}" for r in range(self.world) if r != self.rank}
         deadline, got = time.monotonic() + wait_s, {}
-        while True:
-            for r, key in keys.items():
-                if r not in got and _bounded(lambda key=key: self.store.check([key]), 1.0):
-                    got[r] = _bounded(lambda key=key: self.store.get(key).decode(), 1.0)
+        while True:   # one bounded pass over the keys not yet in, not a thread per key
+            left = {r: k for r, k in keys.items() if r not in got}
+            got.update(_bounded(lambda: self._read(left), 1.0 + 0.01 * len(left)) or {})
             if len(got) == len(keys) or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
@@ -157,6 +159,10 @@ class StepWatch:
         if silent:
             lines.append(f"no report from rank(s) {silent}: dead, or stuck outside the step")
         return lines
+
+    def _read(self, keys: dict) -> dict:
+        """{rank: report} of those of `keys` (rank -> store key) the store holds already."""
+        return {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
 
     # -- the monitor thread ----------------------------------------------------------------------
     def _start(self) -> None:
@@ -175,9 +181,9 @@ class StepWatch:
         step, stalled = self.step, self.clock() - self.last
         if step is None or self.report is not None or stalled < self.timeout_s * STALL:
             return False
-        waiting = self.ctx is not None and first_unfinished(self.ctx.batches) is not None
-        busy = self.action is not None and not waiting
-        report = self.describe(stalled_s=stalled)
+        where = first_unfinished(self.ctx.batches) if self.ctx is not None else None
+        busy = self.action is not None and where is None
+        report = self.describe(stalled_s=stalled, where=where)
         self.report = None if busy else report
         print(f"autopart: {report}", file=self.err or sys.stderr, flush=True)
         if busy:     # in its own compute (an Inductor compile, say), no transfer stuck: report
