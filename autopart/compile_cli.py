@@ -26,6 +26,7 @@ from pathlib import Path
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
 from autopart.mesh import Mesh
+from autopart.memory.units import ZERO_LEVELS
 # Loading FILE.py:NAME and building the model, its inputs and loss is library code, shared with
 # the planner and `autopart verify` (autopart/model_files.py); the command keeps its short names.
 from autopart.model_files import META_THRESHOLD  # noqa: F401  (autopart verify imports it here)
@@ -86,9 +87,9 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: compute, pipeline transfers and tp collectives in bf16, fp32 master "
                         "weights and gradients (default fp32)")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1),
-                   help="1: ZeRO-1, optimizer state and fp32 master slice sharded over dp, as "
-                        "the memory lines count it (default 0)")
+    p.add_argument("--zero", type=int, default=0, choices=ZERO_LEVELS,
+                   help="1: ZeRO-1, optimizer state and fp32 master slice sharded over dp; 2: "
+                        "ZeRO-2, the gradients too; as the memory lines count it (default 0)")
     p.add_argument("--loss-fn", default=None, metavar="NAME",
                    help="a function in FILE.py turning (output, target) into the loss (default: "
                         "the file's lm_loss when it has one; else the model returns its loss)")

@@ -83,6 +83,8 @@ class StepContext:
 def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
     """Run `actions` (this rank's list from the schedule) in order; returns microbatch losses."""
     sends: list = []        # (batch, indices of its sends): waited on at the step's end
+    if ctx.grads is not None:   # a failed bucket names the step and what it waited for
+        ctx.grads.bind(lambda work, what: _wait(work, what, ctx), lambda: _now(ctx))
     i = 0
     while i < len(actions):
         if actions[i].kind in _COMM:
@@ -114,7 +116,7 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
     for batch, indices in sends:
         batch.wait(indices, ctx)
     if ctx.grads is not None:   # the gradient buckets, before anything reads .grad
-        ctx.grads.finish(lambda work, what: _wait(work, what, ctx), lambda: _now(ctx))
+        ctx.grads.finish()
     return ctx.losses
 
 

@@ -28,10 +28,9 @@ of the flat order, which the backward does not finish in any order (runtime/opti
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
-import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -39,6 +38,7 @@ import torch.distributed as dist
 
 from autopart.errors import AutopartError
 from autopart.ir import Plan
+from autopart.runtime.buckets import Bucket, BucketLayout, StepBuckets, copy_back
 
 BUCKET_BYTES = 25 * 2 ** 20     # gradient bytes per overlapped all-reduce (DDP's bucket_cap_mb)
 
@@ -49,14 +49,36 @@ def all_reduce_flat(grads: list[torch.Tensor], group, all_reduce: Callable = dis
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     all_reduce(flat, group=group)
-    _copy_back(flat, grads)
+    copy_back(flat, grads)
 
 
-def _copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+def final_points(actions, chunks: dict) -> dict[str, tuple[int, int]]:
+    """{name: (index of the last backward action, B or W, of a chunk on this rank reading it;
+    its place from the end of that chunk's parameters)}: when its gradient is final for the
+    step, in the order the backward finishes them (the last-read weights first)."""
+    last = {a.chunk: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+    final: dict[str, tuple[int, int]] = {}
+    for c, chunk in chunks.items():
+        if c in last:
+            for k, name in enumerate(reversed(_use_order(chunk))):
+                final[name] = max(final.get(name, (-1, 0)), (last[c], k))
+    return final
+
+
+def _use_order(chunk) -> list[str]:
+    """`chunk.params` in the order its forward first reads them (the first user of each
+    get_attr), those it reads some other way last, by name. (chunk.params is sorted by name:
+    as a backward order it kept every bucket waiting for the embedding, read first.)"""
+    graph = getattr(getattr(chunk, "gm", None), "graph", None)
+    if graph is None:
+        return list(chunk.params)
+    wanted, first = set(chunk.params), {}
+    pos = {node: i for i, node in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in wanted:
+            at = min((pos[u] for u in node.users), default=pos[node])
+            first[node.target] = min(first.get(node.target, at), at)
+    return sorted(chunk.params, key=lambda n: (first.get(n, len(pos)), n))
 
 
 class GradientReducer:
@@ -71,57 +93,96 @@ class GradientReducer:
         # read when the buckets are first laid out; the module's BUCKET_BYTES when not given
         # (tests set it to cut a small model into several buckets)
         self.bucket_bytes = bucket_bytes or BUCKET_BYTES
-        # zero=1: (dense, experts) FlatLayouts (runtime/optimizer.py); their gradients are
+        # zero=1, 2: (dense, experts) ShardLayouts (runtime/sharding.py); their gradients are
         # reduce-scattered over the replicas instead of all-reduced
-        self.zero_layouts: tuple = ()
-        self._layout: _Layout | None = None     # the buckets, laid out on the first step
+        self.zero, self.zero_layouts = 0, ()
+        self._layout: BucketLayout | None = None    # the buckets, laid out on the first step
         self._running: StepBuckets | None = None    # the step whose buckets the hooks fill
-        self._overlapped: frozenset = frozenset()   # names this step's buckets already summed
 
-    def overlap(self, actions, chunks: dict, trace=None) -> "StepBuckets | None":
+    def overlap(self, actions, chunks: dict, trace=None) -> StepBuckets | None:
         """This step's buckets, to be driven by the executor over `actions` (this rank's list)
         and `chunks` (chunk index -> ChunkProgram); None when no gradient can go early."""
-        if self.zero_layouts:
-            return None
         if self._layout is None:
-            self._layout = self._lay_out(actions, chunks)
+            final = final_points(actions, chunks)
+            self._layout = self._lay_out_shards(actions, final) if self.zero_layouts else \
+                self._lay_out(final)
             for p in {id(p): p for b in self._layout.buckets for p in b.params}.values():
                 p.register_post_accumulate_grad_hook(self._landed)
+        self._running = None
         if not self._layout.buckets:
             return None
-        self._running = StepBuckets(self, self._layout, trace)
+        self._running = StepBuckets(self._layout, self.all_reduce, trace)
         return self._running
+
+    def shard(self, zero: int, bucket_size: int, actions, chunks: dict) -> None:
+        """ZeRO: lay out the dense parameters over the dp replicas and the expert parameters over
+        the ranks holding the same experts (runtime/sharding.py), each in the order the backward
+        finishes them (`actions`, `chunks` as in `overlap`), one segment per chunk, and last
+        those that need a sum over tp or pp first; each parameter marked as sharded."""
+        from autopart.runtime.optimizer import manage
+        from autopart.runtime.sharding import ShardLayout
+        final = final_points(actions, chunks)
+        trainable = [n for n, p in self.params.items() if p.requires_grad]
+        layouts = []
+        for experts, group in ((False, self.groups.dp), (True, self.groups.ep_replica)):
+            names = [n for n in trainable if (n in self.plan.ep_shards) == experts]
+            early = sorted((n for n in names if n in final and self._sum_group(n) is not None),
+                           key=final.__getitem__)
+            late = sorted(set(names) - set(early))
+            chunk_of = [actions[final[n][0]].chunk for n in early]
+            segments = [len(list(run)) for _, run in itertools.groupby(chunk_of)] + [len(late)]
+            if names:
+                layouts.append(ShardLayout(self.params, early + late, group, bucket_size,
+                                           segments, early=len(early)))
+        manage(p for lay in layouts for p in lay.params)
+        self.zero, self.zero_layouts, self._layout = zero, tuple(layouts), None
 
     def _landed(self, p: torch.Tensor) -> None:
         if self._running is not None:
             self._running.landed(p)
 
-    def _done(self, names: frozenset) -> None:
-        """The executor waited on every bucket: `reduce` leaves `names` alone this step."""
-        self._running, self._overlapped = None, names
-
-    def _lay_out(self, actions, chunks: dict) -> "_Layout":
-        """The buckets of the gradients whose only reduction is their replicas' sum, in the
-        order they become final (by action, then the reverse of their chunk's parameter order:
-        a backward finishes the last-read weights first), one bucket per group and dtype open
-        at a time."""
-        last = {a.chunk: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
-        final: dict[str, tuple[int, int]] = {}     # name -> (action index, rank in the chunk)
-        for c, chunk in chunks.items():
-            for k, name in enumerate(reversed(chunk.params)):
-                if c in last and self._sum_group(name) is not None:
-                    final[name] = max(final.get(name, (-1, 0)), (last[c], k))
-        layout, open_buckets = _Layout(), {}
-        for name in sorted(final, key=final.__getitem__):
+    def _lay_out(self, final: dict) -> BucketLayout:
+        """zero=0: buckets of the gradients whose only reduction is their replicas' sum, in
+        the order they become final, one bucket per group and dtype open at a time."""
+        layout, open_buckets = BucketLayout(), {}
+        for name in sorted((n for n in final if self._sum_group(n) is not None),
+                           key=final.__getitem__):
             p, group = self.params[name], self._sum_group(name)
             key = (id(group), p.dtype, p.device)
             bucket = open_buckets.get(key)
             if bucket is None or bucket.nbytes + p.nbytes > self.bucket_bytes:
-                bucket = open_buckets[key] = _Bucket(group, len(layout.buckets))
+                bucket = open_buckets[key] = Bucket(group, len(layout.buckets))
                 layout.buckets.append(bucket)
             bucket.add(name, p)
-            layout.bucket_of[id(p)] = bucket.index
+            layout.buckets_of[id(p)] = [bucket.index]
             layout.final_after.setdefault(final[name][0], []).append(p)
+        return layout
+
+    def _lay_out_shards(self, actions, final: dict) -> BucketLayout:
+        """zero=1, 2: a bucket per range of each ShardLayout's early part (the parameters whose
+        only reduction is their replicas' sum, runtime/parallel_model.py `zero_layouts`).
+        zero=1 posts a bucket once its parameters are final for the step; zero=2 after every
+        backward action of its chunk (`window_after`)."""
+        layout, by_chunk = BucketLayout(), {}
+        for lay in self.zero_layouts:
+            for s, e in lay.ranges:
+                if e > lay.early or s == e:
+                    continue
+                bucket = Bucket(lay.group, len(layout.buckets), shards=(lay, s, e))
+                for i, _, _, _ in lay.pieces(s, e):
+                    bucket.add(lay.names[i], lay.params[i])
+                layout.place(bucket)
+                chunk = actions[final[bucket.names[-1]][0]].chunk
+                by_chunk.setdefault(chunk, []).append(bucket)
+        for chunk, buckets in by_chunk.items():
+            params = list({id(p): p for b in buckets for p in b.params}.values())
+            for i, a in enumerate(actions):
+                if self.zero == 2 and a.chunk == chunk and a.kind in ("B", "W"):
+                    layout.final_after[i] = params
+                    layout.window_after[i] = [b.index for b in buckets]
+            if self.zero != 2:
+                for p, name in ((p, n) for b in buckets for p, n in zip(b.params, b.names)):
+                    layout.final_after.setdefault(final[name][0], []).append(p)
         return layout
 
     def _sum_group(self, name: str):
@@ -137,7 +198,8 @@ class GradientReducer:
         """Turn this step's local gradients into the plain model's (see the module docstring);
         what the step's buckets summed already (StepBuckets) is left as it is."""
         plan, groups = self.plan, self.groups
-        done, self._overlapped = self._overlapped, frozenset()
+        running, self._running = self._running, None
+        done = running.layout.buckets if running is not None else []
         all_reduce_flat([self.params[n].grad for n in sorted(plan.sp_grad_reduce)
                          if n in self.params and self.params[n].grad is not None],
                         groups.tp, self.all_reduce)
@@ -147,13 +209,66 @@ class GradientReducer:
                 p.grad = torch.zeros_like(p)
             self.all_reduce(p.grad, group=group)
         if self.zero_layouts:
-            for layout in self.zero_layouts:
-                layout.reduce_scatter_grads()
+            self._reduce_scatter_rest({(id(b.shards[0]), b.shards[1]) for b in done
+                                       if self.zero == 1})
             return
+        done = {n for b in done for n in b.names}
         left = [(n, p.grad) for n, p in self.params.items() if p.grad is not None and n not in done]
         all_reduce_flat([g for n, g in left if n not in plan.ep_shards], groups.dp, self.all_reduce)
         all_reduce_flat([g for n, g in left if n in plan.ep_shards], groups.ep_replica,
                         self.all_reduce)
+
+    def _reduce_scatter_rest(self, done: set) -> None:
+        """The ZeRO ranges the step's buckets did not reduce and that hold a gradient, one at a
+        time; then zero=1 keeps only this rank's chunks of `.grad`, zero=2 only the slice."""
+        for lay in self.zero_layouts:
+            for s, e in lay.ranges:
+                if (id(lay), s) in done or \
+                        all(lay.params[i].grad is None for i, _, _, _ in lay.pieces(s, e)):
+                    continue
+                _, mine, _ = lay.post_reduce_scatter(s, e, async_op=False)
+                lay.take_reduced(s, mine, keep_full=self.zero == 1)
+                del mine    # before the next range's: one bucket alive at a time
+            if self.zero == 1:
+                lay.keep_own()
+            else:
+                for p in lay.params:
+                    p.grad = None
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """{name: this rank's gradient of it}: `.grad`, or under zero=2 this rank's part of the
+        reduced gradient (a view of the slice; none where the rank owns no element)."""
+        if self.zero == 2:
+            return {n: g for lay in self.zero_layouts for n, g in lay.grad_views().items()}
+        return {n: p.grad for n, p in self.params.items() if p.grad is not None}
+
+    def set_aside(self) -> tuple:
+        """What the gradients hold before a step (a train_step not yet zeroed, as after two
+        loss.backward() calls), taken out: it was reduced then, and reducing it again would
+        count it once per replica or stage sharing it. `add_back` returns it after the step."""
+        earlier = ({n: p.grad for n, p in self.params.items() if p.grad is not None},
+                   [lay.grad for lay in self.zero_layouts])
+        for p in self.params.values():
+            p.grad = None
+        for lay in self.zero_layouts:
+            lay.grad = None
+        return earlier
+
+    def add_back(self, earlier: tuple) -> None:
+        grads, slices = earlier
+        for name, grad in grads.items():
+            p = self.params[name]
+            p.grad = grad if p.grad is None else grad.add_(p.grad)
+        for lay, grad in zip(self.zero_layouts, slices):
+            if grad is not None:
+                lay.grad = grad if lay.grad is None else grad.add_(lay.grad)
+
+    def drop_grads(self) -> None:
+        """Forget every gradient (a skipped step)."""
+        for p in self.params.values():
+            p.grad = None
+        for lay in self.zero_layouts:
+            lay.grad = None
 
     def global_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient: every shard counted once (a tied parameter
@@ -161,14 +276,13 @@ class GradientReducer:
         _foreach_norm per kind, the per-tensor norms combined in float64; no host sync."""
         plan, pp, tp = self.plan, self.coords["pp"], self.coords["tp"]
         dense, experts = [], []
-        for name, p in self.params.items():
+        for name, grad in self.named_grads().items():
             owner = plan.chunk_ranks[plan.shared_params[name][0]] if name in plan.shared_params \
                 else pp
-            counted = name in plan.tp_shards or tp == 0
-            if p.grad is not None and owner == pp and counted:
-                (experts if name in plan.ep_shards else dense).append(p.grad)
+            if owner == pp and (name in plan.tp_shards or tp == 0):
+                (experts if name in plan.ep_shards else dense).append(grad)
         sq, sq_experts = self._sum_of_squares(dense), self._sum_of_squares(experts)
-        if self.zero_layouts:   # zero=1: each replica holds the gradient of its slice only
+        if self.zero_layouts:   # zero=1, 2: each replica holds the gradient of its slice only
             if self.groups.dp is not None:
                 self.all_reduce(sq, group=self.groups.dp)
             if self.groups.ep_replica is not None:
@@ -193,94 +307,11 @@ class GradientReducer:
         torch.nn.utils.clip_grad_norm_: no host sync."""
         max_norm = check_max_norm(max_norm)     # on every rank, before the norm's collectives
         norm = self.global_norm()
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        grads = list(self.named_grads().values())
         if grads:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef)
         return norm
-
-
-@dataclass
-class _Bucket:
-    """Parameters whose gradients are all-reduced together over `group`."""
-    group: object
-    index: int
-    names: list = field(default_factory=list)
-    params: list = field(default_factory=list)
-    nbytes: int = 0
-
-    def add(self, name: str, p: torch.Tensor) -> None:
-        self.names.append(name)
-        self.params.append(p)
-        self.nbytes += p.nbytes
-
-
-@dataclass
-class _Layout:
-    buckets: list = field(default_factory=list)
-    bucket_of: dict = field(default_factory=dict)      # id(parameter) -> its bucket's index
-    final_after: dict = field(default_factory=dict)    # action index -> parameters final then
-
-
-class StepBuckets:
-    """One step's buckets. The executor calls `before(i)` and `after(i)` around action i of
-    its list and `finish` at its end; the reducer's hooks call `landed(p)` when autograd
-    accumulated p's gradient. A bucket is posted when all its gradients are final and every
-    bucket before it was posted."""
-
-    def __init__(self, reducer: GradientReducer, layout: _Layout, trace=None):
-        self.reducer, self.layout, self.trace = reducer, layout, trace
-        self.missing = [len(b.params) for b in layout.buckets]
-        self.armed: dict[int, torch.Tensor] = {}    # id -> parameter final in this action
-        self.next = 0                               # the next bucket to post
-        self.posted: list = []      # (bucket, work, flat, grads, posted at)
-
-    def before(self, i: int) -> None:
-        self.armed = {id(p): p for p in self.layout.final_after.get(i, ())}
-
-    def landed(self, p: torch.Tensor) -> None:
-        if self.armed.pop(id(p), None) is not None:
-            self._final(p)
-
-    def after(self, i: int) -> None:
-        """The action ran: its gradients autograd did not hand to `landed` (accumulated by the
-        executor, or none this step) are final too."""
-        armed, self.armed = self.armed, {}
-        for p in armed.values():
-            self._final(p)
-
-    def _final(self, p: torch.Tensor) -> None:
-        self.missing[self.layout.bucket_of[id(p)]] -= 1
-        while self.next < len(self.missing) and self.missing[self.next] == 0:
-            self._post(self.layout.buckets[self.next])
-            self.next += 1
-
-    def _post(self, bucket: _Bucket) -> None:
-        # a gradient the step did not produce stays None, as without overlap
-        grads = [p.grad for p in bucket.params if p.grad is not None]
-        if not grads:
-            return
-        flat = grads[0] if len(grads) == 1 and grads[0].is_contiguous() else \
-            torch.cat([g.reshape(-1) for g in grads])
-        work = self.reducer.all_reduce(flat, group=bucket.group, async_op=True)
-        self.posted.append((bucket, work, flat, grads, time.perf_counter()))
-
-    def finish(self, wait: Callable, now: Callable = time.perf_counter) -> None:
-        """Wait on every bucket's work (`wait(work, what)`), each once, and put the sums into
-        the gradients; `now()` times the waits for the trace."""
-        for bucket in self.layout.buckets[self.next:]:     # none left once every action ran
-            self._post(bucket)
-        self.next = len(self.layout.buckets)
-        for bucket, work, flat, grads, posted in self.posted:
-            start = now()
-            wait(work, f"was waiting for the gradient all-reduce of bucket {bucket.index} "
-                       f"({', '.join(bucket.names[:2])}{', ...' if len(bucket.names) > 2 else ''})")
-            if flat is not grads[0]:
-                _copy_back(flat, grads)
-            if self.trace is not None:
-                self.trace.record_reduction(bucket.index, flat.numel(), posted, start, now())
-        self.posted = []
-        self.reducer._done(frozenset(n for b in self.layout.buckets for n in b.names))
 
 
 def check_max_norm(max_norm) -> float:

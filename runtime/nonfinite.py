@@ -25,24 +25,25 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def local_problems(losses: list[torch.Tensor], params: dict, pp_rank: int) -> list[str]:
-    """What is non-finite on this rank: microbatch losses (last stage) and gradients."""
+def local_problems(losses: list[torch.Tensor], grads: dict, pp_rank: int) -> list[str]:
+    """What is non-finite on this rank: microbatch losses (last stage) and gradients (`grads`:
+    {parameter name: this rank's gradient of it})."""
     out = [f"the loss of microbatch {i} is {float(loss)} (pipeline stage {pp_rank})"
            for i, loss in enumerate(losses) if not math.isfinite(float(loss))]
-    for name in _nonfinite_grads(params):
-        bad = int((~torch.isfinite(params[name].grad)).sum())
+    for name in _nonfinite_grads(grads):
+        bad = int((~torch.isfinite(grads[name])).sum())
         out.append(f"the gradient of {name} has {bad} non-finite value(s) (pipeline stage "
                    f"{pp_rank})")
     return out
 
 
-def _nonfinite_grads(params: dict, block: int = 1 << 20) -> list[str]:
+def _nonfinite_grads(grads: dict, block: int = 1 << 20) -> list[str]:
     """Names of the parameters whose gradient holds a non-finite element. Gradients of at most
     `block` elements are checked together: one multi-tensor max-norm (NaN and inf carry through
     a max of absolute values, and a max of finite values cannot overflow) and one host sync for
     all of them, where a check per tensor was ~10% of a small model's step; larger ones a block
     at a time (_all_finite)."""
-    grads = [(name, p.grad) for name, p in params.items() if p.grad is not None]
+    grads = [(name, g) for name, g in grads.items() if g is not None]
     small = [(name, g) for name, g in grads if g.numel() <= block]
     bad = [name for name, g in grads if g.numel() > block and not _all_finite(g, block)]
     if small:
@@ -60,13 +61,13 @@ def _all_finite(t: torch.Tensor, block: int = 1 << 20) -> bool:
     return all(bool(torch.isfinite(part).all()) for part in flat.split(block))
 
 
-def local_flag(losses: list[torch.Tensor], params: dict, device) -> torch.Tensor:
+def local_flag(losses: list[torch.Tensor], grads: dict, device) -> torch.Tensor:
     """1.0 when a microbatch loss or a gradient on this rank is non-finite, else 0.0; computed on
     `device` without a host sync. A max-norm carries NaN and inf through, cannot overflow on
     finite values and makes no temporary the size of a gradient (measured: 4.6 MiB of resident
     memory for a 50257 x 1024 gradient, where isfinite made 346 MiB)."""
     parts = [torch.stack([loss.detach().float().reshape(()) for loss in losses]).to(device)] if losses else []
-    grads = [p.grad for p in params.values() if p.grad is not None]
+    grads = [g for g in grads.values() if g is not None]
     if grads:
         parts.append(torch.stack([n.float().reshape(()) for n in torch._foreach_norm(grads, float("inf"))]))
     if not parts:
@@ -83,13 +84,12 @@ def gather_report(step: int, mine: list[str], rank: int, group) -> str:
     return f"non-finite values at step {step}:\n" + "\n".join(lines)
 
 
-def handle(report: str | None, mode: str, params: dict) -> bool:
-    """Raise or drop the gradients as `mode` says; True when the step was skipped."""
+def handle(report: str | None, mode: str, drop) -> bool:
+    """Raise, or drop the gradients (`drop()`) as `mode` says; True when the step was skipped."""
     if report is None:
         return False
     if mode == "raise":
         raise AutopartError(report + "\n  remedy: lower the learning rate, check the data of "
                             "that step, or pass nonfinite='skip' to drop such steps")
-    for p in params.values():
-        p.grad = None          # optimizers leave parameters without a gradient as they are
+    drop()          # optimizers leave parameters without a gradient as they are
     return True

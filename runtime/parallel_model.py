@@ -83,9 +83,10 @@ class ParallelModel:
         # a failure names the step, the action and the peer, also where NCCL would only hang
         self._step.watch = watch_for(self._groups, rank)
         self.zero = zero
-        if zero:   # ZeRO-1: gradients reduce-scattered, optimizer state 1/dp (runtime/optimizer.py)
-            self._grads.zero_layouts = zero_layouts(plan, self._params, self._groups,
-                                                    zero_bucket_size)
+        if zero:   # ZeRO-1/2: gradients reduce-scattered, optimizer state 1/dp (runtime/optimizer.py)
+            from autopart.runtime.optimizer import DEFAULT_BUCKET_SIZE
+            self._grads.shard(zero, zero_bucket_size or DEFAULT_BUCKET_SIZE, actions,
+                              self._step.chunks)
         self._state = StateGatherer(plan, compiled.program, self.program, self._groups, device,
                                     key_order, extra_state)
         # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over
@@ -100,7 +101,9 @@ class ParallelModel:
         """Forward and backward over the global batch; returns its mean loss on every rank.
 
         Leaves fully reduced gradients in `.grad` of this rank's parameters, as loss.backward()
-        would on the plain model; it neither steps nor zeroes (the optimizer does)."""
+        would on the plain model (zero=1: in this rank's elements of them; zero=2: in the
+        optimizer's slices only, `.grad` stays None); it neither steps nor zeroes (the
+        optimizer does)."""
         # Reduce this step's gradients only. What .grad already holds (a train_step not yet zeroed,
         # as after two loss.backward() calls) was reduced then; reducing it again would count it
         # once per replica or per stage sharing it. It is added back after the reduction.
@@ -111,9 +114,7 @@ class ParallelModel:
         if relearn:   # first step, new shapes: one all-gather of a hash
             check_same_batch(checked, self._groups, self.steps + 1)
             self._batch_shapes = shapes
-        earlier = {n: p.grad for n, p in self._params.items() if p.grad is not None}
-        for p in self._params.values():
-            p.grad = None
+        earlier = self._grads.set_aside()
         self.steps += 1
         with self._step.watch.watching(self.steps):
             scale = step_loss_scale(self.compiled.plan, self.compiled.program.loss_count,
@@ -123,16 +124,15 @@ class ParallelModel:
                 self._trace.end_step()
             self._grads.reduce()
             flag = None if self.nonfinite == "ignore" else \
-                nonfinite.local_flag(ctx.losses, self._params, self.device)
+                nonfinite.local_flag(ctx.losses, self._grads.named_grads(), self.device)
             loss, self.last_stats, flagged = self._state.step_results(ctx.losses, scale, ctx.stats, flag, relearn)
             if flagged is not None and flagged.item():   # the step's one host sync: before returning
-                mine = nonfinite.local_problems(ctx.losses, self._params, self.coords["pp"])
+                mine = nonfinite.local_problems(ctx.losses, self._grads.named_grads(),
+                                                self.coords["pp"])
                 report = nonfinite.gather_report(self.steps, mine, self.rank, self._groups.world)
-                if nonfinite.handle(report, self.nonfinite, self._params):
+                if nonfinite.handle(report, self.nonfinite, self._grads.drop_grads):
                     self.skipped_steps.append(self.steps)
-        for name, grad in earlier.items():
-            p = self._params[name]
-            p.grad = grad if p.grad is None else grad.add_(p.grad)
+        self._grads.add_back(earlier)
         return loss
 
     # -- parameters -------------------------------------------------------------------------
@@ -267,18 +267,4 @@ class ParallelModel:
         return extra
 
 
-def zero_layouts(plan, params: dict, groups, bucket_size: int | None = None) -> tuple:
-    """The flat layouts of ZeRO-1: dense parameters over the dp replicas, expert parameters
-    over the ranks holding the same experts, in buckets of `bucket_size` elements; each
-    parameter marked as sharded."""
-    from autopart.runtime.optimizer import DEFAULT_BUCKET_SIZE, FlatLayout, manage
-    dense = [n for n in params if n not in plan.ep_shards and params[n].requires_grad]
-    experts = [n for n in params if n in plan.ep_shards and params[n].requires_grad]
-    layouts = tuple(FlatLayout(params, names, group, bucket_size or DEFAULT_BUCKET_SIZE)
-                    for names, group in ((dense, groups.dp), (experts, groups.ep_replica))
-                    if names)
-    manage(params[n] for n in dense + experts)
-    return layouts
-
-
-__all__ = ["ParallelModel", "zero_layouts", "DEFAULT_TIMEOUT"]
+__all__ = ["ParallelModel", "DEFAULT_TIMEOUT"]

@@ -176,14 +176,11 @@ def test_autograd_hook_posts_a_bucket_while_the_backward_runs():
     assert last.grad.tolist() == [6.0] * 4 and first.grad.tolist() == [6.0] * 4
 
 
-def test_no_buckets_without_replicas_or_with_zero():
+def test_no_buckets_without_replicas():
     from autopart.schedule import Action
     params = {"a": _param([0.0], [1.0])}
     reducer, _ = _overlapped(params)
     reducer.groups.dp = None
-    assert reducer.overlap([Action(0, "B", 0)], {0: SimpleNamespace(params=("a",))}) is None
-    reducer, _ = _overlapped(params)
-    reducer.zero_layouts = ("layout",)
     assert reducer.overlap([Action(0, "B", 0)], {0: SimpleNamespace(params=("a",))}) is None
 
 

@@ -23,7 +23,7 @@ def test_local_problems_names_the_gradient():
     p.grad[2, 3] = float("nan")
     q = torch.nn.Parameter(torch.zeros(5))
     q.grad = torch.ones(5)
-    out = nonfinite.local_problems([torch.tensor(1.0)], {"w": p, "b": q}, pp_rank=1)
+    out = nonfinite.local_problems([torch.tensor(1.0)], {"w": p.grad, "b": q.grad}, pp_rank=1)
     assert out == ["the gradient of w has 1 non-finite value(s) (pipeline stage 1)"]
 
 
@@ -44,13 +44,14 @@ def test_small_gradients_are_checked_together_and_named(bad):
         p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
         p.grad = torch.full(shape, 1e30 if dtype == torch.float32 else 1.0, dtype=dtype)
         params[f"p{i}"] = p
-    params["none"] = torch.nn.Parameter(torch.zeros(2))       # no gradient: skipped
-    assert nonfinite._nonfinite_grads(params, block=100) == []
+    grads = {name: p.grad for name, p in params.items()}
+    grads["none"] = None                                       # no gradient: skipped
+    assert nonfinite._nonfinite_grads(grads, block=100) == []
     params["p1"].grad[4] = bad
     params["p2"].grad.t()[29, 39] = bad                        # above the block: blockwise
     params["p3"].grad[0] = bad
-    assert sorted(nonfinite._nonfinite_grads(params, block=100)) == ["p1", "p2", "p3"]
-    assert sorted(nonfinite._nonfinite_grads(params)) == ["p1", "p2", "p3"]   # all small
+    assert sorted(nonfinite._nonfinite_grads(grads, block=100)) == ["p1", "p2", "p3"]
+    assert sorted(nonfinite._nonfinite_grads(grads)) == ["p1", "p2", "p3"]   # all small
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -62,7 +63,8 @@ def test_local_flag_sees_every_non_finite_value_without_a_host_sync(bad, where, 
         p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
         p.grad = torch.full(shape, 3e38 if dtype == torch.float32 else 1.0, dtype=dtype)
         params[name] = p
-    params["none"] = torch.nn.Parameter(torch.zeros(2))               # no gradient: skipped
+    grads = {name: p.grad for name, p in params.items()}
+    grads["none"] = None                                              # no gradient: skipped
     losses = [torch.tensor(2.0), torch.tensor(1.0)]
     flags = []
     for make_bad in (False, True):
@@ -72,6 +74,6 @@ def test_local_flag_sees_every_non_finite_value_without_a_host_sync(bad, where, 
             params[where].grad.view(-1)[-1] = bad
         for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
             monkeypatch.setattr(torch.Tensor, method, lambda *a, m=method: pytest.fail(f"host sync: {m}"))
-        flags.append(nonfinite.local_flag(losses, params, torch.device("cpu")))
+        flags.append(nonfinite.local_flag(losses, grads, torch.device("cpu")))
         monkeypatch.undo()
     assert [f.item() for f in flags] == [0.0, 1.0]

@@ -39,7 +39,7 @@ class Phase:
     save_at: int | None = None          # save after this step (default: after the last) and go on
     return_params: bool = False         # return this rank's parameters (bitwise comparisons)
     random_batches: bool = False        # batches drawn from the global RNG (exact resume)
-    zero: int = 0                       # 1: parallelize(zero=1), pm.optimizer (ZeroOptimizer)
+    zero: int = 0                       # 1, 2: parallelize(zero=), pm.optimizer (ZeroOptimizer)
 
 
 def optimizer_spec(kind: str) -> tuple[type, dict]:
@@ -182,16 +182,16 @@ def _compare_state(pm, opt, ref_params, ref_opt, mine, what: str, atol: float,
 
 def _compare_zero_state(opt, ref_params, ref_opt, mine, what: str, atol: float,
                         problems: list[str]) -> None:
-    """zero=1: each flat state tensor against this rank's slice of the plain optimizer's state,
-    cut here from the layout's names and replica index: the plain state of those parameters
-    (sorted by name) flattened end to end, zero-padded to a multiple of the replica count, and
-    the index-th of that many equal parts."""
+    """zero=1, 2: each slice state tensor against this rank's slice of the plain optimizer's
+    state, cut here from the layout's names and replica index: each parameter's plain state
+    flattened, zero-padded to a multiple of the replica count d, its index-th of d equal chunks;
+    those chunks end to end in the layout's order."""
     for lay, shard in zip(opt.layouts, opt.shards):
         state = opt.inner.state.get(shard, {})
         ref_states = [ref_opt.state.get(ref_params[n], {}) for n in lay.names]
         keys = set().union(*ref_states) if ref_states else set()
         if set(state) != keys:
-            problems.append(f"{what}: flat optimizer state keys {sorted(state)} != plain "
+            problems.append(f"{what}: slice optimizer state keys {sorted(state)} != plain "
                             f"{sorted(keys)}")
             continue
         for key in sorted(keys):
@@ -200,12 +200,15 @@ def _compare_zero_state(opt, ref_params, ref_opt, mine, what: str, atol: float,
                 for name, v in zip(lay.names, ref):
                     _compare(f"{what}: optimizer {key} (of {name})", state[key], v, 0, 0, problems)
                 continue
-            flat = torch.cat([mine(n, v).reshape(-1) for n, v in zip(lay.names, ref)])
-            size = -(-flat.numel() // lay.size)
-            flat = torch.cat([flat, flat.new_zeros(size * lay.size - flat.numel())])
-            expected = flat[lay.index * size:(lay.index + 1) * size]
-            _compare(f"{what}: flat optimizer {key} (replica {lay.index} of {lay.size})",
-                     state[key], expected, 1e-4, atol if key != "exp_avg_sq" else 1e-9, problems)
+            chunks = []
+            for n, v in zip(lay.names, ref):
+                flat = mine(n, v).reshape(-1)
+                size = -(-flat.numel() // lay.size)
+                flat = torch.cat([flat, flat.new_zeros(size * lay.size - flat.numel())])
+                chunks.append(flat[lay.index * size:(lay.index + 1) * size])
+            _compare(f"{what}: slice optimizer {key} (replica {lay.index} of {lay.size})",
+                     state[key], torch.cat(chunks), 1e-4, atol if key != "exp_avg_sq" else 1e-9,
+                     problems)
 
 
 def run_chain(rank: int, world: int, phases: list[Phase], pg_timeout: float = 60.0) -> list[dict]:

@@ -154,7 +154,7 @@ def _phases(phases: list[Phase]) -> dict[str, dict]:
 
 @pytest.mark.parametrize("optim", ["adamw", pytest.param("sgd", marks=pytest.mark.full)])
 def test_zero_level_change_in_one_process(tmp_path, single_process_group, optim):
-    """zero=1 -> zero=0 -> zero=1 on one rank (its flat buffer is the whole model), AdamW and
+    """zero=1 -> zero=0 -> zero=2 -> zero=1 on one rank (its slice is the whole model), AdamW and
     momentum SGD: after each load and after training on, equal to the plain model trained the
     same steps without interruption; `autopart export` of a zero=1 checkpoint writes the model.
     (The slicing over replicas: the full-tier tests below.)"""
@@ -167,7 +167,8 @@ def test_zero_level_change_in_one_process(tmp_path, single_process_group, optim)
     out = _phases([
         Phase("zero1", {}, steps=2, zero=1, optim=optim, save=f"{d}/a", return_params=True),
         Phase("zero0", {}, steps=1, load=f"{d}/a", save=f"{d}/b", optim=optim),
-        Phase("zero1-again", {}, steps=1, zero=1, load=f"{d}/b", optim=optim),
+        Phase("zero2", {}, steps=1, zero=2, load=f"{d}/b", save=f"{d}/c", optim=optim),
+        Phase("zero1-again", {}, steps=1, zero=1, load=f"{d}/c", optim=optim),
     ])
     assert checkpoint.read_marker(d / "a")["optimizer"] == {"adamw": "AdamW", "sgd": "SGD"}[optim]
     assert main(["export", str(d / "a"), str(d / "a.safetensors")]) == 0
@@ -362,10 +363,11 @@ def test_export_hugging_face_gpt2(tmp_path, single_process_group):
 
 @pytest.mark.full
 def test_reshard_across_zero_levels(tmp_path):
-    """zero=1 optimizer state (flat slices over the dp replicas, a parameter often split between
-    two replicas' slices) saved per parameter and loaded as another mesh's slices: zero=0 ->
-    zero=1 -> zero=1 on other dp/pp/tp -> zero=0, with AdamW, and a momentum-SGD chain starting
-    from zero=1; every phase against the plain model trained the same steps uninterrupted."""
+    """zero=1 and zero=2 optimizer state (slices over the dp replicas: a chunk of every
+    parameter) saved per parameter and loaded as another mesh's slices: zero=0 -> zero=1 ->
+    zero=1 on other dp/pp/tp -> zero=2 -> zero=0, with AdamW, and a momentum-SGD chain starting
+    from zero=1 through zero=2; every phase against the plain model trained the same steps
+    uninterrupted."""
     d = tmp_path
     sgd = dict(optim="sgd")
     _chain(4, [
@@ -376,11 +378,15 @@ def test_reshard_across_zero_levels(tmp_path):
               microbatches=1),
         Phase("adamw-z1-tp2xdp2", {"tp": 2, "dp": 2}, steps=1, zero=1, load=f"{d}/c",
               save=f"{d}/d"),
-        Phase("adamw-z0-pp4", {"pp": 4}, steps=1, load=f"{d}/d"),
+        Phase("adamw-z2-pp2xdp2", {"pp": 2, "dp": 2}, steps=1, zero=2, load=f"{d}/d",
+              save=f"{d}/d2"),
+        Phase("adamw-z0-pp4", {"pp": 4}, steps=1, load=f"{d}/d2"),
         Phase("sgd-z1-pp2xdp2", {"pp": 2, "dp": 2}, steps=2, zero=1, save=f"{d}/e", **sgd),
         Phase("sgd-z1-tp2xdp2", {"tp": 2, "dp": 2}, steps=1, zero=1, load=f"{d}/e",
               save=f"{d}/f", **sgd),
-        Phase("sgd-z0-dp2xtp2", {"dp": 2, "tp": 2}, steps=1, load=f"{d}/f", save=f"{d}/g", **sgd),
+        Phase("sgd-z2-dp2xtp2", {"dp": 2, "tp": 2}, steps=1, zero=2, load=f"{d}/f",
+              save=f"{d}/f2", **sgd),
+        Phase("sgd-z0-dp2xtp2", {"dp": 2, "tp": 2}, steps=1, load=f"{d}/f2", save=f"{d}/g", **sgd),
         Phase("sgd-z1-dp4", {"dp": 4}, steps=1, zero=1, load=f"{d}/g", microbatches=1, **sgd),
     ])
     for ck in "bcef":     # the gathered state was written once: chunks tile each tensor

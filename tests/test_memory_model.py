@@ -204,17 +204,22 @@ def test_explain_counts_zero1_state_per_rank():
     # pipeline rank 1 holds layer 1, ln_f and the tied lm_head (a copy of wte)
     params = dict(model.named_parameters())
     stage1 = [n for n in params if n.startswith(("transformer.h.1.", "transformer.ln_f."))]
-    n = sum(params[k].numel() for k in stage1) + params["transformer.wte.weight"].numel()
+    held = [params[k] for k in stage1] + [params["transformer.wte.weight"]]
+    n = sum(p.numel() for p in held)
+    half = sum(-(-p.numel() // 2) for p in held)        # each parameter cut into 2 chunks
     rank = mesh.rank(pp=1, dp=1)
     mem = c.memory[rank]
     assert mem["params"] == mem["grads"] == 4 * n
-    assert mem["master"] == 4 * -(-n // 2)
-    assert mem["optimizer"] == 8 * -(-n // 2) + 4       # one flat slice: one Adam step
+    assert mem["master"] == 4 * half
+    assert mem["optimizer"] == 8 * half + 4       # one layout: one Adam step
     text = c.explain()
     assert "zero=1" in text and "precision=fp32" in text
-    assert c.to_json()["memory"][1]["master"] == 4 * -(-n // 2) and c.to_json()["zero"] == 1
-    with pytest.raises(autopart.AutopartError, match=r"(?s)zero=2.*remedy: zero=0 or zero=1"):
-        autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=2)
+    assert c.to_json()["memory"][1]["master"] == 4 * half and c.to_json()["zero"] == 1
+    two = autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=2)
+    assert two.memory[rank]["grads"] == 4 * half        # zero=2: the gradient's slice only
+    assert two.memory[rank]["master"] == 4 * half and two.to_json()["zero"] == 2
+    with pytest.raises(autopart.AutopartError, match=r"(?s)zero=3.*remedy: zero=0, 1 or 2"):
+        autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=3)
 
 
 

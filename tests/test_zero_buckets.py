@@ -43,12 +43,15 @@ class LiveBytes(TorchDispatchMode):
     Counted by the dispatcher, below autopart's code. Not counted: buffers a collective's
     backend allocates inside the op (Gloo copies a reduce-scatter's input)."""
 
-    def __init__(self):
+    def __init__(self, active: bool = True):
         super().__init__()
         self.live = self.peak = 0
+        self.active = active        # False: count nothing new (frees of what was counted still)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if not self.active:
+            return out
         inputs = {t.untyped_storage().data_ptr()
                   for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in pytree.tree_leaves(out):
@@ -85,6 +88,31 @@ class CountReduceScatter:
         dist.reduce_scatter_tensor = self.saved
 
 
+class BucketBytes(LiveBytes):
+    """LiveBytes of what ShardLayout.post_reduce_scatter allocates (a bucket's input, a copy of
+    its range of every replica's slice), alive at once over a whole train_step: the buckets
+    posted during the backward and not yet waited on."""
+
+    def __enter__(self):
+        from autopart.runtime.sharding import ShardLayout
+        self.saved = post = ShardLayout.post_reduce_scatter
+
+        def counted(layout, *args, **kwargs):
+            self.active = True
+            try:
+                return post(layout, *args, **kwargs)
+            finally:
+                self.active = False
+        ShardLayout.post_reduce_scatter = counted
+        self.active = False
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from autopart.runtime.sharding import ShardLayout
+        ShardLayout.post_reduce_scatter = self.saved
+        return super().__exit__(*exc)
+
+
 def train(rank: int, world: int) -> dict:
     """STEPS AdamW steps, zero=1 in buckets of BUCKET elements and plain; what differs, and the
     peak bytes allocated by each step's gradient reduction and opt.step."""
@@ -96,12 +124,13 @@ def train(rank: int, world: int) -> dict:
     opt, ref_opt = pm.optimizer(torch.optim.AdamW, **ADAMW), \
         torch.optim.AdamW(ref.parameters(), **ADAMW)
     mine, ref_params = _local_view(pm, rank), dict(ref.named_parameters())
-    reduce, peaks = pm._grads.reduce, {"reduce": [], "step": []}
-    pm._grads.reduce = lambda: peaks["reduce"].append(peak_allocated(reduce))
+    peaks = {"reduce": [], "step": []}
     problems: list[str] = []
     with CountReduceScatter() as calls:
         for step in range(1, STEPS + 1):
-            loss = pm.train_step(x, target=x)
+            with BucketBytes() as counter:
+                loss = pm.train_step(x, target=x)
+            peaks["reduce"].append(counter.peak)
             ref_loss = loss_fn(ref(x), x)
             ref_loss.backward()
             _compare(f"step {step} loss", loss, ref_loss, RTOL, 1e-6, problems)
@@ -117,9 +146,10 @@ def train(rank: int, world: int) -> dict:
 @pytest.mark.full       # one 2-rank spawn, ~16 s
 def test_buckets_equal_plain_and_bound_the_transient_memory():
     from autopart.runtime.launch import spawn
+    from autopart.runtime.buckets import IN_FLIGHT
     model, _, _ = build()
     n = sum(p.numel() for p in model.parameters())     # the tied lm_head counted once
-    shard = math.ceil(n / DP)
+    shard = sum(math.ceil(p.numel() / DP) for p in model.parameters())   # a chunk of each
     piece = BUCKET // DP                                # of each slice per bucket
     buckets = math.ceil(shard / piece)
     assert buckets >= 10                                # many buckets, or nothing is tested
@@ -130,10 +160,11 @@ def test_buckets_equal_plain_and_bound_the_transient_memory():
         # each step: one reduce-scatter per bucket, of DP pieces, the last one shorter
         last = shard - (buckets - 1) * piece
         assert r["calls"] == STEPS * ([DP * piece] * (buckets - 1) + [DP * last]), r["calls"]
-        # one bucket: its DP pieces copied from the gradients, reduce-scattered in place
-        # (the old FlatLayout built the rank's whole flat gradient, 4 * n bytes, and more)
+        # a bucket's DP pieces copied from the gradients, reduce-scattered in place, posted
+        # during the backward: at most IN_FLIGHT of them alive at once (the first ZeRO-1
+        # built the rank's whole flat gradient, 4 * n bytes, and more)
         for peak in r["peaks"]["reduce"]:
-            assert 0 < peak <= bucket_bytes, (peak, bucket_bytes, 4 * n)
+            assert 0 < peak <= IN_FLIGHT * bucket_bytes, (peak, bucket_bytes, 4 * n)
         # step 1 allocates AdamW's two moments (8 bytes per slice element); every step, one
         # bucket at a time: its piece's fp32 gradient with AdamW's temporaries (a few pieces),
         # then the all-gather's bucket

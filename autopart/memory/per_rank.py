@@ -17,13 +17,16 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
     global with `local(name, tensor)` giving the tensor of this rank's shape, see _RankShapes):
 
         params     every parameter and buffer element at its dtype (fp32: 4 bytes)
-        grads      every trainable element at its dtype (full-shaped .grad, also with zero=1)
+        grads      every trainable element at its dtype (full-shaped .grad, also with zero=1);
+                   zero=2: this rank's slice only
         zero=0     master 0 (the parameters are the masters); optimizer 4 * states per element
-        zero=1     runtime/optimizer.py lays the trainable parameters end to end per replica
-                   group (dense over dp, experts over dp/ep), padded to the group size d; this
-                   rank keeps an fp32 copy of its ceil(n/d) elements (master 4 bytes each) and
-                   the optimizer's state for them (4 * states bytes each)
-    plus, for Adam, one 4-byte `step` per tensor stepped (each parameter, or each flat slice)."""
+        zero=1, 2  runtime/sharding.py cuts each trainable parameter into d chunks per replica
+                   group (dense over dp, experts over dp/ep); this rank keeps an fp32 copy of
+                   its ceil(n_i/d) elements of each (master 4 bytes each) and the optimizer's
+                   state for them (4 * states bytes each)
+    plus, for Adam, one 4-byte `step` per tensor stepped (each parameter, or each slice).
+    Not counted: the buckets in flight (at most runtime/buckets.IN_FLIGHT of zero_bucket_size
+    elements) and zero=2's full-shaped gradients of the chunk whose backward runs."""
     check_zero(zero)        # precision changes no state byte (see the module docstring)
     held: dict = {}
     for c in chunks:
@@ -43,20 +46,21 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
         return {"params": params, "grads": grads, "master": 0,
                 "optimizer": per * 4 * numel + step * len(trainable)}
     slices = _zero_slices(trainable, program, mesh)
-    return {"params": params, "grads": grads, "master": 4 * sum(slices),
-            "optimizer": per * 4 * sum(slices) + step * len(slices)}
+    if zero == 2:
+        grads = sum(t.element_size() * c for t, c, _ in slices)
+    numel = sum(c for _, c, _ in slices)
+    layouts = len({experts for _, _, experts in slices})     # one stepped tensor per layout
+    return {"params": params, "grads": grads, "master": 4 * numel,
+            "optimizer": per * 4 * numel + step * layouts}
 
 
-def _zero_slices(trainable: dict, program: Program, mesh) -> list[int]:
-    """Elements of this rank's slice of each ZeRO-1 flat buffer (runtime/optimizer.FlatLayout):
-    the dense parameters over the dp replicas, the experts over the dp/ep ranks holding them."""
+def _zero_slices(trainable: dict, program: Program, mesh) -> list[tuple[torch.Tensor, int, bool]]:
+    """(tensor, elements of this rank's chunk of it, an expert?) per trainable parameter, as
+    runtime/sharding.ShardLayout cuts them: the dense parameters over the dp replicas, the
+    experts over the dp/ep ranks holding them."""
     experts = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
-    out = []
-    for names, d in (([n for n in trainable if n not in experts], mesh.dp),
-                     ([n for n in trainable if n in experts], mesh.dp // mesh.ep)):
-        if names:
-            out.append(-(-sum(trainable[n].numel() for n in names) // d))
-    return out
+    return [(t, -(-t.numel() // (mesh.dp // mesh.ep if n in experts else mesh.dp)), n in experts)
+            for n, t in trainable.items()]
 
 
 def activation_peak(actions, acts: dict[int, ChunkActivations], b: int, s: int | None):

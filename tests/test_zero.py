@@ -1,0 +1,68 @@
+"""ZeRO-2 (parallelize(..., zero=2), runtime/sharding.py, runtime/buckets.py): each microbatch's
+gradient reduce-scattered into this rank's slice as the backward produces it, `.grad` never kept.
+
+- one train_step at zero=1 and zero=2 on dp=2: this rank's reduced gradient equals the plain
+  model's over the elements it owns; zero=2 leaves every `.grad` None; the bytes the step leaves
+  alive (counted by the dispatcher, tests/test_zero_buckets.LiveBytes) are the full gradient at
+  zero=1 and one slice at zero=2, and zero=2's peak is below zero=1's by the gradient it does not
+  keep, less what may be in flight (the largest parameter's gradient and IN_FLIGHT buckets);
+- 3 AdamW steps against the plain model on the meshes and features ZeRO meets (the composition
+  cases' models and comparison, tests/composition.py): dp=2 (fast tier), and in the full tier
+  dp=4, pp=2 x dp=2 (1F1B, tied embeddings across stages; ZB-V, whose W is not autograd's),
+  tp=2 with sequence parallelism x dp=2, HF Mixtral dp=4 x ep=2 (the experts' own layout),
+  recompute, bf16 against the written-out recipe, ignored labels.
+Checkpoints across levels: tests/test_checkpoint.py (zero=2 phases).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests import composition as cm
+from tests._workers import assert_all_ranks_equal_plain, run_group
+
+Z = dict(zero=2, optim="adamw", clip=0.05)
+FAST = [cm.CCase("zero2-gpt-dp2", model="c-gpt-tied", dp=2, microbatches=2, **Z),
+        cm.CCase("zero2-gpt-dp2-rc-full-ignored", model="c-gpt-untied", dp=2, microbatches=2,
+                 recompute="full", ignored="uneven", **Z)]
+FULL = [cm.CCase("zero2-gpt-dp4", model="c-gpt-untied", dp=4, microbatches=2, **Z),
+        cm.CCase("zero2-hf-gpt2-pp2xdp2-1f1b-tied", model="c-hf-gpt2-tied", pp=2, dp=2,
+                 microbatches=4, **Z),
+        cm.CCase("zero2-gpt-pp2xdp2-zbv", model="c-gpt-tied", pp=2, dp=2, schedule="zb-v",
+                 virtual_stages=2, microbatches=4, **Z),
+        cm.CCase("zero2-hf-gpt2-tp2sp-dp2", model="c-hf-gpt2-untied", tp=2, dp=2,
+                 sequence_parallel=True, microbatches=2, **Z),
+        cm.CCase("zero2-mixtral-dp4xep2", model="c-hf-mixtral-untied", dp=4, ep=2,
+                 microbatches=2, **Z),
+        cm.CCase("zero2-gpt-dp2-bf16", model="c-gpt-tied", dp=2, microbatches=2, zero=2,
+                 optim="adamw", precision="bf16", clip=None)]
+CASES = [pytest.param(c, id=c.name) for c in FAST] + \
+    [pytest.param(c, id=c.name, marks=pytest.mark.full) for c in FULL]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_zero2_trains_like_the_plain_model(case, spawn_cache):
+    same = FAST if case in FAST else [case]
+    key = ("zero2-fast", 2) if case in FAST else ("zero2", case.name)
+    results = run_group(spawn_cache, key, same, 900.0, rank_fn=cm.run_composition)
+    assert_all_ranks_equal_plain(case, results[case.name])
+
+
+def test_zero2_keeps_the_slice_only():
+    from autopart.runtime.buckets import IN_FLIGHT
+    from autopart.runtime.launch import spawn
+    from tests.test_zero_buckets import BUCKET, build
+    from tests.zero_workers import one_step
+
+    model, _, _ = build()
+    sizes = [p.numel() for p in model.parameters()]      # the tied lm_head counted once
+    full, shard = 4 * sum(sizes), 4 * sum(math.ceil(n / 2) for n in sizes)
+    in_flight = 4 * max(sizes) + IN_FLIGHT * 4 * BUCKET
+    for r in spawn(one_step, 2, timeout=300):
+        one, two = r[1], r[2]
+        assert one["err"] < 1e-6 and two["err"] < 1e-6, (one["err"], two["err"])
+        assert one["grad_none"] == [] and len(two["grad_none"]) == len(sizes)
+        assert full <= one["kept"] < full + 64, (one["kept"], full)      # + the loss
+        assert shard <= two["kept"] < shard + 64, (two["kept"], shard)
+        assert two["peak"] <= one["peak"] - full + shard + in_flight, (r, full, shard)

@@ -1,0 +1,55 @@
+"""Rank functions for tests/test_zero.py: one train_step at each ZeRO level on the same model and
+batch, its gradients against the plain model's, and the bytes it allocates as the dispatcher
+sees them (tests/test_zero_buckets.LiveBytes)."""
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import torch
+
+import autopart
+from tests.test_zero_buckets import BUCKET, LiveBytes, build
+
+MICROBATCHES = 2
+
+
+def one_step(rank: int, world: int, levels: tuple = (1, 2)) -> dict:
+    """Per level: the peak bytes alive during train_step above what was alive before it, the
+    bytes it leaves alive (the gradients it keeps), `.grad` of every parameter, and how far this
+    rank's gradient (zero=2: its slice, zero=1: its chunks of `.grad`) is from the plain
+    model's chunks."""
+    model, loss_fn, x = build()
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x), x).backward()
+    plain = {n: p.grad for n, p in ref.named_parameters()}
+    out = {"rank": rank}
+    for zero in levels:
+        pm = autopart.parallelize(copy.deepcopy(model), autopart.Mesh(dp=world), (x,),
+                                  loss_fn=loss_fn, target=x, zero=zero,
+                                  microbatches=MICROBATCHES, zero_bucket_size=BUCKET,
+                                  timeout=timedelta(seconds=120))
+        pm.train_step(x, target=x)          # the first step lays out the buckets: not measured
+        pm.optimizer(torch.optim.SGD, lr=0.0).zero_grad()
+        with LiveBytes() as counter:
+            pm.train_step(x, target=x)
+        grads = {n: p.grad for n, p in pm.named_parameters()}
+        out[zero] = {"peak": counter.peak, "kept": counter.live,
+                     "grad_none": sorted(n for n, g in grads.items() if g is None),
+                     "err": _slice_error(pm, plain, zero)}
+    return out
+
+
+def _slice_error(pm, plain: dict, zero: int) -> float:
+    """The largest |difference| between this rank's reduced gradient and the plain model's, over
+    the elements this rank owns (ShardLayout.spans: elements [lo, hi) of each parameter)."""
+    err = 0.0
+    for lay in pm._grads.zero_layouts:
+        for name, p, lo, hi, at in lay.spans():
+            want = plain[name].reshape(-1)[lo:hi]
+            got = lay.grad[at:at + hi - lo] if zero == 2 else p.grad.reshape(-1)[lo:hi]
+            err = max(err, float((got - want).abs().max()))
+            if zero == 1:   # the elements it does not own are zeros
+                rest = torch.cat([p.grad.reshape(-1)[:lo], p.grad.reshape(-1)[hi:]])
+                err = max(err, float(rest.abs().max()) if rest.numel() else 0.0)
+    return err
