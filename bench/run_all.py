@@ -60,6 +60,11 @@ def _zero_bubble(out: dict) -> dict:
     return {f"{k} / 1f1b": _per_round(v, base) for k, v in out["paired_ms"].items() if k != "1f1b"}
 
 
+def _zero(out: dict) -> dict:
+    t = out["step_seconds"]
+    return {f"zero{k} / fsdp2": _per_round(t[f"autopart_zero{k}"], t["fsdp2"]) for k in (2, 1, 0)}
+
+
 BENCHMARKS = [
     Bench("pipeline", "pipeline_vs_torch.py", lambda r: ["--steps", str(r)],
           {"pp 1f1b": "autopart / torch.distributed.pipelining step (Schedule1F1B), pp=2, GPT 8 "
@@ -76,6 +81,13 @@ BENCHMARKS = [
                            "4 microbatches of 8",
            "zb-v v=2 / 1f1b": "autopart ZB-V (v=2) / autopart 1F1B step, the same"},
           _zero_bubble),
+    Bench("zero", "zero_vs_fsdp.py", lambda r: ["--steps", str(r)],
+          {"zero2 / fsdp2": "autopart zero=2 / FSDP2 fully_shard (reshard_after_forward=False) "
+                            "step (fwd+bwd+AdamW), dp=2, GPT 4 layers n_embd=256 vocab 8192, "
+                            "batch 8x128, 2 microbatches",
+           "zero1 / fsdp2": "the same, autopart zero=1",
+           "zero0 / fsdp2": "the same, autopart zero=0 (plain data-parallel all-reduce)"},
+          _zero),
     Bench("health", "health_check.py", lambda r: ["--steps", str(3 * r)],
           {"health pp=2": "nonfinite='raise' / 'ignore' step, pp=2, tiny GPT (overhead-bound), "
                           "3x the rounds",

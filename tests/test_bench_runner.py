@@ -117,3 +117,17 @@ def test_main_records_one_section_and_quick_never_records(fake, monkeypatch, tmp
     outputs += [(0, tp), (0, tp)]
     assert run_all.main(["--only", "tp", "--rounds", "10"]) == 0                # a trial
     assert results.read_text() == text
+
+
+def test_zero_rows_pair_each_level_with_fsdp2_round_by_round(fake):
+    outputs, calls = fake
+    fsdp = [1.0, 2.0, 1.0]
+    outputs.append((0, json.dumps({"step_seconds": {
+        "autopart_zero2": [0.5, 2.0, 0.9], "autopart_zero1": [1.0, 1.0, 1.0],
+        "autopart_zero0": [2.0, 2.0, 2.0], "fsdp2": fsdp}})))
+    zero = next(b for b in run_all.BENCHMARKS if b.name == "zero")
+    got, _, error = run_all.run_once(zero, 3)
+    assert error == ""
+    assert calls[0][1].endswith("zero_vs_fsdp.py") and calls[0][-3:] == ["--steps", "3", "--json"]
+    assert got == {"zero2 / fsdp2": pytest.approx(0.9), "zero1 / fsdp2": pytest.approx(1.0),
+                   "zero0 / fsdp2": pytest.approx(2.0)}
