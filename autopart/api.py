@@ -75,7 +75,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     if isinstance(mesh, str) and mesh == "auto":   # the planner chooses (autopart/planner/auto.py)
         from autopart.planner.auto import choose
         chosen = choose(model, example_inputs, loss_fn, target, dist.get_world_size(), rank=dist.get_rank(),
-                        broadcast=lambda objs: dist.broadcast_object_list(objs, src=0))
+                        broadcast=lambda objs: dist.broadcast_object_list(objs, src=0), zero=zero)
         mesh, microbatches, schedule = chosen["mesh"], chosen["microbatches"], chosen["schedule"]
         virtual_stages, recompute = chosen["virtual_stages"], chosen["recompute"]
     # before compiling: a rank outside a smaller mesh would otherwise fail on its own, differently

@@ -6,9 +6,10 @@
     autopart calibrate                      # measure this machine: the `local` cluster
 
 Without --mesh (or with some axes of it) the planner searches tp, pp, dp, microbatch size, virtual
-stages, schedule and recomputation; knobs given are fixed. The ranked table lists the layouts
-that fit first (fastest first), then the rejected ones with why; `--json` prints
-{"layouts": [...], "best": {...}} alone on stdout.
+stages, schedule, recomputation and the ZeRO level; knobs given are fixed. The ranked table lists
+the layouts that fit first (fastest first), then the rejected ones with why, and a line says why
+the chosen layout has its ZeRO level; `--json` prints {"layouts": [...], "best": {...},
+"zero_choice": "..."} alone on stdout.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
-from autopart.planner.search import RECOMPUTE
+from autopart.planner.search import RECOMPUTE, ZERO_LEVELS
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
@@ -41,6 +42,8 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--recompute", default=None, choices=RECOMPUTE,
                    help="fix activation recomputation (default: search full, selective, none; "
                         "selective reruns only each layer's attention core)")
+    p.add_argument("--zero", type=int, default=None, choices=ZERO_LEVELS,
+                   help="fix the ZeRO level (default: search 0, 1 and 2 where dp > 1)")
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
                    help="default bf16 mixed precision (fp32 on the local cluster)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"))
@@ -109,7 +112,7 @@ def _plan(args: argparse.Namespace) -> int:
     from autopart.planner import CostModel, default_precision
     from autopart.planner.cluster import cluster
     from autopart.planner.profile import load_profile
-    from autopart.planner.search import search
+    from autopart.planner.search import search, zero_choice
     start = time.perf_counter()
     if args.gpus < 1 or args.batch < 1:
         raise AutopartError(f"--gpus {args.gpus} and --batch {args.batch} must be positive")
@@ -120,16 +123,20 @@ def _plan(args: argparse.Namespace) -> int:
                       optimizer=args.optimizer)
     ranked = search(model, args.gpus, tp=axes.get("tp"), pp=axes.get("pp"), dp=axes.get("dp"), ep=axes.get("ep"),
                     microbatch_size=args.microbatch_size, virtual_stages=args.virtual_stages,
-                    schedule=args.schedule, recompute=args.recompute)
+                    schedule=args.schedule, recompute=args.recompute, zero=args.zero)
     best = next((e for e in ranked if e.fits), None)
+    why_zero = zero_choice(model, best) if best is not None else None
     seconds = time.perf_counter() - start
     if args.png and best is not None:
         for path in draw(model, best, ranked, args.png):
             print(f"wrote {path}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"layouts": [e.row() for e in ranked], "best": best.row() if best else None}))
+        print(json.dumps({"layouts": [e.row() for e in ranked], "best": best.row() if best else None,
+                          "zero_choice": why_zero}))
     else:
         print(report(model, ranked, best, args.top, seconds))
+        if why_zero:
+            print(f"ZeRO: {why_zero}")
     if args.explain_cost:
         print(explain(model, best), file=sys.stderr if args.json else sys.stdout)
     return 0 if best is not None else 1
@@ -141,7 +148,8 @@ def report(model, ranked, best, top: int, seconds: float) -> str:
              f"{model.batch}; {c.name}, {model.precision} + {model.optimizer}",
              f"{len(ranked)} layouts, {sum(e.fits for e in ranked)} fit; searched in {seconds:.1f} s "
              + (f"(one layer captured in {p.seconds:.1f} s)" if not p.cached else "(layer profile cached)"), ""]
-    head = ("mesh", "mbs", "v", "schedule", "recompute", "step s", "TFLOP/s/dev", "GB/rank", "")
+    head = ("mesh", "mbs", "v", "schedule", "recompute", "zero", "step s", "TFLOP/s/dev", "GB/rank",
+            "")
     rows = [_cells(e) for e in ranked if e.fits][:top]
     rejected = [e for e in ranked if not e.fits]
     rows += [_cells(e) for e in rejected[: max(3, top // 4)]]
@@ -153,7 +161,8 @@ def report(model, ranked, best, top: int, seconds: float) -> str:
     if best is not None:
         r = best.row()
         lines += ["", f"best: {r['mesh']}, microbatch size {r['microbatch_size']}, {r['schedule']} "
-                      f"(v={r['virtual_stages']}), recompute {r['recompute']}: {r['step_time_s']:.3f} s a step, "
+                      f"(v={r['virtual_stages']}), recompute {r['recompute']}, zero={r['zero']}: "
+                      f"{r['step_time_s']:.3f} s a step, "
                       f"{r['tflops_per_device']:.1f} TFLOP/s per device, {r['memory_per_rank_gb']:.1f} GB per rank"]
     else:
         lines += ["", "no layout fits in memory"]
@@ -166,7 +175,7 @@ def _cells(e) -> tuple:
     if not e.simulated:
         note = (note + " " if note else "") + "(bubble formula)"
     return (r["mesh"], r["microbatch_size"], r["virtual_stages"], r["schedule"], r["recompute"],
-            f"{r['step_time_s']:.3f}", f"{r['tflops_per_device']:.1f}", f"{r['memory_per_rank_gb']:.1f}", note)
+            r["zero"], f"{r['step_time_s']:.3f}", f"{r['tflops_per_device']:.1f}", f"{r['memory_per_rank_gb']:.1f}", note)
 
 
 def explain(model, best) -> str:

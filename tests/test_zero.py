@@ -10,7 +10,8 @@ gradient reduce-scattered into this rank's slice as the backward produces it, `.
   cases' models and comparison, tests/composition.py): dp=2 (fast tier), and in the full tier
   dp=4, pp=2 x dp=2 (1F1B, tied embeddings across stages; ZB-V, whose W is not autograd's),
   tp=2 with sequence parallelism x dp=2, HF Mixtral dp=4 x ep=2 (the experts' own layout),
-  recompute, bf16 against the written-out recipe, ignored labels.
+  recompute, bf16 against the written-out recipe, ignored labels, two train_steps accumulated
+  before an optimizer step.
 Checkpoints across levels: tests/test_checkpoint.py (zero=2 phases).
 """
 from __future__ import annotations
@@ -25,7 +26,10 @@ from tests._workers import assert_all_ranks_equal_plain, run_group
 Z = dict(zero=2, optim="adamw", clip=0.05)
 FAST = [cm.CCase("zero2-gpt-dp2", model="c-gpt-tied", dp=2, microbatches=2, **Z),
         cm.CCase("zero2-gpt-dp2-rc-full-ignored", model="c-gpt-untied", dp=2, microbatches=2,
-                 recompute="full", ignored="uneven", **Z)]
+                 recompute="full", ignored="uneven", **Z),
+        # two train_steps per optimizer step: the second adds to the slice the first left
+        cm.CCase("zero2-gpt-dp2-accumulate", model="c-gpt-tied", dp=2, microbatches=2,
+                 accumulate=2, **Z)]
 FULL = [cm.CCase("zero2-gpt-dp4", model="c-gpt-untied", dp=4, microbatches=2, **Z),
         cm.CCase("zero2-hf-gpt2-pp2xdp2-1f1b-tied", model="c-hf-gpt2-tied", pp=2, dp=2,
                  microbatches=4, **Z),

@@ -11,12 +11,13 @@ from autopart.errors import AutopartError
 
 
 def choose(model, example_inputs: tuple, loss_fn, target, world_size: int, *, cluster: str = "local",
-           rank: int = 0, broadcast=None) -> dict:
-    """{"mesh": Mesh, "microbatches", "schedule", "virtual_stages", "recompute", "note"}."""
+           rank: int = 0, broadcast=None, zero: int = 0) -> dict:
+    """{"mesh": Mesh, "microbatches", "schedule", "virtual_stages", "recompute", "note"}; the
+    ZeRO level is the user's (`zero`), held fixed in the search."""
     choice = [None]
     if rank == 0:
         try:
-            choice[0] = _plan(model, example_inputs, loss_fn, target, world_size, cluster)
+            choice[0] = _plan(model, example_inputs, loss_fn, target, world_size, cluster, zero)
         except AutopartError as e:
             choice[0] = {"error": str(e)}
     if broadcast is not None:
@@ -31,7 +32,7 @@ def choose(model, example_inputs: tuple, loss_fn, target, world_size: int, *, cl
     return out
 
 
-def _plan(model, example_inputs, loss_fn, target, world_size, cluster_name) -> dict:
+def _plan(model, example_inputs, loss_fn, target, world_size, cluster_name, zero: int) -> dict:
     from autopart.planner import CostModel, default_precision
     from autopart.planner.cluster import cluster
     from autopart.planner.profile import profile_model
@@ -40,7 +41,7 @@ def _plan(model, example_inputs, loss_fn, target, world_size, cluster_name) -> d
     batch = int(example_inputs[0].shape[0])
     model_ = CostModel(profile_model(model, example_inputs, loss_fn, target), c, batch,
                        precision=default_precision(c))
-    ranked = search(model_, world_size)
+    ranked = search(model_, world_size, zero=zero)     # zero > 0: layouts with dp > 1 only
     best = next((e for e in ranked if e.fits), None)
     if best is None:
         raise AutopartError(f"no layout of {world_size} ranks fits in {c.memory_bytes / 1e9:g} GB per rank "

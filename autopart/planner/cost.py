@@ -44,6 +44,8 @@ class Layout:
     schedule: str = "1f1b"
     recompute: str = "full"
     ep: int = 1                 # experts sharded over ep of the dp ranks (adds no ranks)
+    zero: int = 0               # ZeRO level (runtime/optimizer.py): 1 shards the optimizer
+                                # state and master weights over dp, 2 the gradients too
 
     @property
     def mesh(self) -> str:
@@ -65,7 +67,8 @@ class Estimate:
     def row(self) -> dict:
         lay = self.layout
         return {"mesh": lay.mesh, "microbatch_size": lay.microbatch_size, "virtual_stages": lay.virtual_stages,
-                "schedule": lay.schedule, "recompute": lay.recompute, "step_time_s": round(self.step_time, 4),
+                "schedule": lay.schedule, "recompute": lay.recompute, "zero": lay.zero,
+                "step_time_s": round(self.step_time, 4),
                 "tflops_per_device": round(self.tflops_per_device, 1),
                 "memory_per_rank_gb": round(self.memory["total"] / 1e9, 2), "fits": self.fits,
                 "rejected_because": self.rejected_because}
@@ -189,10 +192,19 @@ class CostModel:
         # expert weights are reduced only over the dp / ep ranks holding the same experts
         grads = (self.allreduce_time((params - experts) * self.bytes[4], lay.dp, intra)
                  + self.allreduce_time(experts * self.bytes[4], lay.dp // lay.ep, intra))
+        if lay.zero == 2:
+            # a reduce-scatter (half an all-reduce's traffic) per microbatch, one all-gather
+            grads *= (self.microbatches(lay) + 1) / 2
         shared = self.parts(lay).get("shared_params", 0.0)
         tied = self.allreduce_time(shared * self.bytes[4], 2, False) if lay.pp > 1 else 0.0
-        step = params * STEP_BYTES[self.optimizer] / (c.hbm_bw * c.memory_efficiency)
+        stepped = self.sharded(lay, params, experts) if lay.zero else params
+        step = stepped * STEP_BYTES[self.optimizer] / (c.hbm_bw * c.memory_efficiency)
         return {"dp_allreduce": grads, "tied_allreduce": tied, "optimizer": step}
+
+    @staticmethod
+    def sharded(lay: Layout, params: float, experts: float) -> float:
+        """A ZeRO slice of `params` elements (`experts` of them over dp/ep, the rest over dp)."""
+        return (params - experts) / lay.dp + experts / max(1, lay.dp // lay.ep)
 
     def memory(self, lay: Layout, in_flight: tuple) -> dict:
         """Bytes on the fullest pipeline rank (first or last); `in_flight[r]` chunk-microbatches."""
@@ -214,8 +226,13 @@ class CostModel:
             if rank == lay.pp - 1:
                 acts += parts["last"].saved_bytes(b) * scale  # logits and loss: one microbatch at a time
             buffers = 2 * layer.out_bytes(b) * scale if lay.pp > 1 else 0.0
-            row = {"params": params * pb, "grads": params * gb, "master": params * mb,
-                   "optimizer": params * OPTIMIZER_BYTES[self.optimizer], "activations": acts, "buffers": buffers}
+            state = params
+            if lay.zero:    # runtime/optimizer.py: an fp32 master slice, also in fp32 training
+                state = self.sharded(lay, params, self.params_on(lay, rank, True))
+            row = {"params": params * pb, "grads": (state if lay.zero == 2 else params) * gb,
+                   "master": state * (4 if lay.zero else mb),
+                   "optimizer": state * OPTIMIZER_BYTES[self.optimizer], "activations": acts,
+                   "buffers": buffers}
             row["total"] = sum(row.values())
             if best is None or row["total"] > best["total"]:
                 best = row
@@ -253,6 +270,8 @@ class CostModel:
             return p.invalid_tp.get((lay.tp, lay.ep), f"tp={lay.tp}, ep={lay.ep} was not analysed")
         if lay.recompute == "selective" and p.parts[(lay.tp, lay.ep)].get("core") is None:
             return "selective recomputation reruns attention cores, and the layer has none"
+        if lay.zero and lay.dp == 1:
+            return f"zero={lay.zero} shards over data-parallel replicas, and dp=1"
         if lay.dp % lay.ep:
             return f"ep={lay.ep} must divide dp={lay.dp} (experts are sharded over data-parallel ranks)"
         if self.batch % (lay.dp * lay.microbatch_size):

@@ -43,7 +43,8 @@ def _config_name(row: dict) -> str:
 
 
 def predict_row(row: dict, cluster, *, simulate_top: int = 24):
-    """The best fitting estimate for the paper's own mesh of `row`, or None."""
+    """The best fitting estimate for the paper's own mesh of `row`, or None (zero=0: the 2021
+    runs kept the whole optimizer state on every replica)."""
     from autopart.planner.cost import CostModel
     from autopart.planner.profile import load_profile
     from autopart.planner.search import search
@@ -51,7 +52,8 @@ def predict_row(row: dict, cluster, *, simulate_top: int = 24):
     model = CostModel(profile, cluster, row["batch_size"], precision="fp16", optimizer="adam")
     tp, pp = row["tensor_parallel"], row["pipeline_parallel"]
     dp = row["num_gpus"] // (tp * pp)
-    ranked = search(model, row["num_gpus"], tp=tp, pp=pp, dp=dp, recompute="full", simulate_top=simulate_top)
+    ranked = search(model, row["num_gpus"], tp=tp, pp=pp, dp=dp, recompute="full", zero=0,
+                    simulate_top=simulate_top)
     return next((e for e in ranked if e.fits), None)
 
 

@@ -1,4 +1,5 @@
-"""Search over layouts: tp, pp, dp, virtual stages, microbatch size, schedule, recomputation.
+"""Search over layouts: tp, pp, dp, virtual stages, microbatch size, schedule, recomputation, the
+ZeRO level (0, 1, 2 with dp > 1).
 
 Every candidate is first priced with the bubble formula (microseconds each), then the best
 `simulate_top` (fitting or not) are priced again with the C++ simulator and re-ranked; the table
@@ -12,7 +13,10 @@ of two dividing the expert count and dp); dense models have ep = 1.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from autopart.errors import AutopartError
+from autopart.memory.units import ZERO_LEVELS
 from autopart.planner.cost import SCHEDULE_NAMES, CostModel, Estimate, Layout
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
@@ -44,17 +48,20 @@ RECOMPUTE = ("full", "selective", "none")
 
 
 def candidates(model: CostModel, gpus: int, *, tp=None, pp=None, dp=None, microbatch_size=None,
-               virtual_stages=None, schedule=None, recompute=None, ep=None) -> list[Layout]:
+               virtual_stages=None, schedule=None, recompute=None, ep=None,
+               zero=None) -> list[Layout]:
     """Every layout the knobs allow; a knob given is fixed, the others are searched."""
     layers = model.profile.layers
     out = []
     for t, q, d, e in meshes(model, gpus, tp, pp, dp, ep):
+        levels = [zero] if zero is not None else ZERO_LEVELS if d > 1 else (0,)
         for b in ([microbatch_size] if microbatch_size else MICROBATCH_SIZES):
             for name, v in _schedules(q, layers, virtual_stages, schedule):
                 for r in ([recompute] if recompute else RECOMPUTE):
-                    lay = Layout(t, q, d, b, v, name, r, e)
-                    if model.check(lay) is None:
-                        out.append(lay)
+                    for z in levels:
+                        lay = Layout(t, q, d, b, v, name, r, e, z)
+                        if model.check(lay) is None:
+                            out.append(lay)
     return out
 
 
@@ -86,6 +93,22 @@ def search(model: CostModel, gpus: int, *, simulate_top: int = 24, **knobs) -> l
     return sorted((exact.get(e.layout, e) for e in rough), key=_rank)
 
 
+def zero_choice(model: CostModel, best: Estimate) -> str:
+    """Why `best` has its ZeRO level: the same layout at the other levels, as predicted."""
+    lay = best.layout
+    if lay.dp == 1:
+        return "zero=0: dp=1, no replicas to shard over"
+    others = []
+    for z in (z for z in ZERO_LEVELS if z != lay.zero):
+        e = model.estimate(dataclasses.replace(lay, zero=z))
+        gb = f"{e.memory['total'] / 1e9:.1f} GB per rank"
+        others.append(f"zero={z} needs {gb}, more than the cluster's "
+                      f"{model.cluster.memory_bytes / 1e9:g} GB" if not e.fits else
+                      f"zero={z}: {e.step_time / best.step_time - 1:+.1%} step time, {gb}")
+    return (f"zero={lay.zero} ({best.memory['total'] / 1e9:.1f} GB per rank, the fastest level "
+            f"that fits): " + "; ".join(others))
+
+
 def _rank(e: Estimate):
     return (not e.fits, not e.simulated, e.step_time)
 
@@ -99,4 +122,5 @@ def _nothing(model: CostModel, gpus: int, knobs: dict) -> str:
             f"batch a multiple of dp * microbatch size")
 
 
-__all__ = ["search", "candidates", "RECOMPUTE", "meshes", "divisors", "MICROBATCH_SIZES"]
+__all__ = ["search", "candidates", "RECOMPUTE", "meshes", "divisors", "MICROBATCH_SIZES",
+           "ZERO_LEVELS", "zero_choice"]
