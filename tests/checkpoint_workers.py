@@ -186,8 +186,8 @@ def _compare_zero_state(opt, ref_params, ref_opt, mine, what: str, atol: float,
     state, cut here from the layout's names and replica index: each parameter's plain state
     flattened, zero-padded to a multiple of the replica count d, its index-th of d equal chunks;
     those chunks end to end in the layout's order."""
-    for lay, shard in zip(opt.layouts, opt.shards):
-        state = opt.inner.state.get(shard, {})
+    for index, lay in enumerate(opt.layouts):
+        state = opt.slice_state(index)      # its buckets' state joined: one slice-long tensor
         ref_states = [ref_opt.state.get(ref_params[n], {}) for n in lay.names]
         keys = set().union(*ref_states) if ref_states else set()
         if set(state) != keys:

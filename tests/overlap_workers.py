@@ -1,6 +1,7 @@
 """Rank functions for tests/test_overlap.py: the data-parallel gradient reduction overlapped
-with the backward (runtime/gradients.py), with buckets small enough to cut the test model into
-several, so that a bucket can go out before the backward ends."""
+with the backward (runtime/gradients.py; ZeRO's reduce-scatter, runtime/buckets.py), with
+buckets small enough to cut the test model into several, so that a bucket can go out before the
+backward ends."""
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ def overlap_cases(rank: int, world: int, cases: list[Case], trace_dir: str) -> l
     """Per case: the equivalence run with small buckets, then a run counting the host syncs of
     its second train_step and clip_grad_norm_, then a traced run of 2 steps (rank 0 returns the
     trace's events)."""
-    from autopart.runtime import gradients
+    from autopart.runtime import gradients, optimizer
     gradients.BUCKET_BYTES = SMALL_BUCKET
+    optimizer.DEFAULT_BUCKET_SIZE = SMALL_BUCKET // 4    # ZeRO's buckets count fp32 elements
     out = []
     for case in cases:
         try:
@@ -47,7 +49,8 @@ def _parallelize(case: Case, trace: str | None = None):
     pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=case.dp), inputs,
                               loss_fn=loss_fn, target=target, microbatches=case.microbatches,
                               schedule=case.schedule, virtual_stages=case.virtual_stages,
-                              nonfinite="ignore", trace=trace, timeout=timedelta(seconds=120))
+                              zero=getattr(case, "zero", 0), nonfinite="ignore", trace=trace,
+                              timeout=timedelta(seconds=120))
     return pm, inputs, target
 
 

@@ -7,7 +7,8 @@ test GPT into several:
   embedding ids' range (check_step_inputs: one aminmax, read by two int()) and the token count
   of the token-weighted loss (step_loss_scale: one int(), the loss scale is a Python float);
 - the trace shows a bucket's all-reduce posted before the rank's last backward action ended,
-  with pp=1 (posted from autograd's hook inside the one fused backward) and with pp=2.
+  with pp=1 (posted from autograd's hook inside the one fused backward) and with pp=2; and
+  ZeRO's reduce-scatter likewise (zero=2 at dp=2, zero=1 at pp=2 x dp=2).
 """
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ import pytest
 
 from autopart.timeline import trace_slices
 from tests._workers import Case, assert_all_ranks_equal_plain, run_group
+from tests.composition import CCase
 from tests.overlap_workers import overlap_cases
 
 M = dict(model="gpt4", microbatches=2)
-CASES_2 = [Case("overlap-gpt4-dp2", dp=2, **M)]
+CASES_2 = [Case("overlap-gpt4-dp2", dp=2, **M),
+           CCase("overlap-gpt4-dp2-zero2", dp=2, zero=2, **M)]
 CASES_4 = [Case("overlap-gpt4-pp2xdp2-1f1b", pp=2, dp=2, **M),
-           Case("overlap-gpt4-pp2xdp2-zb-v", pp=2, dp=2, schedule="zb-v", virtual_stages=2, **M)]
+           Case("overlap-gpt4-pp2xdp2-zb-v", pp=2, dp=2, schedule="zb-v", virtual_stages=2, **M),
+           CCase("overlap-gpt4-pp2xdp2-zero1", pp=2, dp=2, zero=1, **M)]
 GROUPS = {("overlap", 2): CASES_2, ("overlap", 4): CASES_4}
 _GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
 CASES = [pytest.param(c, id=c.name) for c in CASES_2 + CASES_4]
