@@ -39,7 +39,7 @@ def chunk_rows(compiled) -> list[dict]:
 def _local_numel(program, plan, name: str) -> int:
     n = program.params[name].numel
     if name in plan.ep_shards:
-        return n // plan.mesh.ep
+        n //= plan.mesh.ep
     return n // plan.mesh.tp if name in plan.tp_shards else n
 
 

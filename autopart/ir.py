@@ -112,6 +112,7 @@ class TensorParallelPlan:
     # per-head norm's weight); read through copy_to_tp, whose backward sums the shares over tp
     partial_grads: set = field(default_factory=set)
     skipped: list = field(default_factory=list)     # (linear, reason) left replicated
+    expert_matmuls: frozenset = frozenset()         # expert matmuls taken as linears (ETP)
 
 
 @dataclass(frozen=True)

@@ -178,8 +178,8 @@ def group_of(name: str) -> str:
 
 
 def local_view(pm, rank: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """name, plain tensor -> the part of it `rank` holds (its tensor-parallel shard, or its
-    experts: rows ep_rank*E/ep .. of dim 0, ep_rank = dp index mod ep)."""
+    """name, plain tensor -> the part of it `rank` holds (its tensor-parallel shard, its
+    experts: rows ep_rank*E/ep .. of dim 0, ep_rank = dp index mod ep, or both)."""
     from autopart.localize import shard_tensor
     shards, tp = pm.compiled.plan.tp_shards, pm.mesh.tp
     experts, ep = pm.compiled.plan.ep_shards, pm.mesh.ep
@@ -187,8 +187,8 @@ def local_view(pm, rank: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
     ep_rank = pm.mesh.coords(rank)["dp"] % ep
 
     def view(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name in experts:
-            return tensor.chunk(ep, dim=0)[ep_rank]
+        if name in experts:     # experts first, then each expert's tp shard (localize's order)
+            tensor = tensor.chunk(ep, dim=0)[ep_rank]
         if name not in shards:
             return tensor
         return shard_tensor(tensor, shards[name].dim, shards[name].sections, tp, tp_rank)

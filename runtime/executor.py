@@ -499,6 +499,17 @@ _EXECUTABLE: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKey
 _COMM_BEFORE_LINEAR = ("copy_to_tp", "gather_linear_sp")
 
 
+def _cast_before(node: fx.Node) -> bool:
+    """Whether, under bf16, `node`'s input is cast before it (see _COMM_BEFORE_LINEAR): not
+    when a custom op reads it (Hugging Face's grouped matmul of an expert split over tp):
+    autocast leaves custom ops alone, so it would meet a bf16 input and fp32 weights."""
+    name = getattr(node.target, "__name__", "")
+    if name not in _COMM_BEFORE_LINEAR or not is_autopart_op(node.target, axis="tp"):
+        return False
+    return not any(isinstance(u.target, torch._ops.OpOverload) and u.target.namespace != "aten"
+                   for u in node.users)
+
+
 def _cast_floating(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
 
@@ -548,8 +559,7 @@ def _fast_copy(gm: fx.GraphModule, owner: fx.GraphModule,
                     setattr(root, flat, value)      # a submodule (higher-order op body)
             env[node] = graph.get_attr(flat)
         else:
-            if autocast is not None and getattr(node.target, "__name__", "") in _COMM_BEFORE_LINEAR \
-                    and is_autopart_op(node.target, axis="tp"):
+            if autocast is not None and _cast_before(node):
                 # autocast would cast x to bf16 inside the linear, after the op: the op's
                 # collectives (copy_to_tp's backward all-reduce, the sequence-parallel gathers)
                 # would move fp32. Cast before it, to the value the linear reads anyway.

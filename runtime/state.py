@@ -130,17 +130,20 @@ class StateGatherer:
     def _pieces(self) -> dict[str, dict[tuple, tuple]]:
         """name -> {(ep index, tp index): (global rank, shape, dtype)}: the rank sending each
         piece of each tensor (the lowest holding it), the same on every rank (metadata only)."""
-        mesh, plan = self.plan.mesh, self.plan
         mine = {n: (tuple(t.shape), t.dtype) for n, t in self._held().items()}
-        every: list = [None] * mesh.world_size
+        every: list = [None] * self.plan.mesh.world_size
         dist.all_gather_object(every, mine, group=self.groups.world)
         out: dict = {}
         for rank, part in enumerate(every):
             for name, meta in part.items():
-                at = (mesh.ep_rank(rank) if name in plan.ep_shards else 0,
-                      mesh.coords(rank)["tp"] if name in plan.tp_shards else 0)
-                out.setdefault(name, {}).setdefault(at, (rank, *meta))
+                out.setdefault(name, {}).setdefault(self._piece_at(name, rank), (rank, *meta))
         return out
+
+    def _piece_at(self, name: str, rank: int) -> tuple[int, int]:
+        """(ep index, tp index) of the piece of `name` that global rank `rank` holds."""
+        mesh, plan = self.plan.mesh, self.plan
+        return (mesh.ep_rank(rank) if name in plan.ep_shards else 0,
+                mesh.coords(rank)["tp"] if name in plan.tp_shards else 0)
 
     def _key_names(self, pieces: dict) -> dict[str, str | None]:
         """State dict key -> canonical name of the tensor gathered for it (None: extra state),
@@ -181,22 +184,11 @@ class StateGatherer:
 
     def assemble(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every rank's part (in global rank order) -> the plain model's state dict."""
-        mesh, plan = self.plan.mesh, self.plan
-        full, shards, expert_parts = {}, {}, {}
+        pieces: dict = {}       # name -> {(ep index, tp index): tensor}, as _pieces keys them
         for rank, part in enumerate(parts):
             for name, tensor in part.items():
-                if name in plan.ep_shards:
-                    expert_parts.setdefault(name, {})[mesh.ep_rank(rank)] = tensor
-                elif name in plan.tp_shards:
-                    shards.setdefault(name, {})[mesh.coords(rank)["tp"]] = tensor
-                else:
-                    full[name] = tensor
-        for name, by_rank in shards.items():      # tensor-parallel shards, reassembled
-            spec = plan.tp_shards[name]
-            full[name] = unshard_tensor([by_rank[t] for t in range(mesh.tp)], spec.dim,
-                                        spec.sections)
-        for name, by_rank in expert_parts.items():     # expert shards, dim 0 in ep-rank order
-            full[name] = torch.cat([by_rank[e] for e in range(mesh.ep)], dim=0)
+                pieces.setdefault(name, {})[self._piece_at(name, rank)] = tensor
+        full = {name: self._join(name, by_at) for name, by_at in pieces.items()}
         out = {}
         for info in list(self.program.params.values()) + list(self.program.buffers.values()):
             for key in (info.name, *info.aliases):

@@ -59,9 +59,10 @@ def allowed(values: dict) -> bool:
 def refusal(values: dict) -> tuple[str, ...]:
     """What parallelize's error must say for an allowed combination autopart refuses (empty:
     it must train like the plain model)."""
-    if values["model"] == "hf-mixtral" and values["tp"] != "1" and values["ep"] == 1:
-        # tp splits linears; stacked experts are grouped matmuls, divided only by ep
-        return ("tensor parallelism (tp=2) does not split the experts", "ep=2")
+    if values["model"] == "hf-mixtral" and values["tp"] == "2+sp" and values["ep"] == 1:
+        # tp splits each expert (expert tensor parallelism), but not under sequence
+        # parallelism; with ep the experts are sharded over ep and stay whole over tp
+        return ("leaves the experts", "sequence parallelism", "drop sequence_parallel", "ep=2")
     return ()
 
 

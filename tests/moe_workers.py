@@ -279,3 +279,44 @@ def ep_cases(rank: int, world: int, cases: list) -> list[dict]:
     torch.manual_seed(0)
     cache: dict = {}
     return [run_case(rank, world, case, cache) for case in cases]
+
+
+# -- expert tensor parallelism (tests/test_expert_tensor_parallel.py) ---------------------------
+
+WITHOUT_EXPERT_REDUCE = "-no-expert-all-reduce"
+
+
+def etp_cases(rank: int, world: int, cases: list) -> list[dict]:
+    """Rank function: tests._workers.run_cases with the families registered (qwen3-moe); a case
+    named ...-no-expert-all-reduce compiles with the all-reduce after each row-parallel expert
+    matmul left out, so each tp rank combines only its partial expert output: it must differ
+    from the plain model, or the equality of the other cases would prove nothing."""
+    from tests import _workers, family_workers  # noqa: F401  (registers the families)
+    normal = [c for c in cases if not c.name.endswith(WITHOUT_EXPERT_REDUCE)]
+    out = _workers.run_cases(rank, world, normal)
+    broken = [c for c in cases if c.name.endswith(WITHOUT_EXPERT_REDUCE)]
+    if broken:
+        with _expert_reduce_left_out():
+            out += _workers.run_cases(rank, world, broken)
+    return out
+
+
+class _expert_reduce_left_out:
+    """split_tensor_parallel's rewrite, for the duration, keeps the partial sums of expert
+    matmuls (a weight stacked over experts, 3-D) instead of all-reducing them over tp."""
+
+    def __enter__(self):
+        import importlib
+        from autopart.placement import ndim
+        rewrite = importlib.import_module("autopart.passes.split_tensor_parallel.rewrite")
+        self.module, self.reduce = rewrite, rewrite._reduce
+
+        def reduce(g, partial, comm, seq_dim, like):
+            if len(like.args) > 1 and ndim(like.args[1]) == 3:
+                return partial
+            return self.reduce(g, partial, comm, seq_dim, like)
+        rewrite._reduce = reduce
+        return self
+
+    def __exit__(self, *exc):
+        self.module._reduce = self.reduce

@@ -12,6 +12,7 @@ from autopart.placement import shape_of
 
 aten = torch.ops.aten
 
+from .expert_linears import moe_matmuls
 from .find import find_linears
 
 
@@ -26,7 +27,7 @@ def check_heads(program, plan, tp) -> None:
                 raise node_error(n, f"{heads} attention heads do not divide by tp={tp}",
                                  f"use tp in {ok}")
     nodes = {n.name: n for n in gm.graph.nodes}
-    linears = find_linears(gm, program.params)
+    linears = find_linears(gm, program.params, plan.expert_matmuls)
     size = {name: program.params[u.weight].numel for name, u in linears.items()}
     largest = max(size.values(), default=0)
     for name, reason in plan.skipped:
@@ -45,12 +46,12 @@ def check_share(program, plan, tp) -> None:
     total = sum(p.numel for p in program.params.values())
     ep_plan = program.ep       # experts sharded over ep (shard_experts ran)
     experts, ep = (ep_plan.params, ep_plan.ep) if ep_plan is not None else ({}, 1)
-    local = sum(p.numel // tp if name in plan.params else p.numel // ep if name in experts
-                else p.numel for name, p in program.params.items())
+    local = sum(p.numel // (tp if name in plan.params else 1) // (ep if name in experts else 1)
+                for name, p in program.params.items())
     if total and local / total > 1.5 / tp:
         _check_experts_replicated(program, plan, experts, local / total, tp)
         nodes = {n.name: n for n in program.gm.graph.nodes}
-        linears = find_linears(program.gm, program.params)
+        linears = find_linears(program.gm, program.params, plan.expert_matmuls)
         worst = max(plan.skipped, key=lambda s: program.params[linears[s[0]].weight].numel,
                     default=None)
         share = (f"tensor parallelism leaves each rank {local / total:.0%} of the parameters, "
@@ -79,8 +80,9 @@ def _no_linear_found(program, plan, share: str) -> None:
 
 def _check_experts_replicated(program, plan, experts: dict, share: float, tp: int) -> None:
     """Most of what stays whole is a mixture-of-experts layer's stacked experts, which tensor
-    parallelism does not split (their matmuls are grouped per expert, not linears): say so,
-    and that the expert-parallel axis is what divides them."""
+    parallelism could not split (sequence parallelism, or an expert computation without a
+    tensor-parallel rule) and no ep axis divides: say which expert matmul, why, and the
+    meshes that do divide them."""
     from ..shard_experts.find import find_moe_layers
     whole = {n: p.numel for n, p in program.params.items()
              if n not in plan.params and n not in experts}
@@ -89,19 +91,36 @@ def _check_experts_replicated(program, plan, experts: dict, share: float, tp: in
     if not moe or 2 * mass < sum(whole.values()):
         return
     total = sum(p.numel for p in program.params.values())
-    raise AutopartError(
-        f"tensor parallelism (tp={tp}) does not split the experts of the mixture-of-experts "
-        f"layers ({moe[0]} and {len(moe) - 1} more: {mass / total:.0%} of the parameters), so "
-        f"each rank would hold {share:.0%} of the parameters, more than 1.5/tp = {1.5 / tp:.0%}."
-        "\n  remedy: shard the experts over an expert-parallel axis too, e.g. "
-        f"Mesh(tp={tp}, dp=2, ep=2) (ep divides dp and the expert count), or use pipeline "
-        "parallelism instead of tp for this model")
+    node, why = _expert_blocker(program, plan)
+    raise node_error(node, f"tensor parallelism (tp={tp}) leaves the experts of the "
+                     f"mixture-of-experts layers whole ({moe[0]} and {len(moe) - 1} more: "
+                     f"{mass / total:.0%} of the parameters): {why}; each rank would hold "
+                     f"{share:.0%} of the parameters, more than 1.5/tp = {1.5 / tp:.0%}",
+                     ("drop sequence_parallel (experts are then split over tp), or " if
+                      plan.sequence_parallel else "") + "shard the experts over an "
+                     f"expert-parallel axis too, e.g. Mesh(tp={tp}, dp=2, ep=2) (ep divides dp "
+                     "and the expert count), or use pipeline parallelism instead of tp")
+
+
+def _expert_blocker(program, plan):
+    """(the expert matmul left whole, why): the region search's reason, or sequence parallelism
+    (under which expert tensor parallelism is not done)."""
+    nodes = {n.name: n for n in program.gm.graph.nodes}
+    for name, reason in plan.skipped:
+        if name in plan.expert_matmuls:
+            return nodes[name], f"the expert matmul {name} stays whole ({reason})"
+    matmuls = moe_matmuls(program)
+    first = next((n for n in program.gm.graph.nodes if n.name in matmuls), None)
+    if plan.sequence_parallel:
+        return first, ("expert tensor parallelism is not done under sequence parallelism "
+                       "(sequence_parallel=True with experts and no ep axis)")
+    return first, "no tensor-parallel split of the expert computation was found"
 
 
 def _warn_replicated(program, plan, total: int) -> None:
     """One warning for all linears left replicated, grouped by the op that stopped each split,
     with its source line and the share of the model every rank holds whole because of it."""
-    linears = find_linears(program.gm, program.params)
+    linears = find_linears(program.gm, program.params, plan.expert_matmuls)
     nodes = {n.name: n for n in program.gm.graph.nodes}
     groups: dict = {}
     for name, reason in plan.skipped:

@@ -12,27 +12,36 @@ import torch.fx as fx
 from autopart.ir import SEQ, ParamShard, Program, TensorParallelPlan, sym_shape
 from autopart.placement import (NoRule, Need, P, R, Shard, SplitOnShard, carry, ndim, shape_of)
 
+from .expert_linears import expert_matmul, moe_matmuls, weight_users
+
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class LinearUse:
-    """A linear-like node: activation x times a 2-D parameter weight (+ bias)."""
+    """A linear-like node: activation x times a 2-D parameter weight (+ bias), or an expert
+    matmul: routed tokens times a weight stacked over experts [E, a, b] (expert_linears.py)."""
     node: str
     x: str
     weight: str                 # parameter name
     out_dim: int                # weight dim of the output features (0 for linear, 1 for addmm)
     bias: str | None
+    contracted: int | None = None   # weight dim contracted, when not 1 - out_dim (experts)
 
     @property
     def in_dim(self) -> int:
-        return 1 - self.out_dim
+        return 1 - self.out_dim if self.contracted is None else self.contracted
 
 
-def find_linears(gm: fx.GraphModule, params) -> dict[str, LinearUse]:
+def find_linears(gm: fx.GraphModule, params, experts=frozenset()) -> dict[str, LinearUse]:
+    """Linear-like nodes by name, and the expert matmuls named in `experts` (moe_matmuls:
+    split over tp like the dense MLP's linears, expert tensor parallelism)."""
     out = {}
     for n in gm.graph.nodes:
         use = _linear_use(n, params)
+        if use is None and n.name in experts and (found := expert_matmul(n, params)):
+            x, weight, out_dim, contracted = found
+            use = LinearUse(n.name, x.name, weight, out_dim, None, contracted)
         if use is not None:
             out[n.name] = use
     return out
@@ -86,14 +95,13 @@ def decide(program: Program, tp: int, sequence_parallel: bool) -> TensorParallel
     by_index = list(gm.graph.nodes)
     nodes = {n.name: n for n in by_index}
     order = {n.name: i for i, n in enumerate(by_index)}
-    linears = find_linears(gm, program.params)
-    weight_users: dict = {}
-    for n in by_index:
-        if n.op == "get_attr":
-            weight_users.setdefault(n.target, []).extend(n.users)
-    ctx = _Context(nodes, order, by_index, linears, param_dependent(gm, program.params),
-                   weight_users, tp)
     plan = TensorParallelPlan(tp, sequence_parallel)
+    # experts split over tp too, except under sequence parallelism (check_share refuses it
+    # unless ep shards them)
+    plan.expert_matmuls = frozenset() if sequence_parallel else moe_matmuls(program)
+    linears = find_linears(gm, program.params, plan.expert_matmuls)
+    ctx = _Context(nodes, order, by_index, linears, param_dependent(gm, program.params),
+                   weight_users(gm, program.params), tp)
     committed: dict = {}
     for name in sorted(linears, key=order.get):
         if name in plan.column or name in plan.row:

@@ -127,10 +127,14 @@ def _row(g, node, mapped, comm, seq_dim) -> fx.Node:
     if node.target is aten.addmm.default:
         bias, x, w = node.args[:3]
         partial = _call(g, aten.mm.default, (mapped(x), mapped(w)), node, P, node.name)
-    else:
+    elif node.target is aten.linear.default:
         x, w = node.args[:2]
         bias = node.args[2] if len(node.args) > 2 else None
         partial = _call(g, node.target, (mapped(x), mapped(w)), node, P, node.name)
+    else:       # mm, matmul, an expert matmul (a grouped one keeps its row offsets): no bias
+        bias = None
+        partial = _call(g, node.target, fx.map_arg(node.args, mapped), node, P, node.name)
+        partial.kwargs = fx.map_arg(node.kwargs, mapped)
     reduced = _reduce(g, partial, comm, seq_dim, node)
     if isinstance(bias, fx.Node):    # added once, after the reduction
         reduced = _call(g, aten.add.Tensor, (reduced, mapped(bias)), node, reduced.meta[META_TP])

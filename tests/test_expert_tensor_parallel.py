@@ -1,0 +1,136 @@
+"""Expert tensor parallelism on real ranks equals the plain model: with tp > 1 each expert is
+split like a dense MLP (first expert matmul column-parallel, second row-parallel, an all-reduce
+over tp before the combine), every tp rank holding all experts (no ep) or its ep share of them.
+examples/switch.py (stacked experts, bmm) and unmodified Hugging Face Mixtral / Qwen3-MoE (grouped
+matmuls of sorted rows, fused gate|up): every step's loss, the first step's gradients, the
+clipped norm and every parameter after 3 SGD steps, fp32 (tests/_workers.equivalence).
+
+Fast tier: python -m pytest -m "not full" tests/test_expert_tensor_parallel.py
+Full matrix: python -m pytest tests/test_expert_tensor_parallel.py
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import autopart
+from tests._workers import SWITCH_SPECS, Case, assert_all_ranks_equal_plain, build, run_group
+from tests.moe_workers import WITHOUT_EXPERT_REDUCE, etp_cases
+
+FAST_2 = [
+    Case("switch-tp2", model="switch", tp=2),
+    Case("mixtral-tp2", model="mixtral", tp=2, batch=4),
+    # the same, the expert all-reduce left out: must differ (see test_expert_all_reduce_...)
+    Case("switch-tp2" + WITHOUT_EXPERT_REDUCE, model="switch", tp=2, steps=1, clip=None),
+]
+FULL_4 = [
+    Case("switch-tp2xdp2xep2", model="switch", tp=2, dp=2, ep=2, microbatches=2),
+    Case("mixtral-tp2xdp2xep2", model="mixtral", tp=2, dp=2, ep=2, microbatches=2, batch=4),
+    Case("switch-tp2xpp2", model="switch", tp=2, pp=2, microbatches=2),
+    Case("qwen3-moe-tp2xpp2", model="qwen3-moe", tp=2, pp=2, microbatches=2),
+]
+FULL_2 = [Case("qwen3-moe-tp2", model="qwen3-moe", tp=2)]
+GROUPS = {("etp-fast", 2): FAST_2, ("etp-full", 4): FULL_4, ("etp-full", 2): FULL_2}
+_GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
+EQUAL = [c for c in FAST_2 + FULL_4 + FULL_2 if not c.name.endswith(WITHOUT_EXPERT_REDUCE)]
+CASES = [pytest.param(c, id=c.name, marks=[] if c in FAST_2 else [pytest.mark.full])
+         for c in EQUAL]
+
+
+def _results(case, spawn_cache) -> list[dict]:
+    key = _GROUP_OF[case.name]
+    return run_group(spawn_cache, key, GROUPS[key], rank_fn=etp_cases)[case.name]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_plain_model(case: Case, spawn_cache):
+    assert_all_ranks_equal_plain(case, _results(case, spawn_cache))
+
+
+def _expert_numels(case: Case) -> dict[str, int]:
+    """The plain model's expert weights (stacked over experts: 3-D) and their sizes."""
+    from tests import family_workers  # noqa: F401  (registers qwen3-moe)
+    model = build(case)[0]
+    return {n: p.numel() for n, p in model.named_parameters() if p.dim() == 3}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_rank_holds_its_share_of_every_expert(case: Case, spawn_cache):
+    """Each rank really holds 1/(tp * ep) of every expert weight: at tp=2 without ep, half of
+    each expert (all experts), at tp=2 x ep=2 a quarter (half the experts, each halved)."""
+    experts = _expert_numels(case)
+    assert experts, case.name
+    for r in _results(case, spawn_cache):
+        held = {n: v for n, v in r["held"].items() if n in experts}
+        assert set(held) <= set(experts) and held, (case.name, r["rank"], sorted(r["held"]))
+        for name, numel in held.items():
+            assert numel * case.tp * case.ep == experts[name], (case.name, r["rank"], name, numel)
+            assert name in r["tp_sharded"], (case.name, name)
+
+
+def test_expert_all_reduce_is_needed(spawn_cache):
+    """Without the all-reduce after the row-parallel expert matmul each tp rank combines only
+    its partial sum of every expert's output: the loss differs from the plain model (so the
+    equalities above test the expert split, not a model whose experts do not matter)."""
+    case = next(c for c in FAST_2 if c.name.endswith(WITHOUT_EXPERT_REDUCE))
+    ranks = _results(case, spawn_cache)
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        assert any("step 1 loss" in p for p in r["problems"]), r["problems"]
+
+
+# -- compile time, one process --------------------------------------------------------------------
+
+def _switch():
+    torch.manual_seed(0)
+    from examples.switch import SwitchGPT, config
+    model = SwitchGPT(config(SWITCH_SPECS["switch"]))
+    x = torch.zeros(8, 16, dtype=torch.long)
+    return model, (x, x.clone())
+
+
+def test_switch_experts_split_column_then_row_with_one_all_reduce_each():
+    """tp=2, no ep: each MoE layer's first expert weight [E, C, F] is split along F (its
+    output features), the second [E, F, C] along F (contracted), and one all-reduce over tp
+    follows each second expert matmul, before the combine."""
+    model, inputs = _switch()
+    c = autopart.compile(model, autopart.Mesh(tp=2), inputs)
+    shards = c.plan.tp_shards
+    for layer in (1, 3):
+        assert shards[f"transformer.h.{layer}.mlp.c_fc"].dim == 2
+        assert shards[f"transformer.h.{layer}.mlp.c_proj"].dim == 1
+    gm = c.program.gm
+    rows = [n for n in gm.graph.nodes if n.target is torch.ops.aten.bmm.default
+            and n.args[1].op == "get_attr" and n.args[1].target.endswith("c_proj")]
+    assert len(rows) == 2
+    for n in rows:
+        assert [u.target.__name__ for u in n.users] == ["reduce_from_tp"], n.users
+    held = c.programs[0].parameters()
+    assert tuple(held["transformer.h.1.mlp.c_fc"].shape) == (4, 32, 32)
+    assert tuple(held["transformer.h.1.mlp.c_proj"].shape) == (4, 32, 32)
+
+
+def test_sequence_parallel_with_experts_and_no_ep_is_refused():
+    """Expert tensor parallelism is not done under sequence parallelism: refused, naming the
+    experts, sequence parallelism and the meshes that work."""
+    model, inputs = _switch()
+    with pytest.raises(autopart.AutopartError) as e:
+        autopart.compile(model, autopart.Mesh(tp=2), inputs, sequence_parallel=True)
+    text = str(e.value)
+    assert "experts" in text and "sequence parallelism" in text, text
+    assert "drop sequence_parallel" in text and "Mesh(tp=2, dp=2, ep=2)" in text, text
+    assert "node:" in text, text
+
+
+def test_sequence_parallel_with_ep_keeps_experts_whole_over_tp():
+    """With ep, sequence parallelism still compiles: ep shards the experts, each stays whole
+    over tp (as before expert tensor parallelism)."""
+    model, inputs = _switch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = autopart.compile(model, autopart.Mesh(tp=2, dp=2, ep=2), inputs, microbatches=2,
+                             sequence_parallel=True)
+    assert "transformer.h.1.mlp.c_fc" in c.plan.ep_shards
+    assert "transformer.h.1.mlp.c_fc" not in c.plan.tp_shards
