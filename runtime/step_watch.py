@@ -81,6 +81,7 @@ class StepWatch:
         self.ctx = None                  # its StepContext, once the driver made it
         self.last = clock()              # when the step last made progress
         self.report: str | None = None   # the monitor's, once it fired in this step
+        self.aborted = False             # the monitor aborted the process groups (NCCL)
         self._thread: threading.Thread | None = None
 
     # -- the main thread ------------------------------------------------------------------------
@@ -89,6 +90,7 @@ class StepWatch:
         """Around one train_step: an error from a transfer or collective becomes a PeerFailure
         naming what this rank waited for and what the other ranks reported."""
         self.step, self.ctx, self.report, self.last = step, None, None, self.clock()
+        self.aborted = False
         self.action = None
         self._start()
         try:
@@ -101,7 +103,11 @@ class StepWatch:
             raise PeerFailure(self.report or self.describe(e)) from e
         finally:
             self.step = None
-        if self.report is not None:      # the monitor fired; the blocked sync returned after all
+        if self.report is not None and self.aborted:
+            # the monitor aborted the groups (NCCL) and the blocked sync returned after all: the
+            # step's transfers cannot be trusted. Without an abort (Gloo) the wait that stalled
+            # ended well (a peer compiling its first microbatch for longer than 3/4 of the
+            # timeout, say): the step stands, its report was printed.
             raise PeerFailure(self.report)
 
     def begin(self, action) -> None:
@@ -190,6 +196,7 @@ class StepWatch:
             self.last = self.clock()     # once per STALL, and leave the rank alone
             return True
         if self.abort is not None:       # NCCL: nothing else would end the blocked sync in time
+            self.aborted = True
             self.abort()
             time.sleep(min(self.timeout_s * GRACE, 30.0))
             if self.step == step:

@@ -140,3 +140,18 @@ def test_a_rank_busy_in_its_own_compute_is_reported_not_ended():
     assert "rank 0 was running 0F0 at step 1: no progress for 8.0 s" in err.getvalue()
     clock.now = 12.0
     assert not watch.check_stall()          # reported again only after another 3/4 timeout
+
+
+def test_a_wait_that_stalled_and_then_ended_well_keeps_the_step_on_gloo():
+    """A rank waiting past 3/4 of the timeout for a peer that was compiling (Gloo: nothing is
+    aborted): the report is printed, and when the transfer arrives the step stands (it raised
+    after the step before, so a slow Inductor compile on one rank failed its peers' step)."""
+    clock, err = Clock(), io.StringIO()
+    watch = StepWatch(2, 4, 10.0, clock=clock, err=err)
+    with watch.watching(1):
+        watch.ctx = SimpleNamespace(batches=[batch([Work(completed=False)],
+                                                   ["was waiting for 1RECV_F0 from rank 0"])])
+        clock.now = 8.0
+        assert watch.check_stall()
+        assert "rank 2 was waiting for 1RECV_F0 from rank 0 at step 1" in err.getvalue()
+        watch.progress()                  # the transfer arrived, the step goes on to its end

@@ -28,7 +28,7 @@ AXES: dict[str, tuple] = {
     "dp":         (1, 2),
     "ep":         (1, 2),                        # experts over ep of the dp ranks (moe only)
     "recompute":  ("none", "selective", "full"),
-    "zero":       (0, 1),
+    "zero":       (0, 1, 2),
     "precision":  ("fp32", "bf16"),
     "compile":    (False, True),                 # the chunks through Inductor
     "embeddings": ("tied", "untied"),
@@ -45,7 +45,7 @@ def allowed(values: dict) -> bool:
     get = values.get
     if get("ep") == 2 and (get("model") not in (None, "hf-mixtral") or get("dp") == 1):
         return False
-    if get("zero") == 1 and get("dp") == 1:          # ZeRO shards over data-parallel replicas
+    if get("zero") in (1, 2) and get("dp") == 1:     # ZeRO shards over data-parallel replicas
         return False
     tp = 2 if get("tp") in ("2", "2+sp") else 1
     world = PP * tp * (get("dp") or 1)
