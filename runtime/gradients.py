@@ -9,7 +9,7 @@ Reductions, in order:
   expert             an expert's gradient already holds every token of its ep group: sum over
                      the dp/ep ranks holding the same experts only
 
-Overlap with the backward (zero=0): a gradient whose only reduction is the data-parallel or the
+Overlap with the backward: a gradient whose only reduction is the data-parallel or the
 expert sum goes into a bucket of about `bucket_bytes` (25 MiB, DDP's bucket_cap_mb), filled in
 the order the backward finishes the gradients, and each bucket's all-reduce is posted
 (async_op) as soon as all its gradients are final for the step: after the last backward action
@@ -20,9 +20,11 @@ the executor accumulates (split programs, W by autograd.grad) the bucket is mark
 action. Buckets are posted in one fixed order, the same on every replica. The executor waits on
 every bucket at the end of its action list (StepBuckets.finish); `reduce` then does the rest as
 before: the sequence-parallel and tied sums, and the data-parallel sum of those gradients (a
-sum over tp or pp first, so that they add up in the same order as without overlap). zero=1
-reduce-scatters everything after the backward: its buckets are ranges of every replica's slice
-of the flat order, which the backward does not finish in any order (runtime/optimizer.py).
+sum over tp or pp first, so that they add up in the same order as without overlap). zero=1 and
+zero=2 reduce-scatter instead, in buckets that are ranges of the replicas' slices
+(runtime/sharding.py, runtime/buckets.py): zero=1 once per step as above, zero=2 after every
+backward action of the bucket's chunk; the ranges the step's buckets did not cover (parameters
+summed over tp or pp first) are reduce-scattered by `reduce`.
 
 `all_reduce` is injectable so the reducer is tested without processes.
 """
@@ -160,7 +162,7 @@ class GradientReducer:
 
     def _lay_out_shards(self, actions, final: dict) -> BucketLayout:
         """zero=1, 2: a bucket per range of each ShardLayout's early part (the parameters whose
-        only reduction is their replicas' sum, runtime/parallel_model.py `zero_layouts`).
+        only reduction is their replicas' sum, laid out first by `shard`).
         zero=1 posts a bucket once its parameters are final for the step; zero=2 after every
         backward action of its chunk (`window_after`)."""
         layout, by_chunk = BucketLayout(), {}

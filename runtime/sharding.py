@@ -19,6 +19,7 @@ per parameter, runtime/checkpoint/zero_state.py) do not depend on either.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 
 import torch
@@ -56,10 +57,14 @@ class ShardLayout:
     def pieces(self, a: int, b: int):
         """(i, first, last, at) for each parameter i with slice elements in [a, b): elements
         [first, last) of its chunk are [a + at, a + at + last - first) of the slice."""
-        for i in range(len(self.params)):
+        # from the parameter holding slice element a (a bisect, not a scan: read and write call
+        # this once per replica for every bucket, each microbatch under zero=2)
+        i = max(0, bisect.bisect_right(self.offsets, a) - 1)
+        while i < len(self.params) and self.offsets[i] < b:
             lo, hi = max(a, self.offsets[i]), min(b, self.offsets[i + 1])
             if lo < hi:
                 yield i, lo - self.offsets[i], hi - self.offsets[i], lo - a
+            i += 1
 
     def read(self, tensors, k: int, a: int, out: torch.Tensor) -> torch.Tensor:
         """Fill `out` with elements [a, a + len(out)) of replica k's slice of `tensors` (one per
