@@ -133,6 +133,15 @@ def test_cli_json_one_layout():
     assert all(r["rejected_because"] is None for r in data["layouts"] if r["fits"])
 
 
+def test_cli_zero_fixes_the_level():
+    out = _cli("plan", "examples/gpt.py:GPT", "--config", "megatron-1t", "--gpus", "3072", "--batch", "3072",
+               "--cluster", "a100-80gb-selene", "--mesh", "tp=8,pp=64,dp=6", "--zero", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["best"]["zero"] == 2 and {r["zero"] for r in data["layouts"]} == {2}
+    assert data["zero_choice"].startswith("zero=2 (")
+
+
 @pytest.mark.parametrize("args, message", [
     (("--cluster", "tpu-v9"), "unknown cluster 'tpu-v9'"),
     (("--mesh", "tp=8,pp=64,dp=5"), "does not equal --gpus 3072"),
