@@ -1,0 +1,402 @@
+"""Context-parallel attention as differentiable graph ops (ring attention and its all-gather form).
+
+Each op takes a `CPComm`, a small module every context-parallel program holds as `self.cp_comm`;
+the runtime binds it to this rank's context-parallel process group. Nothing here is global.
+
+Causal load balancing: a sequence of S positions is cut into 2*cp chunks of S/(2*cp), and rank i
+holds chunks i and 2*cp-1-i, concatenated in that order along the sequence dimension. Under a
+causal mask an early chunk attends to few keys and a late one to many; pairing them gives every
+rank the same work. `load_balanced_indices`, `shard_sequence` and `unshard_sequence` give that
+layout (pure tensor functions, no communication).
+
+    ring_attention          q, k, v of this rank's chunks, (batch, heads, local_seq, head_dim);
+                            K/V travel around the ring peer to peer, one hop per step, while each
+                            rank attends its queries to the block it holds; the partial results
+                            are merged with their log-sum-exp. Backward by the same ring, the
+                            dK/dV sums travelling with the K/V until they reach their owner.
+    allgather_kv_attention  K/V all-gathered (in global order), local queries against the whole
+                            sequence; backward reduce-scatters dK/dV to their owners.
+
+Both take k, v with fewer heads than q (GQA/MQA: head h of q reads kv head h // (heads/kv_heads),
+as SDPA's enable_gqa), compute scores and softmax in fp32 (fp64 for fp64 inputs), and return the
+output in the inputs' dtype. Not supported (refused): attention masks other than causal, dropout,
+a sequence not divisible by 2*cp.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopart.ops.comm import GroupComm
+from autopart.ops.registry import register
+from autopart.ops.tp import _all_gather, _reduce_scatter
+
+
+class CPComm(GroupComm):
+    """This program's context-parallel group: size, this rank's index in it, the process group."""
+
+    axis = "context-parallel"
+    unbound_ok_when_alone = True   # one rank holds the whole sequence: nothing to exchange
+
+
+# -- the load-balanced layout -------------------------------------------------------------------
+
+def _chunk_len(seq_len: int, cp: int) -> int:
+    if cp < 1 or seq_len <= 0 or seq_len % (2 * cp):
+        raise ValueError(f"context parallelism cuts the sequence into 2*cp = {2 * cp} equal "
+                         f"chunks (causal load balancing): a sequence of {seq_len} positions "
+                         f"is not divisible by {2 * cp}; pad it to a multiple of {2 * cp}")
+    return seq_len // (2 * cp)
+
+
+def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
+    """The global chunk indices rank `rank` holds, in its local order."""
+    return rank, 2 * cp - 1 - rank
+
+
+def _check_rank(rank: int, cp: int) -> None:
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank {rank} is not in a context-parallel group of {cp}")
+
+
+def load_balanced_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions rank `rank` of `cp` holds, in its local order."""
+    c = _chunk_len(seq_len, cp)
+    _check_rank(rank, cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in _chunk_ids(rank, cp)])
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s part of `x` (the whole sequence along `dim`): chunks rank and 2*cp-1-rank."""
+    c = _chunk_len(x.shape[dim], cp)
+    _check_rank(rank, cp)
+    return torch.cat([x.narrow(dim, i * c, c) for i in _chunk_ids(rank, cp)], dim)
+
+
+def unshard_sequence(chunks_list, dim: int, cp: int) -> torch.Tensor:
+    """The whole sequence from every rank's part (`chunks_list[r]` from rank r), in global order."""
+    if len(chunks_list) != cp:
+        raise ValueError(f"unshard_sequence needs the parts of all {cp} ranks, got "
+                         f"{len(chunks_list)}")
+    local = chunks_list[0].shape[dim]
+    if local % 2 or any(t.shape[dim] != local for t in chunks_list):
+        raise ValueError(f"every rank's part holds two equal chunks along dim {dim}: lengths "
+                         f"{[t.shape[dim] for t in chunks_list]}")
+    pieces: list = [None] * (2 * cp)
+    for rank, part in enumerate(chunks_list):
+        for i, piece in zip(_chunk_ids(rank, cp), part.chunk(2, dim)):
+            pieces[i] = piece
+    return torch.cat(pieces, dim)
+
+
+def _rank_major_to_global(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """An all-gathered tensor (rank 0's part, rank 1's, ...) in global sequence order."""
+    return unshard_sequence(list(x.chunk(cp, dim)), dim, cp)
+
+
+def _global_to_rank_major(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """The inverse: what a reduce-scatter needs, rank r's part at block r."""
+    return torch.cat([shard_sequence(x, dim, cp, r) for r in range(cp)], dim)
+
+
+# -- attention of one block of queries against one block of keys -------------------------------
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # scores, softmax and the accumulators in fp32 at least: bf16/fp16 sums lose the tail
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """kv heads repeated for the query heads that read them (SDPA's enable_gqa order)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of the repeated kv heads summed back onto each kv head."""
+    b, h, n, d = g.shape
+    return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, n, d).sum(2)
+
+
+def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        # bottom-right aligned: the last query sees the last key. A diagonal ring block has
+        # lq == lk; all-gather's chunk a has the keys of chunks 0..a, its own last.
+        lq, lk = q.shape[-2], k.shape[-2]
+        hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
+        s = s.masked_fill(hidden, float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, scale: float, causal: bool):
+    """(out, lse) of one block; every query row sees at least one key (lk >= lq when causal)."""
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
+    """(dq, dk, dv) of one block, its probabilities recomputed from the final lse: the block's
+    share of the whole softmax, so the blocks' gradients simply add up (FlashAttention-2)."""
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-2, -1), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
+
+
+def _merge(acc, blk):
+    """Two partial attentions over disjoint keys merged by their log-sum-exp."""
+    if acc is None:
+        return blk
+    (out, lse), (b_out, b_lse) = acc, blk
+    new = torch.logaddexp(lse, b_lse)
+    return (out * torch.exp(lse - new).unsqueeze(-1)
+            + b_out * torch.exp(b_lse - new).unsqueeze(-1)), new
+
+
+def _visibility(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
+    """How a query chunk sees a key chunk, by their global indices: wholly, causally (the
+    diagonal), or not at all (a later chunk under a causal mask: the block is skipped)."""
+    if not causal or k_chunk < q_chunk:
+        return "full"
+    return "causal" if k_chunk == q_chunk else None
+
+
+def _check_inputs(q, k, v, comm, scale) -> float:
+    """The softmax scale; ValueError for what these ops do not support."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("context-parallel attention takes q, k, v of shape (batch, heads, "
+                         f"local_seq, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    b, h, n, d = q.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
+        raise ValueError(f"k and v must match q's batch, local sequence and (k) head_dim: q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if h % k.shape[1]:
+        raise ValueError(f"the kv heads ({k.shape[1]}) must divide the query heads ({h})")
+    _chunk_len(n * comm.size, comm.size)      # this rank's positions are two equal chunks
+    return d ** -0.5 if scale is None else float(scale)
+
+
+# -- the ring -----------------------------------------------------------------------------------
+
+class _Shift:
+    """One hop around the ring: `x` sent to the next rank, the previous rank's received into a
+    new buffer, both posted at once (while this rank computes). The buffer is read only after
+    wait() waited on every work of the batch (NCCL coalesces the batch into one work); the sent
+    tensor is held until then (NCCL reads it whenever its kernel runs)."""
+
+    def __init__(self, x: torch.Tensor, comm: CPComm, tag: int):
+        self.sent = x.contiguous()
+        self.received = torch.empty_like(self.sent)
+        nxt = dist.get_global_rank(comm.group, (comm.rank + 1) % comm.size)
+        prev = dist.get_global_rank(comm.group, (comm.rank - 1) % comm.size)
+        self.works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, self.sent, nxt, comm.group, tag),
+            dist.P2POp(dist.irecv, self.received, prev, comm.group, tag)])
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+_KV_TAG, _GRAD_TAG = 0, 1      # two kinds of hop in flight at once in the backward
+
+
+def _pack(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """k and v (or dk and dv) as one flat buffer: one message per hop instead of two."""
+    return torch.cat([a.reshape(-1), b.reshape(-1)])
+
+
+def _unpack(buf: torch.Tensor, a_shape, b_shape):
+    n = a_shape.numel()
+    return buf[:n].view(a_shape), buf[n:].view(b_shape)
+
+
+def _ring_steps(comm: CPComm) -> int:
+    # shape only: one local step gives every shape (and the saved tensors) the ring would
+    return comm.size if comm.moves_data else 1
+
+
+def _held_kv(kv, k, v, heads: int, dtype):
+    """The K/V block this step holds, heads expanded, cut into its two chunks."""
+    k_s, v_s = _unpack(kv, k.shape, v.shape)
+    return (_expand_heads(k_s.to(dtype), heads).chunk(2, 2),
+            _expand_heads(v_s.to(dtype), heads).chunk(2, 2))
+
+
+def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float):
+    cp, rank, heads = comm.size, comm.rank, q.shape[1]
+    dtype = _compute_dtype(q.dtype)
+    qs = q.to(dtype).chunk(2, 2)
+    state = [None, None]                      # (out, lse) so far, per local query chunk
+    kv = _pack(k, v)
+    steps = _ring_steps(comm)
+    for step in range(steps):
+        # post the next hop first: the transfer runs while this block is computed
+        hop = _Shift(kv, comm, _KV_TAG) if step < steps - 1 else None
+        ks, vs = _held_kv(kv, k, v, heads, dtype)
+        src = (rank - step) % cp               # whose K/V this rank holds at this step
+        for i, qa in enumerate(_chunk_ids(rank, cp)):
+            for j, kb in enumerate(_chunk_ids(src, cp)):
+                seen = _visibility(qa, kb, causal)
+                if seen is not None:
+                    blk = _block_forward(qs[i], ks[j], vs[j], scale, seen == "causal")
+                    state[i] = _merge(state[i], blk)
+        if hop is not None:
+            kv = hop.wait()
+    out = torch.cat([state[0][0], state[1][0]], 2)
+    return out, torch.cat([state[0][1], state[1][1]], 2)
+
+
+def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp, causal, scale):
+    """One step of the backward ring: this step's dq (per local query chunk), and the dk, dv
+    that this rank's queries give the K/V it holds (rank src's)."""
+    dq = []
+    dk = [torch.zeros_like(t) for t in ks]
+    dv = [torch.zeros_like(t) for t in vs]
+    for i, qa in enumerate(_chunk_ids(rank, cp)):
+        dq_i = torch.zeros_like(qs[i])
+        for j, kb in enumerate(_chunk_ids(src, cp)):
+            seen = _visibility(qa, kb, causal)
+            if seen is not None:
+                g = _block_backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i], scale,
+                                    seen == "causal")
+                dq_i, dk[j], dv[j] = dq_i + g[0], dk[j] + g[1], dv[j] + g[2]
+        dq.append(dq_i)
+    return dq, torch.cat(dk, 2), torch.cat(dv, 2)
+
+
+def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: float):
+    cp, rank, heads = comm.size, comm.rank, q.shape[1]
+    dtype = _compute_dtype(q.dtype)
+    dout = dout.to(dtype)
+    delta = (dout * out.to(dtype)).sum(-1)     # rowsum(dO * O): softmax's backward term
+    qs, dos = q.to(dtype).chunk(2, 2), dout.chunk(2, 2)
+    lses, deltas = lse.chunk(2, 2), delta.chunk(2, 2)
+    dq = [torch.zeros_like(t) for t in qs]
+    kv, sums, steps = _pack(k, v), None, _ring_steps(comm)
+    for step in range(steps):
+        hop = _Shift(kv, comm, _KV_TAG) if step < steps - 1 else None
+        ks, vs = _held_kv(kv, k, v, heads, dtype)
+        src = (rank - step) % cp
+        dq_s, dk, dv = _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp,
+                                         causal, scale)
+        dq = [a + b for a, b in zip(dq, dq_s)]
+        grads = _pack(_fold_heads(dk, k.shape[1]), _fold_heads(dv, v.shape[1]))
+        if sums is not None:                   # the sums of the ranks this K/V passed before
+            grads = grads + sums.wait()
+        # pass the sums on with the K/V's path; after the last step the hop lands at the owner
+        sums = _Shift(grads, comm, _GRAD_TAG) if steps > 1 else None
+        if hop is not None:
+            kv = hop.wait()
+    grads = sums.wait() if sums is not None else grads
+    dk, dv = _unpack(grads, k.shape, v.shape)
+    return torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm, causal, scale):
+        comm._check()
+        out, lse = _ring_forward(q, k, v, comm, causal, scale)
+        out = out.to(q.dtype)
+        ctx.comm, ctx.causal, ctx.scale = comm, causal, scale
+        ctx.save_for_backward(q, k, v, out, lse)   # lse: (batch, heads, local_seq), fp32
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.comm, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+# -- the all-gather form ------------------------------------------------------------------------
+
+def _gather_kv(k, v, comm: CPComm):
+    """The whole sequence's K and V, in global order (one all-gather of both)."""
+    both = torch.cat([k, v], -1)
+    if comm.size > 1:
+        both = _rank_major_to_global(_all_gather(both, 2, comm), 2, comm.size)
+    return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
+
+
+def _scatter_kv_grads(dk, dv, comm: CPComm):
+    """Every rank's dK/dV of the whole sequence summed onto the owners of the positions."""
+    both = torch.cat([dk, dv], -1)
+    if comm.size > 1:
+        both = _reduce_scatter(_global_to_rank_major(both, 2, comm.size), 2, comm)
+    return both[..., :dk.shape[-1]], both[..., dk.shape[-1]:]
+
+
+def _visible_keys(chunk: int, c: int, seq: int, causal: bool) -> int:
+    """How many keys (a prefix of the sequence) global query chunk `chunk` attends to."""
+    return (chunk + 1) * c if causal else seq
+
+
+class _AllGatherKVAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm, causal, scale):
+        comm._check()
+        dtype, heads = _compute_dtype(q.dtype), q.shape[1]
+        kf, vf = (_expand_heads(t.to(dtype), heads) for t in _gather_kv(k, v, comm))
+        c, seq = q.shape[2] // 2, kf.shape[2]
+        outs, lses = [], []
+        for qa, q_chunk in zip(_chunk_ids(comm.rank, comm.size), q.to(dtype).chunk(2, 2)):
+            n = _visible_keys(qa, c, seq, causal)
+            out, lse = _block_forward(q_chunk, kf[:, :, :n], vf[:, :, :n], scale, causal)
+            outs.append(out)
+            lses.append(lse)
+        out = torch.cat(outs, 2).to(q.dtype)
+        ctx.comm, ctx.causal, ctx.scale = comm, causal, scale
+        # only the local K/V are kept: the backward gathers them again (as gather_linear_sp)
+        ctx.save_for_backward(q, k, v, out, torch.cat(lses, 2))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, dtype, heads = ctx.comm, _compute_dtype(q.dtype), q.shape[1]
+        kf, vf = (_expand_heads(t.to(dtype), heads) for t in _gather_kv(k, v, comm))
+        dout = dout.to(dtype)
+        delta = (dout * out.to(dtype)).sum(-1)
+        dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
+        c, seq, dq = q.shape[2] // 2, kf.shape[2], []
+        parts = zip(_chunk_ids(comm.rank, comm.size), q.to(dtype).chunk(2, 2),
+                    dout.chunk(2, 2), lse.chunk(2, 2), delta.chunk(2, 2))
+        for qa, q_chunk, do, ls, dl in parts:
+            n = _visible_keys(qa, c, seq, ctx.causal)
+            g = _block_backward(q_chunk, kf[:, :, :n], vf[:, :, :n], do, ls, dl, ctx.scale,
+                                ctx.causal)
+            dq.append(g[0])
+            dkf[:, :, :n] += g[1]
+            dvf[:, :, :n] += g[2]
+        dk, dv = _scatter_kv_grads(_fold_heads(dkf, k.shape[1]), _fold_heads(dvf, v.shape[1]),
+                                   comm)
+        return torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+# -- the ops ------------------------------------------------------------------------------------
+
+def ring_attention(q, k, v, comm, causal: bool, scale=None):
+    """Attention of this rank's query chunks against the whole sequence, K/V passed around the
+    ring of `comm`'s ranks; q, k, v: (batch, heads, local_seq, head_dim) in the load-balanced
+    layout. The same result as SDPA over the whole sequence, in this rank's chunks."""
+    scale = _check_inputs(q, k, v, comm, scale)
+    return _RingAttention.apply(q, k, v, comm, bool(causal), scale)
+
+
+def allgather_kv_attention(q, k, v, comm, causal: bool, scale=None):
+    """ring_attention's result by one all-gather of K/V (and one reduce-scatter of dK/dV):
+    fewer, larger messages, and the whole sequence's K/V held at once."""
+    scale = _check_inputs(q, k, v, comm, scale)
+    return _AllGatherKVAttention.apply(q, k, v, comm, bool(causal), scale)
+
+
+register(ring_attention, allgather_kv_attention,
+         kind="collective", axis="cp", namespace="autopart.cp_ops")

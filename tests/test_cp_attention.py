@@ -1,0 +1,254 @@
+"""Context-parallel attention (autopart/ops/cp.py) against plain single-process SDPA.
+
+Every multi-rank case shards the same whole-sequence q, k, v and output gradient over the ranks
+(causal load balancing), runs ring_attention or allgather_kv_attention and its backward on Gloo,
+and the test process puts the ranks' outputs and gradients back in global order and compares
+them with torch.nn.functional.scaled_dot_product_attention over the whole sequence. The cases of
+one world size share one spawn (rank start-up is most of their time). assert_close keeps its
+default equal_nan=False: a NaN anywhere fails.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopart.ops.cp import (CPComm, allgather_kv_attention, load_balanced_indices,
+                             ring_attention, shard_sequence, unshard_sequence)
+
+SPAWN_TIMEOUT = 120.0      # per spawn: a hang fails the test, never a stuck run
+PG_TIMEOUT = 30.0          # each process group's: a missing peer raises within it
+OPS = {"ring": ring_attention, "allgather": allgather_kv_attention}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    op: str                        # "ring" or "allgather"
+    causal: bool
+    world: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    seq: int = 16
+    v_dim: int = 8
+    dtype: torch.dtype = torch.float64
+    scale: float | None = None
+    groups: tuple = ()             # context-parallel groups (sorted global ranks); (): the world
+
+
+def _grid(world: int, seq: int) -> list[Case]:
+    return [Case(f"{op}-{'causal' if causal else 'full'}-{kind}-cp{world}", op, causal, world,
+                 kv_heads=kv, seq=seq)
+            for op in OPS for causal in (True, False) for kind, kv in (("mha", 4), ("gqa", 2))]
+
+
+TWO = _grid(2, 16) + [
+    Case("ring-causal-mqa-fp32-vdim-scale", "ring", True, kv_heads=1, v_dim=6,
+         dtype=torch.float32, scale=0.3),
+    Case("allgather-causal-mqa-fp32-vdim", "allgather", True, kv_heads=1, v_dim=6,
+         dtype=torch.float32),
+]
+# four ranks: the whole world as one ring of 4, and two rings of 2 whose group ranks are not
+# their global ranks ({0, 2} and {1, 3}); NCCL's batch_isend_irecv contract kept over Gloo
+FOUR = [
+    Case("ring-causal-gqa-cp4", "ring", True, 4, kv_heads=2, seq=32),
+    Case("ring-full-mha-cp4", "ring", False, 4, seq=32),
+    Case("allgather-causal-gqa-cp4", "allgather", True, 4, kv_heads=2, seq=32),
+    Case("ring-causal-gqa-subgroups", "ring", True, 4, kv_heads=2, groups=((0, 2), (1, 3))),
+    Case("allgather-full-gqa-subgroups", "allgather", False, 4, kv_heads=2,
+         groups=((0, 2), (1, 3))),
+]
+
+
+def _inputs(case: Case):
+    """The whole-sequence q, k, v and output gradient: the same on every rank and here."""
+    g = torch.Generator().manual_seed(1234)
+    shapes = [(2, case.heads, case.seq, 8), (2, case.kv_heads, case.seq, 8),
+              (2, case.kv_heads, case.seq, case.v_dim), (2, case.heads, case.seq, case.v_dim)]
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(case.dtype) for s in shapes]
+
+
+# -- on the ranks -------------------------------------------------------------------------------
+
+def _my_group(case: Case, rank: int, world: int, made: dict):
+    """(process group, its global ranks, this rank's index in it) of this rank's
+    context-parallel group. Every rank makes every group (new_group is collective), in the
+    same order."""
+    import torch.distributed as dist
+    if not case.groups:
+        return dist.group.WORLD, tuple(range(world)), rank
+    if case.groups not in made:
+        made[case.groups] = [dist.new_group(list(m), timeout=timedelta(seconds=PG_TIMEOUT))
+                             for m in case.groups]
+    i = next(i for i, m in enumerate(case.groups) if rank in m)
+    return made[case.groups][i], case.groups[i], dist.get_rank(made[case.groups][i])
+
+
+def _run_cases(rank: int, world: int, cases: list, nccl_contract: bool) -> dict:
+    """Rank function: each case's local output and gradients, keyed by case name."""
+    if nccl_contract:
+        from tests.nccl_contract import install
+        install()
+    made, results = {}, {}
+    for case in cases:
+        group, members, cp_rank = _my_group(case, rank, world, made)
+        cp = len(members)
+        comm = CPComm(cp, cp_rank).bind(group, cp_rank)
+        q, k, v, dout = (shard_sequence(t, 2, cp, cp_rank) for t in _inputs(case))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = OPS[case.op](q, k, v, comm, case.causal, scale=case.scale)
+        out.backward(dout)
+        results[case.name] = dict(members=members, cp_rank=cp_rank, out=out.detach(),
+                                  dq=q.grad, dk=k.grad, dv=v.grad)
+    return results
+
+
+# -- in the test process ------------------------------------------------------------------------
+
+def _spawned(cache: dict, cases: list[Case], nccl_contract: bool) -> list[dict]:
+    """Every rank's results for `cases` (one world size), from one spawn per session."""
+    from autopart.runtime.launch import spawn
+    key = ("cp_attention", cases[0].world)
+    if key not in cache:
+        try:
+            cache[key] = spawn(_run_cases, cases[0].world, cases, nccl_contract,
+                               timeout=SPAWN_TIMEOUT, pg_timeout=PG_TIMEOUT)
+        except Exception as e:  # noqa: BLE001  (every test of the spawn reports it)
+            cache[key] = e
+    if isinstance(cache[key], Exception):
+        raise cache[key]
+    return cache[key]
+
+
+def _reference(case: Case) -> dict:
+    """Plain SDPA over the whole sequence, in float64, and its gradients."""
+    q, k, v, dout = (t.double().requires_grad_() for t in _inputs(case))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=case.scale,
+                                         enable_gqa=case.kv_heads != case.heads)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.detach())
+    return dict(out=out.detach(), dq=dq, dk=dk, dv=dv)
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    return dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+
+
+def _assert_matches_sdpa(case: Case, per_rank: list[dict]) -> None:
+    ref, results = _reference(case), [r[case.name] for r in per_rank]
+    rings = sorted({r["members"] for r in results})
+    assert sorted(m for ring in rings for m in ring) == list(range(case.world)), rings
+    for ring in rings:
+        mine = sorted((r for r in results if r["members"] == ring), key=lambda r: r["cp_rank"])
+        assert [r["cp_rank"] for r in mine] == list(range(len(ring))), (ring, mine)
+        for what in ("out", "dq", "dk", "dv"):
+            got = unshard_sequence([r[what] for r in mine], 2, len(ring))
+            assert got.dtype == case.dtype, (what, got.dtype)
+            torch.testing.assert_close(got.double(), ref[what], **_tolerance(case.dtype),
+                                       msg=lambda m: f"{case.name} ranks {ring} {what}: {m}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", TWO, ids=lambda c: c.name)
+def test_two_ranks_match_sdpa(spawn_cache, case):
+    _assert_matches_sdpa(case, _spawned(spawn_cache, TWO, nccl_contract=False))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
+def test_four_ranks_match_sdpa_keeping_nccl_contract(spawn_cache, case):
+    _assert_matches_sdpa(case, _spawned(spawn_cache, FOUR, nccl_contract=True))
+
+
+# -- one process: the block math, the layout, shapes and refusals -------------------------------
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_one_rank_unbound_matches_sdpa(op, causal, kv_heads):
+    """cp=1 needs no process group: the block attention and its backward alone."""
+    case = Case("one", op, causal, 1, kv_heads=kv_heads, seq=10, v_dim=6)
+    q, k, v, dout = _inputs(case)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = OPS[op](q, k, v, CPComm(1), causal)
+    out.backward(dout)
+    ref = _reference(case)
+    for what, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        torch.testing.assert_close(got, ref[what], rtol=1e-9, atol=1e-9, msg=what)
+
+
+def test_bf16_inputs_give_bf16_output_close_to_sdpa():
+    case = Case("bf16", "ring", True, 1, kv_heads=2, dtype=torch.bfloat16)
+    q, k, v, _ = _inputs(case)
+    out = ring_attention(q, k, v, CPComm(1), True)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _reference(case)["out"], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seq, cp, rank, expected", [
+    (8, 2, 0, [0, 1, 6, 7]), (8, 2, 1, [2, 3, 4, 5]),
+    (8, 4, 0, [0, 7]), (8, 4, 1, [1, 6]), (8, 4, 2, [2, 5]), (8, 4, 3, [3, 4]),
+    (6, 1, 0, [0, 1, 2, 3, 4, 5]),
+])
+def test_load_balanced_indices(seq, cp, rank, expected):
+    assert load_balanced_indices(seq, cp, rank).tolist() == expected
+
+
+@pytest.mark.parametrize("seq, cp", [(8, 1), (8, 2), (24, 3), (32, 4), (16, 8)])
+def test_every_position_held_once_and_round_trip(seq, cp):
+    held = torch.cat([load_balanced_indices(seq, cp, r) for r in range(cp)])
+    assert sorted(held.tolist()) == list(range(seq))
+    x = torch.randn(3, seq, 5)
+    parts = [shard_sequence(x, 1, cp, r) for r in range(cp)]
+    for r, part in enumerate(parts):
+        assert torch.equal(part, x.index_select(1, load_balanced_indices(seq, cp, r)))
+    assert torch.equal(unshard_sequence(parts, 1, cp), x)
+    assert torch.equal(unshard_sequence([p.movedim(1, -1) for p in parts], -1, cp),
+                       x.movedim(1, -1))
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: load_balanced_indices(10, 2, 0), "not divisible by 4"),
+    (lambda: shard_sequence(torch.zeros(2, 6), 1, 2, 0), "not divisible by 4"),
+    (lambda: load_balanced_indices(8, 2, 2), "rank 2 is not in"),
+    (lambda: unshard_sequence([torch.zeros(4)], 0, 2), "all 2 ranks"),
+    (lambda: unshard_sequence([torch.zeros(3), torch.zeros(3)], 0, 2), "two equal chunks"),
+    # 3 local positions per rank: a sequence of 6 is not 4 equal chunks
+    (lambda: ring_attention(*_qkv(3), CPComm(2, 0, shape_only=True), True), "divisible by 4"),
+    (lambda: allgather_kv_attention(*_qkv(3), CPComm(2, 0, shape_only=True), True),
+     "divisible by 4"),
+    (lambda: ring_attention(*_qkv(4, kv_heads=3), CPComm(2, 0, shape_only=True), True),
+     "must divide the query heads"),
+    (lambda: ring_attention(torch.zeros(4, 4, 8), *_qkv(4)[1:], CPComm(1), True), "shape"),
+    (lambda: ring_attention(_qkv(4)[0].float(), *_qkv(4)[1:], CPComm(1), True), "dtype"),
+])
+def test_refusals_say_why(call, says):
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
+def _qkv(local: int, heads: int = 4, kv_heads: int = 2, v_dim: int = 5, **kw):
+    return (torch.randn(2, heads, local, 8, dtype=torch.float64, **kw),
+            torch.randn(2, kv_heads, local, 8, dtype=torch.float64, **kw),
+            torch.randn(2, kv_heads, local, v_dim, dtype=torch.float64, **kw))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("fake", [False, True])
+def test_shape_only_gives_shapes_without_a_process_group(op, fake):
+    """What the compile-time checker does: fake tensors, a comm of 4 that moves nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        q, k, v = _qkv(6, requires_grad=True)
+        out = OPS[op](q, k, v, CPComm(4, 1, shape_only=True), True)
+        assert out.shape == (2, 4, 6, 5) and out.dtype == torch.float64
+        out.sum().backward()
+        assert [t.grad.shape for t in (q, k, v)] == [t.shape for t in (q, k, v)]
+
+
+def test_unbound_comm_of_two_is_refused():
+    with pytest.raises(RuntimeError, match="context-parallel program is not bound"):
+        ring_attention(*_qkv(4), CPComm(2, 0), True)
