@@ -122,8 +122,9 @@ _REMEDIES = {
                  "or 'sgd'",
     "precision": "precision=\"bf16\" (bf16 compute and transfers, fp32 master weights and "
                  "gradients) or \"fp32\"; fp16 would need loss scaling, which autopart does not do",
-    "zero": "zero=0, 1 or 2 (ZeRO stage 1: optimizer state and fp32 master slice sharded over "
-            "data-parallel replicas; stage 2: the gradients too)",
+    "zero": "zero=0, 1, 2 or 3 (ZeRO stage 1: optimizer state and fp32 master slice sharded "
+            "over data-parallel replicas; stage 2: the gradients too; stage 3: the parameters "
+            "too, gathered a layer at a time)",
     "nonfinite": "raise (stop with the step, stage and microbatch), skip (drop the step's "
                  "gradients) or ignore",
     "compile": "False, True (Inductor) or 'cudagraphs'",

@@ -29,6 +29,7 @@ from autopart.passes.analyze_costs import analyze_costs
 from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
 from autopart.passes.emit_rank_programs import emit_rank_programs
 from autopart.passes.recompute_activations import recompute_activations
+from autopart.passes.gather_parameters import gather_parameters
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 from autopart.passes.split_backward import split_backward
@@ -71,6 +72,11 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
                              schedule=schedule, microbatch_size=microbatch_size, zero=zero,
                              precision=precision))]
           if recompute != "none" or memory_budget is not None else []),
+        # zero=3: where each layer's parameters are all-gathered and freed; after recompute,
+        # whose regions then read gathered parameters in their replay too
+        *([Pass("gather_parameters", gather_parameters, requires=("chunks",),
+                provides=("param_groups",), options=dict(zero=zero),
+                after=("recompute_activations",))] if zero == 3 else []),
         # zero-bubble schedules only (I/W actions): the chunks' backwards as I and W programs,
         # traced from the final chunks (recomputation's rewrite included)
         *([Pass("split_backward", split_backward, requires=("chunks",),
@@ -82,6 +88,18 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
 def _splits_backward(schedule: sched.Schedule | None) -> bool:
     return schedule is not None and any(a.kind in (sched.Kind.I, sched.Kind.W)
                                         for actions in schedule.ranks for a in actions)
+
+
+def _check_zero(zero: int, mesh: Mesh, schedule: sched.Schedule) -> None:
+    """Refuse what zero=3 does not train right: a backward split into I and W programs (the
+    zero-bubble schedules) traces the gather ops' autograd away."""
+    if zero == 3 and _splits_backward(schedule):
+        raise AutopartError(
+            f"zero=3 with schedule={schedule.name!r}: the zero-bubble schedules run each "
+            "chunk's backward as separate input-gradient (I) and weight-gradient (W) programs, "
+            "which do not re-gather zero=3's freed parameters.\n  remedy: zero=2 with "
+            f"{schedule.name!r} (parameters whole, gradients and optimizer state sharded), or "
+            "zero=3 with a fused-backward schedule (1f1b, interleaved-1f1b, gpipe)")
 
 
 _DEVICES = "cuda|xpu|mps|hpu|npu|mtia|meta|cpu|privateuseone"
@@ -185,6 +203,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                             f"mesh has tp=1 ({mesh}).\n  remedy: use a mesh with tp > 1, or drop "
                             "sequence_parallel")
     the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
+    _check_zero(zero, mesh, the_schedule)
     from autopart.memory import parse_bytes
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     program = _capture(model, example_inputs, loss_fn, target, mbs, trace_device)

@@ -179,10 +179,10 @@ class GradientReducer:
         for chunk, buckets in by_chunk.items():
             params = list({id(p): p for b in buckets for p in b.params}.values())
             for i, a in enumerate(actions):
-                if self.zero == 2 and a.chunk == chunk and a.kind in ("B", "W"):
+                if self.zero >= 2 and a.chunk == chunk and a.kind in ("B", "W"):
                     layout.final_after[i] = params
                     layout.window_after[i] = [b.index for b in buckets]
-            if self.zero != 2:
+            if self.zero < 2:
                 for p, name in ((p, n) for b in buckets for p, n in zip(b.params, b.names)):
                     layout.final_after.setdefault(final[name][0], []).append(p)
         return layout
@@ -240,7 +240,7 @@ class GradientReducer:
     def named_grads(self) -> dict[str, torch.Tensor]:
         """{name: this rank's gradient of it}: `.grad`, or under zero=2 this rank's part of the
         reduced gradient (a view of the slice; none where the rank owns no element)."""
-        if self.zero == 2:
+        if self.zero >= 2:
             return {n: g for lay in self.zero_layouts for n, g in lay.grad_views().items()}
         return {n: p.grad for n, p in self.params.items() if p.grad is not None}
 

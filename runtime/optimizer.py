@@ -137,8 +137,8 @@ class ZeroOptimizer:
     def __init__(self, layouts: list[ShardLayout], cls, **kwargs):
         check_elementwise(cls, kwargs, layouts[0].device if layouts else torch.device("cpu"))
         self.layouts = layouts
-        self.shards = [torch.nn.Parameter(lay.slice_of(lay.params, torch.float32))
-                       for lay in layouts]
+        # (zero=3 with fp32 parameters: the store itself, stepped in place)
+        self.shards = [torch.nn.Parameter(lay.own_values(torch.float32)) for lay in layouts]
         # a slice of one bucket is stepped whole (the shard is the optimizer's tensor)
         self.buckets = [[shard] if len(lay.ranges) == 1 else
                         [torch.nn.Parameter(shard.detach()[s:e]) for s, e in lay.ranges]
@@ -158,14 +158,19 @@ class ZeroOptimizer:
                 b.grad = lay.grad_range(s, e)
                 self.inner.step()
                 b.grad = None
-            lay.all_gather_params(shard.detach())
+            if lay.sharded is not None:     # zero=3: the slice is all a rank keeps
+                if lay.store.data_ptr() != shard.data_ptr():
+                    lay.store.copy_(shard.detach())
+                lay.sharded.updated()
+            else:
+                lay.all_gather_params(shard.detach())
 
     @torch.no_grad()
     def reload_master(self) -> None:
         """Take this rank's fp32 slices again from the parameters (after they were loaded
         without this optimizer): as a plain optimizer, which holds no copy, would step them."""
         for lay, shard in zip(self.layouts, self.shards):
-            shard.copy_(lay.slice_of(lay.params, torch.float32))
+            shard.copy_(lay.own_values(torch.float32))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
@@ -228,7 +233,7 @@ class ZeroOptimizer:
                     self.inner.state[b] = {k: _bucket_of(v, s, e, lay.shard, len(buckets))
                                            for k, v in state.items()}
             with torch.no_grad():
-                lay.read(lay.params, lay.index, 0, shard)
+                shard.copy_(lay.own_values(torch.float32))
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)

@@ -8,6 +8,7 @@ the StateGatherer (global loss, statistics and state dict).
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -18,6 +19,7 @@ from autopart.errors import AutopartError
 from autopart.materialize import RankWeights, initial_state
 from autopart.mesh import Mesh
 from autopart.runtime.gradients import GradientReducer
+from autopart.runtime.param_shards import shard_parameters
 from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check_same_batch,
                                      check_same_program)
 from autopart.runtime import nonfinite
@@ -87,6 +89,10 @@ class ParallelModel:
             from autopart.runtime.optimizer import DEFAULT_BUCKET_SIZE
             self._grads.shard(zero, zero_bucket_size or DEFAULT_BUCKET_SIZE, actions,
                               self._step.chunks)
+        self._sharded = None    # zero=3: the parameters held as slices (runtime/param_shards.py)
+        if zero == 3:
+            self._sharded = shard_parameters(self._grads.zero_layouts, self.program.chunks,
+                                             plan.precision)
         self._state = StateGatherer(plan, compiled.program, self.program, self._groups, device,
                                     key_order, extra_state)
         # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over
@@ -120,6 +126,8 @@ class ParallelModel:
             scale = step_loss_scale(self.compiled.plan, self.compiled.program.loss_count,
                                     self.compiled.program.inputs, checked)
             ctx = self._step.run(inputs, target, self.steps, checked, loss_scale=scale)
+            if self._sharded is not None:
+                self._sharded.settle()
             if self._trace is not None:
                 self._trace.end_step()
             self._grads.reduce()
@@ -153,7 +161,8 @@ class ParallelModel:
         and never hold a full tensor). Collective: every rank calls it with the same `rank`."""
         self._require_filled("full_state_dict")
         if rank is None:
-            return self._state.full_state_dict()
+            with self._all_gathered():
+                return self._state.full_state_dict()
         return dict(self.full_state_dict_iter(rank))
 
     def full_state_dict_iter(self, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -170,7 +179,19 @@ class ParallelModel:
                                 f"global rank in 0..{self.mesh.world_size - 1}, or rank=None "
                                 "for every rank")
         self._require_filled("full_state_dict_iter")
-        return self._state.full_state_dict_iter(rank)
+        return self._gathered_iter(self._state.full_state_dict_iter, rank)
+
+    def _gathered_iter(self, fn, *args):
+        with self._all_gathered():
+            yield from fn(*args)
+
+    def _all_gathered(self):
+        """zero=3: every parameter full for the block (collective); otherwise nothing."""
+        return self._sharded.gathered() if self._sharded is not None else nullcontext()
+
+    def _filling(self):
+        """zero=3: every parameter allocated for a load to overwrite, then sliced again."""
+        return self._sharded.filling() if self._sharded is not None else nullcontext()
 
     def load_pretrained(self, source) -> None:
         """Overwrite this rank's shards with their slices of a checkpoint: a state dict, a
@@ -178,7 +199,9 @@ class ParallelModel:
         safetensors with model.safetensors.index.json). Each rank reads only its slices
         (autopart/runtime/pretrained.py)."""
         from autopart.runtime.pretrained import load_pretrained
-        self._filled(load_pretrained(self, source))
+        with self._filling():
+            filled = load_pretrained(self, source)
+        self._filled(filled)
         self._reload_masters()
 
     def init_weights(self, seed: int = 0, init_fn: Callable | None = None) -> None:
@@ -193,8 +216,9 @@ class ParallelModel:
                 "(autopart.meta_device()) to initialize it in parallelize's ranks")
         from autopart.runtime.pretrained import held_tensors
         plan = self.compiled.plan
-        self._weights.fill(held_tensors(self), plan, self.program, self.device, seed=seed,
-                           init_fn=init_fn)
+        with self._filling():
+            self._weights.fill(held_tensors(self), plan, self.program, self.device, seed=seed,
+                               init_fn=init_fn)
         extra = self._state.extra_state
         extra.update(initial_state(self._weights.model, list(extra), seed=seed, init_fn=init_fn))
         self._unfilled = {}
@@ -253,17 +277,20 @@ class ParallelModel:
         directory `path` (collective; atomic). See autopart/runtime/checkpoint/."""
         self._require_filled("save")
         from autopart.runtime.checkpoint import save
-        return save(self, path, optimizer=optimizer, extra=extra, **kwargs)
+        with self._all_gathered():
+            return save(self, path, optimizer=optimizer, extra=extra, **kwargs)
 
     def load(self, path, optimizer=None, **kwargs) -> dict:
         """Load a checkpoint saved on any mesh into this model (in place) and `optimizer`;
         returns its `extra` dict (collective). See autopart/runtime/checkpoint/."""
         from autopart.runtime.checkpoint import load
-        extra = load(self, path, optimizer=optimizer, **kwargs)
+        with self._filling():
+            extra = load(self, path, optimizer=optimizer, **kwargs)
         program = self.compiled.program    # every parameter and persistent buffer was read
         self._filled({i.name for i in program.params.values()} |
                      {i.name for i in program.buffers.values() if i.persistent})
-        self._reload_masters(except_for=optimizer)
+        # (zero=3: `optimizer` too, whose masters were read from the store before it was filled)
+        self._reload_masters(except_for=None if self._sharded is not None else optimizer)
         return extra
 
 

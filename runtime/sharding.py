@@ -41,6 +41,7 @@ class ShardLayout:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.index = dist.get_rank(group) if group is not None else 0
         self.numels = [p.numel() for p in self.params]
+        self.shapes = [p.shape for p in self.params]    # (zero=3 slices them between uses)
         self.chunks = [-(-n // self.size) for n in self.numels]
         self.offsets = [0, *itertools.accumulate(self.chunks)]     # of each chunk in a slice
         self.shard = self.offsets[-1]
@@ -52,6 +53,10 @@ class ShardLayout:
         self.early = self.offsets[len(self.names) if early is None else early]   # slice offset
         # zero=2: the reduced gradient of this rank's slice (None until a step made one)
         self.grad: torch.Tensor | None = None
+        # zero=3 (runtime/param_shards.py): this rank's slice of the parameters, which hold
+        # their full values only while a layer uses them, and the ShardedParameters doing it
+        self.store: torch.Tensor | None = None
+        self.sharded = None
 
     # -- geometry -------------------------------------------------------------------------
     def pieces(self, a: int, b: int):
@@ -104,13 +109,19 @@ class ShardLayout:
         """Every replica's slice concatenated (`gather`'s result) as one tensor per parameter."""
         rows = full.view(self.size, self.shard)
         return {name: rows[:, self.offsets[i]:self.offsets[i + 1]].reshape(-1)[:self.numels[i]]
-                .view(p.shape) for i, (name, p) in enumerate(zip(self.names, self.params))}
+                .view(self.shapes[i]) for i, name in enumerate(self.names)}
 
     def slice_of(self, tensors, dtype=None) -> torch.Tensor:
         """This rank's slice of `tensors` (one per parameter, None: zeros) laid end to end."""
         dtype = dtype or next((t.dtype for t in tensors if t is not None), self.dtype)
         out = torch.empty(self.shard, dtype=dtype, device=self.device)
         return self.read(tensors, self.index, 0, out)
+
+    def own_values(self, dtype=None) -> torch.Tensor:
+        """This rank's slice of the parameters' values: zero=3's store, else read from them."""
+        if self.store is not None:
+            return self.store.to(dtype or self.store.dtype)
+        return self.slice_of(self.params, dtype)
 
     def grad_views(self) -> dict[str, torch.Tensor]:
         """zero=2: {name: this rank's part of its reduced gradient} (views of the slice)."""

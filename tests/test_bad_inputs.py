@@ -238,7 +238,7 @@ OPTION_CASES = {
     "an optimizer not counted": (dict(optimizer="adamw"),
                                  ["optimizer='adamw' is not one of 'sgd', 'sgd-momentum', 'adam'",
                                   "'adam' (Adam and AdamW)"]),
-    "zero as a string": (dict(zero="1"), ["zero='1' is not one of 0, 1, 2", "zero=0, 1 or 2"]),
+    "zero as a string": (dict(zero="1"), ["zero='1' is not one of 0, 1, 2, 3", "zero=0, 1, 2 or 3"]),
     "zero=True": (dict(zero=True), ["zero=True is not one of 0, 1, 2"]),
 }
 PARALLELIZE_ONLY = {

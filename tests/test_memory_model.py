@@ -218,8 +218,15 @@ def test_explain_counts_zero1_state_per_rank():
     two = autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=2)
     assert two.memory[rank]["grads"] == 4 * half        # zero=2: the gradient's slice only
     assert two.memory[rank]["master"] == 4 * half and two.to_json()["zero"] == 2
-    with pytest.raises(autopart.AutopartError, match=r"(?s)zero=3.*remedy: zero=0, 1 or 2"):
-        autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=3)
+    three = autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=3)
+    groups = [sum(params[name].numel() for name in names)
+              for names in three.programs[rank].chunks[0].gm.param_shards.groups]
+    gathered = 4 * max(a + b for a, b in zip(groups, groups[1:] + [0]))
+    # zero=3: the fp32 slice is the master (counted there); params are two gathered groups
+    assert three.memory[rank]["params"] == gathered and three.memory[rank]["grads"] == 4 * half
+    assert three.memory[rank]["master"] == 4 * half and three.to_json()["zero"] == 3
+    with pytest.raises(autopart.AutopartError, match=r"(?s)zero=4.*remedy: zero=0, 1, 2 or 3"):
+        autopart.compile(model, mesh, (x,), loss_fn=lm_loss, target=x, microbatches=2, zero=4)
 
 
 

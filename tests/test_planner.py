@@ -124,10 +124,10 @@ def test_cli_json_one_layout():
     keys = {"mesh", "microbatch_size", "virtual_stages", "schedule", "recompute", "zero",
             "step_time_s", "tflops_per_device", "memory_per_rank_gb", "fits", "rejected_because"}
     assert set(data["best"]) == keys and data["best"]["mesh"] == "tp=8,pp=64,dp=6"
-    # the ZeRO level is searched and the choice explained against the other two levels
-    assert {r["zero"] for r in data["layouts"]} == {0, 1, 2}
+    # the ZeRO level is searched and the choice explained against the other three levels
+    assert {r["zero"] for r in data["layouts"]} == {0, 1, 2, 3}
     assert data["zero_choice"].startswith(f"zero={data['best']['zero']} (")
-    assert all(f"zero={z}" in data["zero_choice"] for z in (0, 1, 2))
+    assert all(f"zero={z}" in data["zero_choice"] for z in (0, 1, 2, 3))
     assert all(set(r) == keys for r in data["layouts"])
     assert data["layouts"][0] == data["best"]
     assert all(r["rejected_because"] is None for r in data["layouts"] if r["fits"])

@@ -18,13 +18,16 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
 
         params     every parameter and buffer element at its dtype (fp32: 4 bytes)
         grads      every trainable element at its dtype (full-shaped .grad, also with zero=1);
-                   zero=2: this rank's slice only
+                   zero=2, 3: this rank's slice only
         zero=0     master 0 (the parameters are the masters); optimizer 4 * states per element
         zero=1, 2  runtime/sharding.py cuts each trainable parameter into d chunks per replica
                    group (dense over dp, experts over dp/ep); this rank keeps an fp32 copy of
                    its ceil(n_i/d) elements of each (master 4 bytes each) and the optimizer's
                    state for them (4 * states bytes each)
     plus, for Adam, one 4-byte `step` per tensor stepped (each parameter, or each slice).
+        zero=3     params: the trainable ones as this rank's slice (an fp32 slice is the master
+                   itself, counted there) plus two gathered parameter groups (the layer in use
+                   and the one prefetched, passes/gather_parameters.py)
     Not counted: the buckets in flight (at most runtime/buckets.IN_FLIGHT of zero_bucket_size
     elements) and zero=2's full-shaped gradients of the chunk whose backward runs."""
     check_zero(zero)        # precision changes no state byte (see the module docstring)
@@ -46,12 +49,28 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
         return {"params": params, "grads": grads, "master": 0,
                 "optimizer": per * 4 * numel + step * len(trainable)}
     slices = _zero_slices(trainable, program, mesh)
-    if zero == 2:
+    if zero >= 2:
         grads = sum(t.element_size() * c for t, c, _ in slices)
+    if zero == 3:
+        params += _gathered_bytes(chunks, trainable) - sum(
+            t.numel() * t.element_size() - (0 if t.dtype == torch.float32 else
+                                             t.element_size() * c) for t, c, _ in slices)
     numel = sum(c for _, c, _ in slices)
     layouts = len({experts for _, _, experts in slices})     # one stepped tensor per layout
     return {"params": params, "grads": grads, "master": 4 * numel,
             "optimizer": per * 4 * numel + step * layouts}
+
+
+def _gathered_bytes(chunks, trainable: dict) -> int:
+    """zero=3: the bytes of the two largest neighbouring parameter groups a rank gathers (the
+    group in use and the one prefetched), over its chunks' programs."""
+    best = 0
+    for c in chunks:
+        groups = getattr(getattr(c.gm, "param_shards", None), "groups", None) or []
+        sizes = [sum(trainable[n].numel() * trainable[n].element_size()
+                     for n in names if n in trainable) for names in groups]
+        best = max([best] + [a + b for a, b in zip(sizes, sizes[1:] + [0])])
+    return best
 
 
 def _zero_slices(trainable: dict, program: Program, mesh) -> list[tuple[torch.Tensor, int, bool]]:

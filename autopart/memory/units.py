@@ -8,8 +8,8 @@ from autopart.errors import AutopartError
 
 KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total")
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}   # param-sized tensors per parameter
-ZERO_LEVELS = (0, 1, 2)     # 1: optimizer state and fp32 master slice sharded over dp (ZeRO-1);
-                            # 2: the gradients too (ZeRO-2)
+ZERO_LEVELS = (0, 1, 2, 3)  # 1: optimizer state and fp32 master slice sharded over dp (ZeRO-1);
+                            # 2: the gradients too (ZeRO-2); 3: the parameters too (ZeRO-3)
 ADAM_STEP = 4               # torch.optim.Adam's `step`: one fp32 scalar per tensor it steps
 
 

@@ -195,6 +195,11 @@ class CostModel:
         if lay.zero == 2:
             # a reduce-scatter (half an all-reduce's traffic) per microbatch, one all-gather
             grads *= (self.microbatches(lay) + 1) / 2
+        elif lay.zero == 3:
+            # per microbatch a reduce-scatter and two parameter all-gathers (forward, backward;
+            # passes/gather_parameters.py), each half an all-reduce's traffic; the gathers are
+            # prefetched a layer ahead, but counted here as exposed (an upper bound)
+            grads *= 3 * self.microbatches(lay) / 2
         shared = self.parts(lay).get("shared_params", 0.0)
         tied = self.allreduce_time(shared * self.bytes[4], 2, False) if lay.pp > 1 else 0.0
         stepped = self.sharded(lay, params, experts) if lay.zero else params
@@ -229,7 +234,9 @@ class CostModel:
             state = params
             if lay.zero:    # runtime/optimizer.py: an fp32 master slice, also in fp32 training
                 state = self.sharded(lay, params, self.params_on(lay, rank, True))
-            row = {"params": params * pb, "grads": (state if lay.zero == 2 else params) * gb,
+            # zero=3: the parameters as the slice plus two gathered layers (in use, prefetched)
+            held = state + 2 * parts["layer"].params if lay.zero == 3 else params
+            row = {"params": held * pb, "grads": (state if lay.zero >= 2 else params) * gb,
                    "master": state * (4 if lay.zero else mb),
                    "optimizer": state * OPTIMIZER_BYTES[self.optimizer], "activations": acts,
                    "buffers": buffers}

@@ -1,0 +1,140 @@
+"""gather_parameters (zero=3): where each chunk's parameters are all-gathered and freed.
+
+Under zero=3 a rank keeps only its 1/dp slice of every parameter (runtime/sharding.py). This pass
+groups a chunk's parameters by the layer that first reads them and rewrites the chunk's program:
+
+    gather_params(self.param_shards, g)     before the first node that touches group g
+    release_params(self.param_shards, g)    after the last one (the forward is done with it)
+    regather_on_backward(y, ..., g)         on every output y of a node that reads g: autograd
+                                            runs its backward, which gathers g again, just before
+                                            that node's backward, which reads g's parameters
+
+and the runtime frees a group again once the backward has accumulated all its gradients
+(runtime/param_shards.py), so a rank holds about one layer's full parameters at a time, in the
+forward and in the backward, as FSDP2 with reshard_after_forward does. Each gather also starts
+the next group's (the backward: the previous one's), so the all-gather overlaps the layer.
+
+Decided by dataflow only: a node "touches" a parameter when it reads its get_attr, directly or
+through views; a recomputed region (recompute_activations' checkpoint call) is one node that reads
+every parameter passed to it (its body reads them as inputs), so its replay in the backward finds
+them gathered.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopart.analysis import layer_of
+from autopart.ir import ChunkProgram, Program, copied_graph, graph_module
+from autopart.ops.zero import ParamShards, gather_params, regather_on_backward, release_params
+
+aten = torch.ops.aten
+# ops whose output aliases their input's storage: a parameter read through them is still the
+# parameter (a linear written as x @ w.t())
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
+          aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.alias.default, aten.slice.Tensor,
+          aten.select.int, aten.split.Tensor, aten.chunk.default, aten.unbind.int,
+          aten.split_with_sizes.default, aten.detach.default, operator.getitem}
+SHARDS = "param_shards"
+
+
+def gather_parameters(program: Program, *, zero: int = 0):
+    """Return (program with rewritten .chunks and .param_groups, report). zero < 3: as is."""
+    if zero != 3:
+        return program.replace(param_groups={}), {}
+    chunks, groups = [], {}
+    for chunk in program.chunks:
+        new, labels = rewrite_chunk(chunk)
+        chunks.append(new)
+        groups[chunk.chunk] = labels
+    report = {f"chunk {c}": len(labels) for c, labels in groups.items()}
+    return program.replace(chunks=tuple(chunks), param_groups=groups), report
+
+
+def rewrite_chunk(chunk: ChunkProgram) -> tuple[ChunkProgram, list[str]]:
+    """A copy of `chunk` whose program gathers and frees its parameters (module docstring)."""
+    graph, _ = copied_graph(chunk.gm)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    touches = _touches(graph, set(chunk.params))
+    if not touches:
+        return chunk, []
+    groups = _groups(touches, order, set(chunk.layers))
+    shards = ParamShards([names for _, names in groups], [label for label, _ in groups])
+    group_of = {name: g for g, (_, names) in enumerate(groups) for name in names}
+    users = [sorted((n for n, names in touches.items() if any(group_of[x] == g for x in names)),
+                    key=order.__getitem__) for g in range(len(groups))]
+    with graph.inserting_before(users[0][0]):      # group 0 is the first touched
+        handle = graph.get_attr(SHARDS)
+    for g, nodes in enumerate(users):
+        with graph.inserting_before(nodes[0]):
+            graph.call_function(gather_params, (handle, g))
+        with graph.inserting_after(nodes[-1]):
+            graph.call_function(release_params, (handle, g))
+    for node, names in touches.items():
+        if node.target not in _VIEWS:
+            for out in _tensor_outputs(node):
+                for g in sorted({group_of[x] for x in names}):
+                    _regather(graph, out, handle, g)
+    graph.lint()
+    root = copy.copy(chunk.gm)          # the input program keeps its modules as they were
+    root._modules = {**root._modules, SHARDS: shards}
+    gm = graph_module(root, graph, class_name=type(chunk.gm).__name__)
+    return dataclasses.replace(chunk, gm=gm), [label for label, _ in groups]
+
+
+def _touches(graph: fx.Graph, params: set[str]) -> dict[fx.Node, set[str]]:
+    """Every non-get_attr node that reads a parameter (directly or through views) -> the
+    parameters it reads; views of a parameter count as touching it too."""
+    source: dict[fx.Node, set[str]] = {}    # parameter or view of one -> parameter names
+    touches: dict[fx.Node, set[str]] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            if node.target in params:
+                source[node] = {node.target}
+            continue
+        read = set().union(*(source.get(a, set()) for a in node.all_input_nodes))
+        if not read:
+            continue
+        touches[node] = read
+        if node.target in _VIEWS:
+            source[node] = read
+    return touches
+
+
+def _groups(touches: dict, order: dict, layers: set[str]) -> list[tuple[str, list[str]]]:
+    """(label, parameter names) per group, in the order the forward first touches them: the
+    parameters first read by one layer's nodes form its group; those read first by one node
+    outside every layer (an embedding, a final norm's weight and bias) form one too."""
+    first: dict[str, fx.Node] = {}
+    for node in sorted(touches, key=order.__getitem__):
+        for name in sorted(touches[node]):
+            first.setdefault(name, node)
+    out: dict[str, list[str]] = {}
+    for name, node in sorted(first.items(), key=lambda kv: (order[kv[1]], kv[0])):
+        out.setdefault(layer_of(node, layers) or node.name, []).append(name)
+    return [(label if label in layers else ", ".join(names), names)
+            for label, names in out.items()]
+
+
+def _tensor_outputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes holding `node`'s tensor results: itself, or its getitem users (a tuple)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [node]
+    return [u for u in node.users if u.target is operator.getitem and
+            isinstance(u.meta.get("val"), torch.Tensor)]
+
+
+def _regather(graph: fx.Graph, out: fx.Node, handle: fx.Node, g: int) -> None:
+    with graph.inserting_after(out):
+        hooked = graph.call_function(regather_on_backward, (out, handle, g))
+    hooked.meta = dict(out.meta)
+    out.replace_all_uses_with(hooked, delete_user_cb=lambda user: user is not hooked)
+
+
+__all__ = ["gather_parameters", "rewrite_chunk"]

@@ -1,0 +1,229 @@
+"""ZeRO-3 at run time: a parameter holds its full values only while a layer uses it.
+
+A rank keeps its slice of every parameter in its ShardLayout's `store` (runtime/sharding.py: the
+chunk of each parameter it owns, end to end, in the parameters' dtype). Each parameter keeps its
+Parameter object (autograd, the optimizer's bookkeeping and the programs' get_attr see the same
+tensor) and one full-shaped tensor whose storage is resized to nothing between uses, as FSDP
+does; meanwhile the parameter's `.data` is its 1-D slice in the store (FSDP1's use_orig_params
+views), so reading `pm.parameters()` between steps gives this rank's share, never freed memory.
+The programs call `gather` / `release` where passes/gather_parameters.py put them
+(autopart/ops/zero.py); the backward frees a group once all its gradients have been accumulated
+(a post-accumulate-grad hook).
+
+Swapping `.data` keeps the parameter's version counter (torch's set_data), and filling writes
+into the full tensor, whose counter autograd does not check: autograd saved the parameter (or a
+view of its full tensor) in the forward, and the refilled values are the ones it saved. Each
+gather posts the next group's all-gather
+asynchronously (the prefetch), waited when that group is gathered, released or the step ends.
+Under precision="bf16" the all-gather moves bf16 (what autocast would compute with anyway: the
+bf16 rounding of the fp32 slice), FSDP2's MixedPrecisionPolicy default.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedParameters:
+    """The zero=3 parameters of `layouts` (ShardLayouts): their slices, and which are held."""
+
+    def __init__(self, layouts, gather_dtype: torch.dtype | None = None):
+        self.layouts, self.gather_dtype = list(layouts), gather_dtype
+        self.where = {id(p): (lay, i) for lay in self.layouts for i, p in enumerate(lay.params)}
+        self.data = {id(lay): [p.data for p in lay.params] for lay in self.layouts}   # full
+        self.held: set[int] = set()        # ids of parameters whose storage holds full values
+        self.pending: dict[int, tuple] = {}     # id(p) -> its posted all-gather (prefetch)
+        self.gathers = 0                   # all-gathers run (tests, explain)
+        self._groups: dict[int, list[list]] = {}    # id(p) -> the groups holding it
+        self._landed: dict[int, set[int]] = {}      # id(group) -> ids of gradients landed
+        self.views: dict[int, list[torch.Tensor]] = {}     # the parameters between uses
+        for lay in self.layouts:
+            lay.store = lay.slice_of(self.data[id(lay)], lay.dtype)
+            lay.sharded = self
+            self.views[id(lay)] = [lay.store[lay.offsets[i]:lay.offsets[i] + hi - lo]
+                                   for i, (lo, hi) in enumerate(map(lay.own, range(len(lay.params))))]
+        self.held = {id(p) for lay in self.layouts for p in lay.params}
+        self.release(p for lay in self.layouts for p in lay.params)
+
+    # -- the programs' ops -------------------------------------------------------------------
+    def gather(self, params, next_group=None) -> None:
+        """Fill `params` (those not held) with every replica's slices; then post `next_group`'s."""
+        todo = [p for p in params if id(p) in self.where and id(p) not in self.held]
+        if todo:
+            self._finish(self._post([p for p in todo if id(p) not in self.pending]))
+            self._finish({id(p): self.pending.pop(id(p)) for p in todo if id(p) in self.pending})
+        if next_group is not None:
+            self._post(p for p in next_group if id(p) in self.where and
+                       id(p) not in self.held and id(p) not in self.pending)
+
+    def release(self, params) -> None:
+        """Free the storage of `params` (their slices stay in the store)."""
+        for p in params:
+            if id(p) not in self.where:
+                continue
+            if id(p) in self.pending:
+                self._finish({id(p): self.pending.pop(id(p))})
+            self.held.discard(id(p))
+            lay, i = self.where[id(p)]
+            full = self.data[id(lay)][i]
+            p.data = self.views[id(lay)][i]
+            if _releasable(full):
+                full.untyped_storage().resize_(0)
+
+    def settle(self) -> None:
+        """Wait for every prefetch still posted (the end of a step)."""
+        posted, self.pending = self.pending, {}
+        self._finish(posted)
+
+    # -- the backward: free a group once its gradients are in ----------------------------------
+    def watch(self, groups: list[list]) -> None:
+        """Free each of `groups` (lists of Parameters) when the backward accumulated the gradient
+        of each of its trainable parameters."""
+        for group in groups:
+            for p in group:
+                if p.requires_grad and id(p) in self.where:
+                    if id(p) not in self._groups:
+                        p.register_post_accumulate_grad_hook(self._landed_hook)
+                    self._groups.setdefault(id(p), []).append(group)
+
+    def _landed_hook(self, p: torch.Tensor) -> None:
+        for group in self._groups.get(id(p), ()):
+            landed = self._landed.setdefault(id(group), set())
+            landed.add(id(p))
+            if all(id(q) in landed for q in group if q.requires_grad and id(q) in self.where):
+                landed.clear()
+                self.release(group)
+
+    # -- outside the step --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter full for the block (collective): a state dict, a save."""
+        self.gather([p for lay in self.layouts for p in lay.params])
+        try:
+            yield
+        finally:
+            self.release(p for lay in self.layouts for p in lay.params)
+
+    @contextlib.contextmanager
+    def filling(self):
+        """Every parameter allocated (not gathered: local) for the block to overwrite whole (a
+        load, init_weights); then this rank's slices taken from them and the storage freed."""
+        for lay in self.layouts:
+            for p, full in zip(lay.params, self.data[id(lay)]):
+                _allocate(full)
+                p.data = full
+                self.held.add(id(p))
+        try:
+            yield
+        finally:
+            self.take_slices()
+
+    def take_slices(self) -> None:
+        """The store = this rank's slices of the parameters as they are; then free them."""
+        for lay in self.layouts:
+            with torch.no_grad():
+                lay.read(self.data[id(lay)], lay.index, 0, lay.store)
+        self.release(p for lay in self.layouts for p in lay.params)
+
+    def updated(self) -> None:
+        """The optimizer stepped the store: what a parameter holds is stale."""
+        self.settle()
+        self.release(p for lay in self.layouts for p in lay.params)
+
+    # -- the all-gathers -----------------------------------------------------------------------
+    def _post(self, params) -> dict[int, tuple]:
+        """Post the all-gathers of `params`: one per run of neighbours in a layout's slice."""
+        posted: dict[int, tuple] = {}
+        by_layout: dict[int, list[int]] = {}
+        for p in params:
+            lay, i = self.where[id(p)]
+            by_layout.setdefault(id(lay), []).append(i)
+        for lay in self.layouts:
+            for first, last in _runs(sorted(set(by_layout.get(id(lay), ())))):
+                entry = self._post_run(lay, first, last)
+                for i in range(first, last):
+                    posted[id(lay.params[i])] = entry
+        self.pending.update(posted)
+        return posted
+
+    def _post_run(self, lay, first: int, last: int) -> tuple:
+        s, e = lay.offsets[first], lay.offsets[last]
+        piece = lay.store[s:e]
+        if self.gather_dtype is not None and piece.is_floating_point():
+            piece = piece.to(self.gather_dtype)
+        full = torch.empty(lay.size * (e - s), dtype=piece.dtype, device=piece.device)
+        work = None
+        if lay.group is None:
+            full.copy_(piece)
+        else:
+            work = _all_gather_into(full, piece.contiguous(), group=lay.group, async_op=True)
+        self.gathers += 1
+        return (lay, first, last, full, work)
+
+    def _finish(self, posted: dict[int, tuple]) -> None:
+        """Wait for posted all-gathers and write every replica's slices into the parameters."""
+        for entry in {id(e): e for e in posted.values()}.values():
+            lay, first, last, full, work = entry
+            if work is not None:
+                work.wait()
+            s, n = lay.offsets[first], lay.offsets[last] - lay.offsets[first]
+            data = self.data[id(lay)]
+            for i in range(first, last):
+                _allocate(data[i])
+            with torch.no_grad():
+                for k in range(lay.size):
+                    lay.write(full[k * n:(k + 1) * n], k, s, data)
+            for i in range(first, last):
+                lay.params[i].data = data[i]
+                self.pending.pop(id(lay.params[i]), None)
+                self.held.add(id(lay.params[i]))
+
+
+def shard_parameters(layouts, chunks, precision: str) -> ShardedParameters:
+    """zero=3: hold the parameters of `layouts` as slices and bind each chunk program's
+    `param_shards` (passes/gather_parameters.py) to them."""
+    from autopart.ops.zero import ParamShards
+    sharded = ShardedParameters(layouts, torch.bfloat16 if precision == "bf16" else None)
+    for chunk in chunks:
+        shards = getattr(chunk.gm, "param_shards", None)
+        if isinstance(shards, ParamShards):
+            groups = [[_attr(chunk.gm, name) for name in names] for names in shards.groups]
+            shards.bind(sharded, groups)
+            sharded.watch(groups)
+    return sharded
+
+
+def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
+    owner, _, leaf = target.rpartition(".")
+    return getattr(module.get_submodule(owner), leaf)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """[first, last) ranges of consecutive `indices` (sorted)."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def _releasable(full: torch.Tensor) -> bool:
+    """Whether `full` owns its whole storage (a view into a shared buffer keeps it)."""
+    return full.storage_offset() == 0 and full.is_contiguous() and \
+        full.untyped_storage().nbytes() in (0, full.numel() * full.element_size())
+
+
+def _allocate(full: torch.Tensor) -> None:
+    nbytes = full.numel() * full.element_size()
+    storage = full.untyped_storage()
+    if storage.nbytes() < nbytes:
+        storage.resize_(nbytes)
+
+
+__all__ = ["ShardedParameters", "shard_parameters"]
