@@ -195,6 +195,22 @@ def local_view(pm, rank: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
     return view
 
 
+def held_view(pm, rank: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """name, plain tensor -> what `pm.named_parameters()` holds of it between steps: its
+    `local_view`, and under zero=3 only this rank's 1-D slice of that (runtime/param_shards.py:
+    elements [lo, hi) of the flattened local tensor, ShardLayout.own)."""
+    view = local_view(pm, rank)
+    if pm.zero != 3:
+        return view
+    owned = {name: (lo, hi) for lay in pm._grads.zero_layouts
+             for name, _, lo, hi, _ in lay.spans()}
+
+    def held(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        lo, hi = owned.get(name, (0, 0))
+        return view(name, tensor).reshape(-1)[lo:hi]
+    return held
+
+
 def compare(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float
             ) -> tuple[float, str | None]:
     """(max |actual - expected|, None when within the tolerance else what differs). A non-finite
@@ -300,7 +316,7 @@ def verify_rank(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn=
         had_grad |= {n for n in order if ref_params[n].grad is not None}
         opt.step(), opt.zero_grad()
         ref_opt.step(), ref_opt.zero_grad()
-    mine = local_view(pm, rank)
+    mine = held_view(pm, rank)
     params = {}
     for name, p in pm.named_parameters():
         diff, detail = compare(p, mine(name, ref_params[name]), rtol, atol)

@@ -360,15 +360,12 @@ def equivalence(case: Case, rank: int) -> dict:
         ref_opt.step(), ref_opt.zero_grad()
     held = {}
     # zero=3: a parameter is this rank's 1-D slice of it between steps (runtime/param_shards.py)
-    owned = {name: (lo, hi) for lay in pm._grads.zero_layouts for name, _, lo, hi, _ in lay.spans()}
+    holds = held_view(pm, rank)
     for name, p in pm.named_parameters():
         held[name] = p.numel()
-        want = mine(name, ref_params[name])
-        if zero == 3:
-            lo, hi = owned.get(name, (0, 0))
-            want = want.reshape(-1)[lo:hi]
         max_err = max(max_err, _compare(f"parameter {name} after {case.steps} steps", p,
-                                        want, RTOL, _param_atol(case), problems))
+                                        holds(name, ref_params[name]), RTOL, _param_atol(case),
+                                        problems))
     sd = pm.full_state_dict()
     if list(sd.keys()) != ref_keys:
         missing, extra = set(ref_keys) - set(sd), set(sd) - set(ref_keys)
@@ -400,6 +397,12 @@ def names_read(pm) -> list[str]:
                 names.update(f"{path}.{n.target}" if path else n.target
                              for n in module.graph.nodes if n.op == "get_attr")
     return sorted(names)
+
+
+def held_view(pm, rank: int):
+    """name, plain tensor -> what pm.named_parameters() holds of it (zero=3: a 1-D slice)."""
+    from autopart.verification import held_view
+    return held_view(pm, rank)
 
 
 def _local_view(pm, rank: int):

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 
-from tests._workers import ATOL, RTOL, Case, _compare, _local_view, build
+from tests._workers import ATOL, RTOL, Case, _compare, _local_view, build, held_view
 
 
 @dataclass(frozen=True)
@@ -155,9 +155,10 @@ def _plain_step(model, loss_fn, opt, inputs, target) -> None:
 def _compare_state(pm, opt, ref_params, ref_opt, mine, what: str, atol: float,
                    problems: list[str]) -> None:
     """This rank's parameters and optimizer state against the plain model's (its local view)."""
+    holds = held_view(pm, pm.rank)      # zero=3: the parameter is this rank's 1-D slice
     for name, p in pm.named_parameters():
         ref = ref_params[name]
-        _compare(f"{what}: parameter {name}", p, mine(name, ref), RTOL, atol, problems)
+        _compare(f"{what}: parameter {name}", p, holds(name, ref), RTOL, atol, problems)
         if pm.zero:
             continue
         ref_state, state = ref_opt.state.get(ref, {}), opt.state.get(p, {})

@@ -154,7 +154,7 @@ def _phases(phases: list[Phase]) -> dict[str, dict]:
 
 @pytest.mark.parametrize("optim", ["adamw", pytest.param("sgd", marks=pytest.mark.full)])
 def test_zero_level_change_in_one_process(tmp_path, single_process_group, optim):
-    """zero=1 -> zero=0 -> zero=2 -> zero=1 on one rank (its slice is the whole model), AdamW and
+    """zero=1 -> zero=0 -> zero=2 -> zero=3 -> zero=1 on one rank (its slice is the whole model), AdamW and
     momentum SGD: after each load and after training on, equal to the plain model trained the
     same steps without interruption; `autopart export` of a zero=1 checkpoint writes the model.
     (The slicing over replicas: the full-tier tests below.)"""
@@ -168,7 +168,8 @@ def test_zero_level_change_in_one_process(tmp_path, single_process_group, optim)
         Phase("zero1", {}, steps=2, zero=1, optim=optim, save=f"{d}/a", return_params=True),
         Phase("zero0", {}, steps=1, load=f"{d}/a", save=f"{d}/b", optim=optim),
         Phase("zero2", {}, steps=1, zero=2, load=f"{d}/b", save=f"{d}/c", optim=optim),
-        Phase("zero1-again", {}, steps=1, zero=1, load=f"{d}/c", optim=optim),
+        Phase("zero3", {}, steps=1, zero=3, load=f"{d}/c", save=f"{d}/c3", optim=optim),
+        Phase("zero1-again", {}, steps=1, zero=1, load=f"{d}/c3", optim=optim),
     ])
     assert checkpoint.read_marker(d / "a")["optimizer"] == {"adamw": "AdamW", "sgd": "SGD"}[optim]
     assert main(["export", str(d / "a"), str(d / "a.safetensors")]) == 0
@@ -363,9 +364,9 @@ def test_export_hugging_face_gpt2(tmp_path, single_process_group):
 
 @pytest.mark.full
 def test_reshard_across_zero_levels(tmp_path):
-    """zero=1 and zero=2 optimizer state (slices over the dp replicas: a chunk of every
+    """zero=1, 2 and 3 optimizer state (slices over the dp replicas: a chunk of every
     parameter) saved per parameter and loaded as another mesh's slices: zero=0 -> zero=1 ->
-    zero=1 on other dp/pp/tp -> zero=2 -> zero=0, with AdamW, and a momentum-SGD chain starting
+    zero=1 on other dp/pp/tp -> zero=2 -> zero=3 (dp=4, then pp=2 x dp=2) -> zero=0, with AdamW, and a momentum-SGD chain starting
     from zero=1 through zero=2; every phase against the plain model trained the same steps
     uninterrupted."""
     d = tmp_path
@@ -380,7 +381,11 @@ def test_reshard_across_zero_levels(tmp_path):
               save=f"{d}/d"),
         Phase("adamw-z2-pp2xdp2", {"pp": 2, "dp": 2}, steps=1, zero=2, load=f"{d}/d",
               save=f"{d}/d2"),
-        Phase("adamw-z0-pp4", {"pp": 4}, steps=1, load=f"{d}/d2"),
+        Phase("adamw-z3-dp4", {"dp": 4}, steps=1, zero=3, load=f"{d}/d2", save=f"{d}/d3",
+              microbatches=1),
+        Phase("adamw-z3-pp2xdp2", {"pp": 2, "dp": 2}, steps=1, zero=3, load=f"{d}/d3",
+              save=f"{d}/d4"),
+        Phase("adamw-z0-pp4", {"pp": 4}, steps=1, load=f"{d}/d4"),
         Phase("sgd-z1-pp2xdp2", {"pp": 2, "dp": 2}, steps=2, zero=1, save=f"{d}/e", **sgd),
         Phase("sgd-z1-tp2xdp2", {"tp": 2, "dp": 2}, steps=1, zero=1, load=f"{d}/e",
               save=f"{d}/f", **sgd),
