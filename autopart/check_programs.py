@@ -84,33 +84,39 @@ def check_chunk(chunk: ChunkProgram, program, b: int, s: int | None, local_shape
     or ((node, reason), None) if a data-dependent op stopped the check part way. `reduced`
     (bf16) runs it under autocast to that dtype, as the runtime runs it.
 
-    A program built on the meta device runs as a CPU program (_FakeRunner._device), as the memory
-    table has always counted it; one that runs only on meta (its graph asserts the meta device,
-    as HF's rotary embedding does) is checked there and its bytes left to the memory table."""
-    runner = _FakeRunner(chunk, program, b, s, local_shape, cpu=True, reduced=reduced)
+    A program built on the meta device runs on its inputs' device, the CPU when they are meta
+    too (_FakeRunner._device): a meta model fed CUDA inputs materializes on the GPU, and its
+    meta weights met the CUDA inputs in the first op. One that runs only on meta (its graph
+    asserts the meta device, as HF's rotary embedding does) is checked there and its bytes left
+    to the memory table."""
+    runner = _FakeRunner(chunk, program, b, s, local_shape, materialize=True, reduced=reduced)
     try:
         return runner.check()
     except AutopartError:
         if not runner.moved:
             raise
-    return _FakeRunner(chunk, program, b, s, local_shape, cpu=False,
+    return _FakeRunner(chunk, program, b, s, local_shape, materialize=False,
                        reduced=reduced).check()[0], None
 
 
 class _FakeRunner(SavedCounter):
     """Runs a chunk with its parameters as fake tensors and shape-only comm modules, counting
     the storages autograd saves (memory.SavedCounter); an exception inside a node becomes an
-    AutopartError naming it. With `cpu`, meta tensors and devices are made CPU ones."""
+    AutopartError naming it. With `materialize`, meta tensors and devices are made real ones: the
+    inputs' device (`home`), the CPU when the inputs are meta too."""
 
     def __init__(self, chunk: ChunkProgram, program, b: int, s: int | None, local_shape,
-                 cpu: bool, reduced: torch.dtype | None = None):
+                 materialize: bool, reduced: torch.dtype | None = None):
         super().__init__(chunk.gm, FakeTensorMode(allow_non_fake_inputs=True), program.symbols,
                          b, s or 1, local_shape, set(chunk.layers), reduced=reduced)
         self.chunk, self.program, self.b_s = chunk, program, (b, s)
-        self.cpu, self.moved = cpu, False      # moved: a meta device was made a CPU one
+        self.materialize, self.moved = materialize, False   # moved: meta made real
         vals = [ph.meta.get("val") for ph in self.placeholders]
-        self.device_type = self._device(next((v for v in vals if isinstance(v, torch.Tensor)),
-                                             None)).type     # where autocast applies
+        first = next((v for v in vals if isinstance(v, torch.Tensor)), None)
+        # where the meta tensors go: where the inputs are (the rank's device), else the CPU
+        self.home = first.device if first is not None and first.device.type != "meta" \
+            else torch.device("cpu")
+        self.device_type = self._device(first).type     # where autocast applies
         self.params: list = []
         self.where = f"pipeline rank {chunk.rank}, chunk {chunk.chunk}"
 
@@ -132,14 +138,15 @@ class _FakeRunner(SavedCounter):
         return None, ChunkActivations(self.total(), self.per_layer(), self.transient, sends)
 
     def _device(self, like) -> torch.device:
-        """`like`'s device (a tensor's or a device), CPU if none; with `cpu`, CPU for meta. Ops
-        choose kernels by device (meta's attention is the unfused math one, which saves the
-        score matrix), and the saved bytes must be those of a device that trains."""
+        """`like`'s device (a tensor's or a device), CPU if none; with `materialize`, the inputs'
+        (`home`) for meta. Ops choose kernels by device (meta's attention is the unfused math
+        one, which saves the score matrix), and the saved bytes must be those of a device that
+        trains."""
         device = like if isinstance(like, torch.device) else \
             like.device if isinstance(like, torch.Tensor) else torch.device("cpu")
-        if self.cpu and device.type == "meta":
+        if self.materialize and device.type == "meta":
             self.moved = True
-            return torch.device("cpu")
+            return self.home
         return device
 
     def call_function(self, target, args, kwargs):

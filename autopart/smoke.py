@@ -12,6 +12,9 @@ Each step is one row of one table (step, status, seconds, key figure, note):
                     within 2e-3: its gradients may be summed in another order)
   compile=True      the train run with compile=True, its 4 losses against the eager run's
   compile=cudagraphs  the same with compile="cudagraphs" (step 1 warms up, 2 records, 3-4 replay)
+  meta model        the tiny GPT built on the meta device, parallelized (allocated on the rank's
+                    device), filled by load_pretrained from the plain model's safetensors file,
+                    2 SGD steps in fp32: every loss and parameter against the plain model
   pp=2 1f1b         with 2+ GPUs, 2 ranks over NCCL, fp32, SGD, 2 steps: every loss and every
   tp=2              parameter after against the plain model; skipped on fewer GPUs
 
@@ -199,12 +202,34 @@ def single_gpu(rank: int, world: int, dry: bool, workdir: str) -> list[dict]:
             return d <= _BF16_TOL, f"4 losses, max |diff| vs eager {d:.1e}"
         return run
 
+    def meta():
+        return _meta_model(device, os.path.join(workdir, "plain.safetensors"))
+
     _check(rows, "train bf16 zero=1", f"{where}, world 1", train)
     _check(rows, "save / resume", where, resume)
     _check(rows, "compile=True", where, compiled(True))
     _check(rows, "compile=cudagraphs", where + (", no CUDA graphs on the CPU" if dry else ""),
            compiled("cudagraphs"))
+    _check(rows, "meta model", where, meta)
     return rows
+
+
+def _meta_model(device, path: str) -> tuple[bool, str]:
+    """A model built on the meta device, parallelized (its tensors allocated on this rank's
+    device, unfilled), filled by load_pretrained from the plain model's safetensors file, then
+    2 SGD steps in fp32: every loss and parameter against the plain model's."""
+    import autopart
+    from safetensors.torch import save_file
+    plain = _gpt(device)
+    save_file({k: v.contiguous() for k, v in plain.state_dict().items()
+               if k != "head.weight"}, path)           # tied to tok.weight: saved once
+    with autopart.meta_device():
+        model = TinyGPT()
+    x, y = _batch(0, device)
+    pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), loss_fn=lm_loss, target=y)
+    pm.load_pretrained(path)
+    held = {str(p.device) for p in pm.parameters()}
+    return _steps_against_plain(pm, plain, device, 2, f"parameters on {', '.join(sorted(held))}; ")
 
 
 # -- world 2: pipeline and tensor parallel against the plain model ------------------------------
@@ -216,10 +241,16 @@ def _equivalence(device, mesh, schedule: str = "1f1b") -> tuple[bool, str]:
     x, y = _batch(0, device)
     pm = autopart.parallelize(model, mesh, (x,), loss_fn=lm_loss, target=y, microbatches=2,
                               schedule=schedule)
+    return _steps_against_plain(pm, plain, device, 2)
+
+
+def _steps_against_plain(pm, plain, device, steps: int, prefix: str = "") -> tuple[bool, str]:
+    """`steps` SGD steps of `pm` and of the plain model on the same batches (fp32): every loss,
+    then every parameter after, compared."""
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     ours, refs = [], []
-    for step in range(2):
+    for step in range(steps):
         x, y = _batch(step, device)
         ours.append(float(pm.train_step(x, target=y)))
         ref = lm_loss(plain(x), y)
@@ -233,7 +264,7 @@ def _equivalence(device, mesh, schedule: str = "1f1b") -> tuple[bool, str]:
     ldiff = _max_diff(ours, refs)
     tol = 1e-5 if device.type == "cpu" else 1e-4
     return (ldiff <= tol and pdiff <= tol and set(full) == set(state),
-            f"2 steps: loss |diff| {ldiff:.1e}, parameters |diff| {pdiff:.1e}")
+            f"{prefix}{steps} steps: loss |diff| {ldiff:.1e}, parameters |diff| {pdiff:.1e}")
 
 
 def two_gpus(rank: int, world: int, dry: bool) -> list[dict]:
@@ -301,7 +332,8 @@ def run(dry: bool) -> list[dict]:
     rows = [cuda_tests(dry, 300 if dry else 3600)]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = "cpu" if dry else "cuda"
-    single = ["train bf16 zero=1", "save / resume", "compile=True", "compile=cudagraphs"]
+    single = ["train bf16 zero=1", "save / resume", "compile=True", "compile=cudagraphs",
+              "meta model"]
     if not dry and not gpus:
         rows += [_row(n, "skip", note="no CUDA device (--dry-run runs it on the CPU)")
                  for n in single]

@@ -141,10 +141,9 @@ def main(argv=None) -> int:
         # the backend follows the device: NCCL on cuda:LOCAL_RANK (set first), Gloo on the CPU
         init_process_group(args.device, timeout=timedelta(seconds=args.timeout))
         losses = train_parallel(dist.get_rank(), dist.get_world_size(), args)
-        if dist.get_rank() == 0:
-            compare(losses, train_plain(args), args.precision)
+        ok = dist.get_rank() != 0 or compare(losses, train_plain(args), args.precision)
         dist.destroy_process_group()
-        return 0
+        return 0 if ok else 1
     import autopart
     from autopart.runtime.launch import spawn
     world = autopart.Mesh.parse(args.mesh).world_size

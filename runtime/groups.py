@@ -35,6 +35,16 @@ class RankGroups:
     timeout: timedelta | None = None   # the model's, which `world` was made with
 
 
+def barrier(group=None) -> None:
+    """`dist.barrier` on `group` (the default one if None). Under NCCL it names this rank's
+    device, the current one (`init_process_group` set it to cuda:LOCAL_RANK): without
+    `device_ids` torch guesses that same device and warns on every barrier."""
+    if dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
+
+
 def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
     """Create every group of `mesh` collectively; return this rank's."""
     if not dist.is_initialized():
@@ -44,7 +54,7 @@ def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
     # Ranks finish compiling at different times (seconds apart on a loaded machine); creating a
     # group waits for every member only as long as the group's own (short) timeout, so first meet
     # on the default group, whose timeout is the launcher's.
-    dist.barrier()
+    barrier()
     rank = dist.get_rank()
     world = _mine([tuple(range(mesh.world_size))], rank, timeout)
     dp = _mine(mesh.groups("dp"), rank, timeout)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from autopart.runtime.groups import barrier
+
 
 class Recorder:
     """One rank's trace; `end_step` (collective over the default group) writes the file."""
@@ -33,7 +35,7 @@ class Recorder:
         self.pending: list[dict] = []          # this step's events, not yet gathered
         self.written: list[dict] = []          # rank 0: every event gathered so far
         if dist.is_initialized():
-            dist.barrier()                     # a common time origin for every rank
+            barrier()                          # a common time origin for every rank
         self.origin = time.perf_counter()
 
     def record(self, action, start: float, end: float, posted: float | None = None) -> None:

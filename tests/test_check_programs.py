@@ -140,3 +140,36 @@ def test_bf16_programs_check_under_autocast_as_the_runtime_runs_them(mesh):
                                 microbatches=2 if mesh.pp > 1 else 1, **kw)
     assert compiled.check["skipped"] == [] or mesh.ep > 1
     assert compiled.memory[0]["activations"] > 0
+
+
+def test_a_meta_model_is_checked_on_its_inputs_device():
+    """A model built on the meta device for ranks on GPUs (the GPU smoke's "meta model" row on
+    an H100): parallelize traces it as if on CUDA, so the chunks' inputs are CUDA fakes; the
+    check made the meta weights CPU fakes, then meta ones, and both met the CUDA inputs in the
+    first op ("found two different devices meta, cuda:0"): parallelize refused a program that
+    trains. The meta weights go where the inputs are; the CPU when those are meta too. A
+    CPU-only torch aborts on autograd over CUDA fakes, so this checks where the runner puts
+    the weights; the smoke's row runs the whole program on a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from autopart.check_programs import _FakeRunner
+    with autopart.meta_device():
+        model = GPT(config("tiny,n_layer=2"))
+    x = torch.randint(0, 256, (4, 16), device="meta")
+    compiled = autopart.compile(model, autopart.Mesh(), (x,), loss_fn=lm_loss, target=x)
+    chunk, program = compiled.program.chunks[0], compiled.program
+
+    def runner(materialize=True):
+        return _FakeRunner(chunk, program, 4, 16, lambda name, shape: shape, materialize)
+    assert runner().home == torch.device("cpu")         # meta inputs: a CPU program
+    assert runner()._device(torch.device("meta")) == torch.device("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for ph in chunk.gm.graph.find_nodes(op="placeholder"):
+            val = ph.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                ph.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device="cuda:0")
+    ours = runner()
+    with ours.mode:                                     # as check() runs it
+        weight = ours.fetch_attr("transformer.wte.weight")
+    assert weight.device == torch.device("cuda", 0) and ours.moved
+    assert ours.device_type == "cuda"                   # autocast applies there
+    assert runner(materialize=False)._device(torch.device("meta")).type == "meta"

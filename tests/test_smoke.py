@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ["cuda tests", "train bf16 zero=1", "save / resume", "compile=True", "compile=cudagraphs",
-        "pp=2 1f1b", "tp=2"]
+        "meta model", "pp=2 1f1b", "tp=2"]
 
 
 @pytest.mark.timeout(660)
@@ -38,7 +38,7 @@ def test_dry_run_passes_every_row():
         assert row["note"], row                       # what a dry run could not do, or why skipped
         if row["status"] == "pass":
             assert row["figure"], row
-    assert report["counts"] == {"pass": 7, "fail": 0, "skip": 0}
+    assert report["counts"] == {"pass": 8, "fail": 0, "skip": 0}
     selected, passed, failed, skipped = map(int, re.fullmatch(
         r"(\d+) selected: (\d+) passed, (\d+) failed, (\d+) skipped",
         report["rows"][0]["figure"]).groups())
