@@ -62,7 +62,10 @@ def _zero_bubble(out: dict) -> dict:
 
 def _zero(out: dict) -> dict:
     t = out["step_seconds"]
-    return {f"zero{k} / fsdp2": _per_round(t[f"autopart_zero{k}"], t["fsdp2"]) for k in (2, 1, 0)}
+    rows = {f"zero{k} / fsdp2": _per_round(t[f"autopart_zero{k}"], t["fsdp2"]) for k in (2, 1, 0)}
+    if "autopart_zero3" in t:       # runs before zero=3 had no such side
+        rows["zero3 / fsdp2 reshard"] = _per_round(t["autopart_zero3"], t["fsdp2_reshard"])
+    return rows
 
 
 BENCHMARKS = [
@@ -86,7 +89,10 @@ BENCHMARKS = [
                             "step (fwd+bwd+AdamW), dp=2, GPT 4 layers n_embd=256 vocab 8192, "
                             "batch 8x128, 2 microbatches",
            "zero1 / fsdp2": "the same, autopart zero=1",
-           "zero0 / fsdp2": "the same, autopart zero=0 (plain data-parallel all-reduce)"},
+           "zero0 / fsdp2": "the same, autopart zero=0 (plain data-parallel all-reduce)",
+           "zero3 / fsdp2 reshard": "autopart zero=3 / FSDP2 with reshard_after_forward=True, "
+                                    "resharded after every microbatch's backward (both gather "
+                                    "each layer for its forward and again for its backward)"},
           _zero),
     Bench("health", "health_check.py", lambda r: ["--steps", str(3 * r)],
           {"health pp=2": "nonfinite='raise' / 'ignore' step, pp=2, tiny GPT (overhead-bound), "

@@ -4,11 +4,14 @@
     python bench/zero_vs_fsdp.py --steps 30 --json
     python bench/zero_vs_fsdp.py --memory --config tiny,n_layer=4 --levels 0,1,2   # peak RSS
 
-Step mode: two rank processes (Gloo, one thread each), dp=2, the example GPT, AdamW. Four sides
+Step mode: two rank processes (Gloo, one thread each), dp=2, the example GPT, AdamW. Six sides
 are built from the same weights and step back to back in every round (their order reversed
 every other round), each step (forward + backward + optimizer step + zero_grad) from a barrier
 and lasting as long as its slowest rank:
-  autopart_zero2/1/0  parallelize(..., Mesh(dp=2), microbatches=M, zero=k), pm.optimizer(AdamW)
+  autopart_zero3/2/1/0  parallelize(..., Mesh(dp=2), microbatches=M, zero=k), pm.optimizer(AdamW)
+  fsdp2_reshard       fully_shard as below but reshard_after_forward=True and resharded after
+                      every microbatch's backward: parameters gathered for each layer's forward
+                      and again for its backward, ZeRO-3's work, the peer of autopart_zero3
   fsdp2               fully_shard on every transformer block and the root of a 1-D cpu mesh,
                       reshard_after_forward=False (parameters stay gathered from forward to
                       backward, as ZeRO-2 keeps them); the rank's rows of the global batch in M
@@ -17,13 +20,14 @@ and lasting as long as its slowest rank:
                       microbatches (set_reshard_after_backward(False) but on the last)
 Before timing, every side's first-step loss must equal the plain model's on the global batch
 (rtol 1e-5) and the second step's losses (after one AdamW step) must agree with each other: a
-benchmark of unequal work is worthless. The ratios are medians of per-round ratios side / fsdp2.
+benchmark of unequal work is worthless. The ratios are medians of per-round ratios: zero3 /
+fsdp2_reshard, and zero2, zero1, zero0 / fsdp2.
 
 Memory mode (`--memory`): per rank, the peak RSS (VmHWM) net of a torch-only process's, at
 dp=`--dp` (4) for each of `--levels`, against one plain process training the same model 2 AdamW
 steps on the global batch (as bench/memory_scale.py measures). Its default model is
 memory_scale's ~355M GPT; zero=0 replicates everything (4 x ~5.7 GB with AdamW), hence the
-default levels 1,2.
+default levels 1,2,3.
 """
 from __future__ import annotations
 
@@ -47,7 +51,10 @@ from bench.run_all import _per_round  # noqa: E402
 from examples.gpt import GPT, config, lm_loss  # noqa: E402
 
 STEP_CONFIG = "tiny,n_layer=4,n_embd=256,n_head=4,vocab_size=8192,block_size=128"
-SIDES = ("autopart_zero2", "autopart_zero1", "autopart_zero0", "fsdp2")
+SIDES = ("autopart_zero3", "autopart_zero2", "autopart_zero1", "autopart_zero0", "fsdp2",
+         "fsdp2_reshard")
+PEER = {"autopart_zero3": "fsdp2_reshard", "autopart_zero2": "fsdp2", "autopart_zero1": "fsdp2",
+        "autopart_zero0": "fsdp2"}
 LR = 1e-3
 
 
@@ -73,27 +80,30 @@ def autopart_step(pm, opt, x) -> float:
     return float(loss)
 
 
-def fsdp2_side(plain, world: int):
+def fsdp2_side(plain, world: int, reshard: bool = False):
+    """FSDP2 over every block and the root; `reshard`: reshard_after_forward (ZeRO-3's gather
+    for the forward and again for the backward), else the parameters stay gathered (ZeRO-2)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     model = copy.deepcopy(plain)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def fsdp2_step(model, opt, x, m: int) -> float:
+def fsdp2_step(model, opt, x, m: int, reshard: bool = False) -> float:
     """This rank's rows of the global batch in m microbatches; the global mean loss (all-reduced,
     as autopart's train_step reports it)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = x.shape[0] // world
     total = torch.zeros(())
     for i, mb in enumerate(x[rank * rows:(rank + 1) * rows].chunk(m)):
-        # keep the parameters gathered until the last microbatch: autopart's ZeRO-2 never
-        # shards them, so regathering per microbatch would be work the other side does not do
-        model.set_reshard_after_backward(i == m - 1)
+        # ZeRO-2's peer keeps the parameters gathered until the last microbatch: autopart's
+        # ZeRO-2 never shards them, so regathering per microbatch would be work the other side
+        # does not do. ZeRO-3's peer reshards after every backward, as autopart's zero=3 does.
+        model.set_reshard_after_backward(reshard or i == m - 1)
         loss = lm_loss(model(mb), mb) / m
         loss.backward()
         total += loss.detach()
@@ -132,11 +142,12 @@ def step_rank(rank: int, world: int, opts: dict) -> dict:
     x = global_batch(cfg, opts["batch"], opts["seed"] + 1)
     m = opts["microbatches"]
     steps = {}
-    for level in (2, 1, 0):
+    for level in (3, 2, 1, 0):
         pm, opt = autopart_side(copy.deepcopy(plain), autopart.Mesh(dp=world), x, m, level)
         steps[f"autopart_zero{level}"] = lambda pm=pm, opt=opt: autopart_step(pm, opt, x)
-    fsdp, fsdp_opt = fsdp2_side(plain, world)
-    steps["fsdp2"] = lambda: fsdp2_step(fsdp, fsdp_opt, x, m)
+    for name, reshard in (("fsdp2", False), ("fsdp2_reshard", True)):
+        fsdp, fsdp_opt = fsdp2_side(plain, world, reshard)
+        steps[name] = lambda f=fsdp, o=fsdp_opt, r=reshard: fsdp2_step(f, o, x, m, r)
     check = equal_work(steps, x, plain, opts["rtol"])
     wall = {k: [] for k in SIDES}
     for it in range(opts["warmup"] + opts["steps"]):
@@ -165,7 +176,7 @@ def step_mode(a) -> int:
     load = os.getloadavg()[0]
     out = spawn(step_rank, 2, opts, timeout=a.timeout)[0]
     times = out["step_seconds"]
-    ratios = {k: statistics.median(_per_round(times[k], times["fsdp2"])) for k in SIDES[:3]}
+    ratios = {k: statistics.median(_per_round(times[k], times[peer])) for k, peer in PEER.items()}
     result = {"bench": "zero_vs_fsdp", "dp": 2, "config": a.config, "params": out["params"],
               "batch": a.batch, "microbatches": a.microbatches, "steps": a.steps,
               "warmup": a.warmup, "equal_work": out["check"], "step_seconds": times,
@@ -184,12 +195,12 @@ def step_table(r: dict) -> str:
              f"{r['steps']} rounds after {r['warmup']} warm-up",
              f"equal work: plain first-step loss {c['plain']:.6f}; " + ", ".join(
                  f"{k} {v:.6f}" for k, v in c["first"].items()) + " (match)", "",
-             f"{'side':<16}{'median s':>10}{'/ fsdp2':>10}"]
+             f"{'side':<16}{'median s':>10}{'/ peer':>10}  peer"]
     for side in SIDES:
         ratio = r["median_ratio_to_fsdp2"].get(side)
         lines.append(f"{side:<16}{statistics.median(r['step_seconds'][side]):>10.3f}"
-                     f"{'' if ratio is None else f'{ratio:.3f}':>10}")
-    lines += ["", "/ fsdp2: median of the per-round ratios (lower: autopart faster)",
+                     f"{'' if ratio is None else f'{ratio:.3f}':>10}  {PEER.get(side, '')}")
+    lines += ["", "/ peer: median of the per-round ratios (lower: autopart faster)",
               f"load average {r['load_before']:.1f} before, {r['load_after']:.1f} after, on "
               f"{os.cpu_count()} cpus"]
     return "\n".join(lines)
@@ -273,7 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=15, help="measured rounds (step mode)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rtol", type=float, default=1e-5, help="first-step loss tolerance")
-    ap.add_argument("--levels", default="1,2", help="memory mode: zero levels (default 1,2)")
+    ap.add_argument("--levels", default="1,2,3", help="memory mode: zero levels (default 1,2,3)")
     ap.add_argument("--dp", type=int, default=4, help="memory mode: ranks (default 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
@@ -284,8 +295,8 @@ def main(argv=None) -> int:
     a.batch = a.batch or (4 if a.memory else 8)
     a.microbatches = a.microbatches or (1 if a.memory else 2)
     a.levels = sorted({int(v) for v in a.levels.split(",")})
-    if not set(a.levels) <= {0, 1, 2}:
-        ap.error(f"--levels {a.levels}: zero levels are 0, 1, 2")
+    if not set(a.levels) <= {0, 1, 2, 3}:
+        ap.error(f"--levels {a.levels}: zero levels are 0, 1, 2, 3")
     return memory_mode(a) if a.memory else step_mode(a)
 
 

@@ -131,3 +131,10 @@ def test_zero_rows_pair_each_level_with_fsdp2_round_by_round(fake):
     assert calls[0][1].endswith("zero_vs_fsdp.py") and calls[0][-3:] == ["--steps", "3", "--json"]
     assert got == {"zero2 / fsdp2": pytest.approx(0.9), "zero1 / fsdp2": pytest.approx(1.0),
                    "zero0 / fsdp2": pytest.approx(2.0)}
+    outputs.append((0, json.dumps({"step_seconds": {       # with zero=3 and its own peer
+        "autopart_zero3": [3.0, 1.0, 2.0], "fsdp2_reshard": [1.0, 2.0, 4.0],
+        "autopart_zero2": [0.5, 2.0, 0.9], "autopart_zero1": [1.0, 1.0, 1.0],
+        "autopart_zero0": [2.0, 2.0, 2.0], "fsdp2": fsdp}})))
+    got, _, error = run_all.run_once(zero, 3)
+    assert error == "" and got["zero3 / fsdp2 reshard"] == pytest.approx(0.5)
+    assert got["zero2 / fsdp2"] == pytest.approx(0.9)

@@ -13,6 +13,11 @@ gradient reduce-scattered into this rank's slice as the backward produces it, `.
   recompute, bf16 against the written-out recipe, ignored labels, two train_steps accumulated
   before an optimizer step.
 Checkpoints across levels: tests/test_checkpoint.py (zero=2 phases).
+
+ZeRO-3 (zero=3: parameters sharded too, gathered per layer by passes/gather_parameters.py's ops)
+runs the same cases (the interleaved schedule where zero=2 runs ZB-V, which zero=3 refuses), and
+a rank's parameter storage is measured over a step: its slice between steps, about two blocks
+at a time during it.
 """
 from __future__ import annotations
 
@@ -84,3 +89,27 @@ def test_zero2_keeps_the_slice_only():
         assert full <= one["kept"] < full + 64, (one["kept"], full)      # + the loss
         assert shard <= two["kept"] < shard + 64, (two["kept"], shard)
         assert two["peak"] <= one["peak"] - full + shard + in_flight, (r, full, shard)
+
+
+def test_zero3_holds_its_slice_and_about_two_layers_at_a_time():
+    """zero=3 at dp=2 on the example GPT (4 blocks, tied embedding): between steps a rank's full
+    parameter storages are all freed and `pm.parameters()` hold its slices (half the elements,
+    each parameter cut in two); during the step the storage it holds (sampled after every
+    gather, release and all-gather post, the storages' own byte counts, in-flight gather
+    buffers included) stays within two blocks (the one running and the one prefetched) plus
+    the parameters outside the blocks (the embeddings, read first and, tied, last; the final
+    norm). Bounds from the plain model's parameter sizes, not from autopart."""
+    from autopart.runtime.launch import spawn
+    from tests._workers import Case, build as build_case
+    from tests.zero_workers import zero3_held
+    model, *_ = build_case(Case("zero3-held", model="gpt4"))
+    sizes = {n: 4 * p.numel() for n, p in model.named_parameters()}     # tied: counted once
+    block = sum(b for n, b in sizes.items() if n.startswith("transformer.h.0."))
+    outside = sum(b for n, b in sizes.items() if not n.startswith("transformer.h."))
+    total = sum(sizes.values())
+    half = sum(math.ceil(b // 4 / 2) for b in sizes.values())
+    for r in spawn(zero3_held, 2, timeout=300):
+        assert r["after_step"] == 0 and r["after_optimizer"] == 0, r
+        assert r["held_numel"] == half, (r, half)
+        assert r["samples"] > 20, r          # gathered per block, forward and backward
+        assert block < r["during"] <= 2 * block + outside < total, (r, block, outside, total)

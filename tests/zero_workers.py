@@ -1,6 +1,6 @@
 """Rank functions for tests/test_zero.py: one train_step at each ZeRO level on the same model and
 batch, its gradients against the plain model's, and the bytes it allocates as the dispatcher
-sees them (tests/test_zero_buckets.LiveBytes)."""
+sees them (tests/test_zero_buckets.LiveBytes); zero=3's parameter storage over a step."""
 from __future__ import annotations
 
 import copy
@@ -53,3 +53,46 @@ def _slice_error(pm, plain: dict, zero: int) -> float:
                 rest = torch.cat([p.grad.reshape(-1)[:lo], p.grad.reshape(-1)[hi:]])
                 err = max(err, float(rest.abs().max()) if rest.numel() else 0.0)
     return err
+
+
+def zero3_held(rank: int, world: int) -> dict:
+    """zero=3 on dp=`world`: the bytes of full parameter storage a rank holds, sampled after
+    every gather, release and all-gather post of the step (runtime/param_shards.py); the
+    storages' own sizes (`untyped_storage().nbytes()`: what is allocated, not what autopart
+    thinks it holds) plus the all-gather buffers in flight. Also the bytes of each parameter
+    group the program gathers, the full parameter bytes, and what `pm.parameters()` hold."""
+    from tests._workers import Case, build as build_case
+    model, loss_fn, inputs, target = build_case(Case("zero3-held", model="gpt4"))
+    x = inputs[0]
+    pm = autopart.parallelize(model, autopart.Mesh(dp=world), inputs, loss_fn=loss_fn,
+                              target=target, zero=3, microbatches=MICROBATCHES,
+                              timeout=timedelta(seconds=120))
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
+    sharded = pm._sharded
+    samples: list[int] = []
+
+    def held() -> int:
+        full = sum(d.untyped_storage().nbytes() for lay in sharded.layouts
+                   for d in sharded.data[id(lay)])
+        buffers = {id(e[3]): e[3] for e in sharded.pending.values()}
+        return full + sum(b.untyped_storage().nbytes() for b in buffers.values())
+
+    for name in ("gather", "release", "_post"):
+        real = getattr(sharded, name)
+
+        def sampled(*a, _real=real, **k):
+            out = _real(*a, **k)
+            samples.append(held())
+            return out
+        setattr(sharded, name, sampled)
+    pm.train_step(x, target=target)
+    opt.step()
+    opt.zero_grad()
+    samples.clear()
+    pm.train_step(x, target=target)          # the second step: measured
+    during = max(samples)
+    after_step = held()
+    opt.step()
+    return {"during": during, "after_step": after_step, "after_optimizer": held(),
+            "samples": len(samples),
+            "held_numel": sum(p.numel() for p in pm.parameters())}
