@@ -92,7 +92,7 @@ class ParallelModel:
         self._sharded = None    # zero=3: the parameters held as slices (runtime/param_shards.py)
         if zero == 3:
             self._sharded = shard_parameters(self._grads.zero_layouts, self.program.chunks,
-                                             plan.precision)
+                                             plan.precision, filled=weights is None)
         self._state = StateGatherer(plan, compiled.program, self.program, self._groups, device,
                                     key_order, extra_state)
         # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over
@@ -199,8 +199,7 @@ class ParallelModel:
         safetensors with model.safetensors.index.json). Each rank reads only its slices
         (autopart/runtime/pretrained.py)."""
         from autopart.runtime.pretrained import load_pretrained
-        with self._filling():
-            filled = load_pretrained(self, source)
+        filled = load_pretrained(self, source)      # zero=3: into the slices (held_tensors)
         self._filled(filled)
         self._reload_masters()
 
@@ -216,9 +215,8 @@ class ParallelModel:
                 "(autopart.meta_device()) to initialize it in parallelize's ranks")
         from autopart.runtime.pretrained import held_tensors
         plan = self.compiled.plan
-        with self._filling():
-            self._weights.fill(held_tensors(self), plan, self.program, self.device, seed=seed,
-                               init_fn=init_fn)
+        self._weights.fill(held_tensors(self), plan, self.program, self.device, seed=seed,
+                           init_fn=init_fn)          # zero=3: into the slices (held_tensors)
         extra = self._state.extra_state
         extra.update(initial_state(self._weights.model, list(extra), seed=seed, init_fn=init_fn))
         self._unfilled = {}

@@ -31,7 +31,11 @@ _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 class ShardedParameters:
     """The zero=3 parameters of `layouts` (ShardLayouts): their slices, and which are held."""
 
-    def __init__(self, layouts, gather_dtype: torch.dtype | None = None):
+    def __init__(self, layouts, gather_dtype: torch.dtype | None = None, filled: bool = True):
+        """`filled`: the parameters hold values to slice (a model built on a real device); a
+        meta model's parameters are allocated but unfilled, never read (their pages are never
+        touched: reading them would commit the whole rank share once), and the store starts
+        empty for a load or an init to write (`writers`)."""
         self.layouts, self.gather_dtype = list(layouts), gather_dtype
         self.where = {id(p): (lay, i) for lay in self.layouts for i, p in enumerate(lay.params)}
         self.data = {id(lay): [p.data for p in lay.params] for lay in self.layouts}   # full
@@ -42,7 +46,8 @@ class ShardedParameters:
         self._landed: dict[int, set[int]] = {}      # id(group) -> ids of gradients landed
         self.views: dict[int, list[torch.Tensor]] = {}     # the parameters between uses
         for lay in self.layouts:
-            lay.store = lay.slice_of(self.data[id(lay)], lay.dtype)
+            lay.store = lay.slice_of(self.data[id(lay)], lay.dtype) if filled else \
+                torch.empty(lay.shard, dtype=lay.dtype, device=lay.device)
             lay.sharded = self
             self.views[id(lay)] = [lay.store[lay.offsets[i]:lay.offsets[i] + hi - lo]
                                    for i, (lo, hi) in enumerate(map(lay.own, range(len(lay.params))))]
@@ -122,6 +127,11 @@ class ShardedParameters:
         finally:
             self.take_slices()
 
+    def writers(self) -> dict[int, "SliceWriter"]:
+        """id(parameter) -> the SliceWriter a load or an init fills it through."""
+        return {id(p): SliceWriter(lay.shapes[i], p.dtype, self.views[id(lay)][i], *lay.own(i))
+                for lay in self.layouts for i, p in enumerate(lay.params)}
+
     def take_slices(self) -> None:
         """The store = this rank's slices of the parameters as they are; then free them."""
         for lay in self.layouts:
@@ -183,11 +193,33 @@ class ShardedParameters:
                 self.held.add(id(lay.params[i]))
 
 
-def shard_parameters(layouts, chunks, precision: str) -> ShardedParameters:
+class SliceWriter:
+    """Stands for a zero=3 parameter while `load_pretrained` or `init_weights` fills it: it has
+    the parameter's (rank-local) shape and dtype, and `copy_(full)` keeps only this rank's
+    elements, written into its slice of the store. Nothing full-sized is allocated for it: the
+    filler's one tensor at a time is all (FSDP2 loads a sharded state dict the same way)."""
+
+    def __init__(self, shape, dtype: torch.dtype, into: torch.Tensor, lo: int, hi: int):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, into.device
+        self.into, self.lo, self.hi = into, lo, hi
+
+    def copy_(self, full: torch.Tensor) -> "SliceWriter":
+        if tuple(full.shape) != tuple(self.shape):
+            raise ValueError(f"a tensor of shape {tuple(full.shape)} for a parameter of shape "
+                             f"{tuple(self.shape)}")
+        with torch.no_grad():
+            self.into.copy_(full.reshape(-1)[self.lo:self.hi])
+        return self
+
+    def detach(self) -> "SliceWriter":
+        return self
+
+
+def shard_parameters(layouts, chunks, precision: str, filled: bool = True) -> ShardedParameters:
     """zero=3: hold the parameters of `layouts` as slices and bind each chunk program's
-    `param_shards` (passes/gather_parameters.py) to them."""
+    `param_shards` (passes/gather_parameters.py) to them. `filled`: see ShardedParameters."""
     from autopart.ops.zero import ParamShards
-    sharded = ShardedParameters(layouts, torch.bfloat16 if precision == "bf16" else None)
+    sharded = ShardedParameters(layouts, torch.bfloat16 if precision == "bf16" else None, filled)
     for chunk in chunks:
         shards = getattr(chunk.gm, "param_shards", None)
         if isinstance(shards, ParamShards):
@@ -226,4 +258,4 @@ def _allocate(full: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
-__all__ = ["ShardedParameters", "shard_parameters"]
+__all__ = ["ShardedParameters", "SliceWriter", "shard_parameters"]

@@ -316,12 +316,16 @@ def check_checkpoint(ckpt, groups: dict, skip: set) -> dict[str, str]:
 
 
 def held_tensors(pm) -> dict[str, torch.Tensor]:
-    """This rank's tensors by canonical name, each once."""
+    """This rank's tensors by canonical name, each once, for a load or an init to fill: under
+    zero=3 a sharded parameter is its SliceWriter (runtime/param_shards.py), which keeps only
+    this rank's slice of what is copied into it."""
+    sharded = getattr(pm, "_sharded", None)
+    writers = sharded.writers() if sharded is not None else {}
     out = {}
     for c in pm.program.chunks:
         for n, t in chain(c.gm.named_parameters(remove_duplicate=False),
                           c.gm.named_buffers(remove_duplicate=False)):
-            out.setdefault(n, t)
+            out.setdefault(n, writers.get(id(t), t))
     return out
 
 

@@ -28,7 +28,7 @@ AXES: dict[str, tuple] = {
     "dp":         (1, 2),
     "ep":         (1, 2),                        # experts over ep of the dp ranks (moe only)
     "recompute":  ("none", "selective", "full"),
-    "zero":       (0, 1, 2),
+    "zero":       (0, 1, 2, 3),
     "precision":  ("fp32", "bf16"),
     "compile":    (False, True),                 # the chunks through Inductor
     "embeddings": ("tied", "untied"),
@@ -37,6 +37,7 @@ AXES: dict[str, tuple] = {
     "labels":     ("all", "ignored"),            # ignored: -100 on uneven parts of the rows
 }
 V_SCHEDULES = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipe-v": 2}   # virtual stages per rank
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipe-v")   # backward as I and W programs
 PP, MICROBATCHES, MAX_WORLD = 2, 4, 8
 
 
@@ -45,7 +46,7 @@ def allowed(values: dict) -> bool:
     get = values.get
     if get("ep") == 2 and (get("model") not in (None, "hf-mixtral") or get("dp") == 1):
         return False
-    if get("zero") in (1, 2) and get("dp") == 1:     # ZeRO shards over data-parallel replicas
+    if get("zero") in (1, 2, 3) and get("dp") == 1:  # ZeRO shards over data-parallel replicas
         return False
     tp = 2 if get("tp") in ("2", "2+sp") else 1
     world = PP * tp * (get("dp") or 1)
@@ -63,6 +64,9 @@ def refusal(values: dict) -> tuple[str, ...]:
         # tp splits each expert (expert tensor parallelism), but not under sequence
         # parallelism; with ep the experts are sharded over ep and stay whole over tp
         return ("leaves the experts", "sequence parallelism", "drop sequence_parallel", "ep=2")
+    if values["zero"] == 3 and values["schedule"] in SPLIT_BACKWARD:
+        # the I and W programs of a split backward do not re-gather freed parameters
+        return ("zero=3", f"schedule={values['schedule']!r}", "zero=2", "fused-backward")
     return ()
 
 

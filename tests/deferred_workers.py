@@ -144,7 +144,7 @@ def _optimizer(case: DCase):
 def run(rank: int, world: int, case: DCase) -> dict:
     import autopart
     from autopart.errors import AutopartError
-    from tests._workers import _local_view
+    from tests._workers import _local_view, held_view
     problems: list[str] = []
     with torch.device("meta"):
         meta_model, loss_fn = construct(case)
@@ -180,6 +180,10 @@ def run(rank: int, world: int, case: DCase) -> dict:
             warnings.simplefilter("ignore")
             autopart.materialize(ref, seed=3)
     mine = _local_view(pm, rank)
+    if case.zero == 3:    # a sharded parameter holds this rank's 1-D slice of its local view
+        holds, sliced = held_view(pm, rank), {n for lay in pm._grads.zero_layouts
+                                              for n in lay.names}
+        mine = (lambda n, t, local=mine: holds(n, t) if n in sliced else local(n, t))
     ref_state = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
     held = {n: t for c in pm.program.chunks
             for n, t in list(c.gm.named_parameters()) + list(c.gm.named_buffers())}
@@ -201,6 +205,8 @@ def run(rank: int, world: int, case: DCase) -> dict:
         _compare(f"{name} after 3 steps", p, mine(name, ref_params[name]), RTOL, atol, problems)
     full = {n: t.numel() * t.element_size() for n, t in ref_state.items()}
     return {"problems": problems, "held": held_bytes(pm), "allocated": allocated.total,
+            "zero": case.zero, "full_params": sum(p.numel() * p.element_size()
+                                                  for p in ref.parameters()),
             "largest_full": max(full.values()),
             "buffers": sum(b.numel() * b.element_size() for b in ref.buffers()),
             "largest_load": largest_load.largest,
