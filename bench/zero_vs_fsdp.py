@@ -3,6 +3,7 @@
     python bench/zero_vs_fsdp.py                          # step time, table
     python bench/zero_vs_fsdp.py --steps 30 --json
     python bench/zero_vs_fsdp.py --memory --config tiny,n_layer=4 --levels 0,1,2   # peak RSS
+    python bench/zero_vs_fsdp.py --memory --levels 3 --fsdp2      # zero=3 and FSDP2, dp=4, 355M
 
 Step mode: two rank processes (Gloo, one thread each), dp=2, the example GPT, AdamW. Six sides
 are built from the same weights and step back to back in every round (their order reversed
@@ -27,7 +28,8 @@ Memory mode (`--memory`): per rank, the peak RSS (VmHWM) net of a torch-only pro
 dp=`--dp` (4) for each of `--levels`, against one plain process training the same model 2 AdamW
 steps on the global batch (as bench/memory_scale.py measures). Its default model is
 memory_scale's ~355M GPT; zero=0 replicates everything (4 x ~5.7 GB with AdamW), hence the
-default levels 1,2,3.
+default levels 1,2,3. `--fsdp2` adds FSDP2 (reshard_after_forward=True) at the same dp, built on
+the meta device and initialized shard by shard.
 """
 from __future__ import annotations
 
@@ -223,6 +225,35 @@ def memory_rank(rank: int, world: int, opts: dict, level: int) -> dict:
     return {"hwm": hwm(), "predicted": state}
 
 
+def memory_fsdp2(rank: int, world: int, opts: dict) -> dict:
+    """FSDP2 at the same dp, ZeRO-3's work (reshard_after_forward=True): built on the meta
+    device, `fully_shard` per block and the root, `to_empty` on the CPU (each rank allocates
+    its shards only), initialized shard by shard by the model's own init (its nn.init calls on
+    the DTensor shards); the rank's rows of the global batch, 2 AdamW steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    cfg = config(opts["config"])
+    with torch.device("meta"):
+        model = GPT(cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(opts["seed"])
+    with torch.no_grad():
+        model.apply(model._init_weights)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x = global_batch(cfg, opts["batch"], opts["seed"] + 1)
+    rows = x.shape[0] // world
+    mine = x[rank * rows:(rank + 1) * rows]
+    for _ in range(2):
+        lm_loss(model(mine), mine).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"hwm": hwm(), "predicted": {}}
+
+
 def memory_plain(opts: dict) -> int:
     torch.manual_seed(opts["seed"])
     cfg = config(opts["config"])
@@ -245,8 +276,10 @@ def memory_mode(a) -> int:
     with ctx.Pool(1) as pool:
         plain = pool.apply(memory_plain, (opts,))
     levels = {}
-    for level in a.levels:
-        out = spawn(memory_rank, a.dp, opts, level, timeout=a.timeout, pg_timeout=1800)
+    for level in a.levels + (["fsdp2"] if a.fsdp2 else []):
+        out = (spawn(memory_fsdp2, a.dp, opts, timeout=a.timeout, pg_timeout=1800)
+               if level == "fsdp2" else
+               spawn(memory_rank, a.dp, opts, level, timeout=a.timeout, pg_timeout=1800))
         levels[level] = [{"net": o["hwm"] - base, "ratio": (o["hwm"] - base) / (plain - base),
                           "predicted": o["predicted"]} for o in out]
     result = {"bench": "zero_vs_fsdp", "mode": "memory", "dp": a.dp, "config": a.config,
@@ -268,7 +301,8 @@ def memory_table(r: dict) -> str:
     for level, ranks in r["levels"].items():
         for rank, o in enumerate(ranks):
             pred = ", ".join(f"{k} {v / mib:.0f}" for k, v in o["predicted"].items())
-            lines.append(f"zero={level:<3}{rank:>5}{o['net'] / mib:>10.0f}{o['ratio']:>9.2f}"
+            name = f"zero={level}" if level != "fsdp2" else "fsdp2"
+            lines.append(f"{name:<8}{rank:>5}{o['net'] / mib:>10.0f}{o['ratio']:>9.2f}"
                          f"   {pred}")
     return "\n".join(lines)
 
@@ -286,6 +320,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rtol", type=float, default=1e-5, help="first-step loss tolerance")
     ap.add_argument("--levels", default="1,2,3", help="memory mode: zero levels (default 1,2,3)")
     ap.add_argument("--dp", type=int, default=4, help="memory mode: ranks (default 4)")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="memory mode: also FSDP2 with reshard_after_forward=True (ZeRO-3's peer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true",
