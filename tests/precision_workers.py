@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tests._workers import Case, _local_view, build
+from tests._workers import Case, build, held_view
 
 # Errors are relative, over the whole model: ||parallel - reference|| / ||reference||, the norm over
 # every parameter this rank holds: of the step-1 gradients ("grad"), of the parameters' change in
@@ -183,7 +183,8 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
     mbs = case.batch // (case.dp * case.microbatches)
     if case.round_cuts:
         round_at_pipeline_cuts(ref, pm.compiled.plan)
-    mine = _local_view(pm, rank)
+    # what pm.named_parameters() holds of a plain tensor (zero=3: this rank's 1-D slice)
+    mine = held_view(pm, rank)
     names = [n for n, _ in pm.named_parameters()]
     ours = dict(pm.named_parameters())
     theirs, theirs32 = dict(ref.named_parameters()), dict(ref32.named_parameters())

@@ -61,5 +61,6 @@ def test_the_constraints_refuse_what_cannot_run():
     assert not cm.allowed({"model": "hf-mixtral", "ep": 2, "dp": 1})  # ep is carved out of dp
     assert not cm.allowed({"zero": 1, "dp": 1})                       # nothing to shard over
     assert not cm.allowed({"zero": 2, "dp": 1})
+    assert not cm.allowed({"zero": 3, "dp": 1})
     assert not cm.allowed({"tp": "2", "dp": 2, "compile": True})      # 8 ranks of Inductor
     assert cm.allowed({"tp": "2+sp", "dp": 2, "ep": 2, "model": "hf-mixtral"})
