@@ -41,6 +41,15 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
           aten.select.int, aten.split.Tensor, aten.chunk.default, aten.unbind.int,
           aten.split_with_sizes.default, aten.detach.default, operator.getitem}
 SHARDS = "param_shards"
+# ops autocast runs in the reduced precision on CPU and CUDA alike, casting every floating input
+# (weight and bias too): a parameter read only by these may be gathered in bf16, the values
+# autocast would compute with anyway. One read by any other op (a norm, an embedding, an add)
+# is gathered in fp32, as the bf16 recipe (fp32 weights under autocast) reads it there.
+REDUCED_OPS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+               aten.baddbmm.default, aten.addbmm.default, aten.matmul.default,
+               aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+               aten.convolution.default, aten._convolution.default, aten.prelu.default,
+               aten.scaled_dot_product_attention.default}
 
 
 def gather_parameters(program: Program, *, zero: int = 0):
@@ -64,7 +73,8 @@ def rewrite_chunk(chunk: ChunkProgram) -> tuple[ChunkProgram, list[str]]:
     if not touches:
         return chunk, []
     groups = _groups(touches, order, set(chunk.layers))
-    shards = ParamShards([names for _, names in groups], [label for label, _ in groups])
+    shards = ParamShards([names for _, names in groups], [label for label, _ in groups],
+                         reduced=_reduced_only(touches))
     group_of = {name: g for g, (_, names) in enumerate(groups) for name in names}
     users = [sorted((n for n, names in touches.items() if any(group_of[x] == g for x in names)),
                     key=order.__getitem__) for g in range(len(groups))]
@@ -104,6 +114,16 @@ def _touches(graph: fx.Graph, params: set[str]) -> dict[fx.Node, set[str]]:
         if node.target in _VIEWS:
             source[node] = read
     return touches
+
+
+def _reduced_only(touches: dict[fx.Node, set[str]]) -> list[str]:
+    """The parameters whose every reader (past views) is one of REDUCED_OPS."""
+    readers: dict[str, set] = {}
+    for node, names in touches.items():
+        if node.target not in _VIEWS:
+            for name in names:
+                readers.setdefault(name, set()).add(node.target)
+    return sorted(n for n, ops in readers.items() if ops <= REDUCED_OPS)
 
 
 def _groups(touches: dict, order: dict, layers: set[str]) -> list[tuple[str, list[str]]]:

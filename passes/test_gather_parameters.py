@@ -83,3 +83,19 @@ def test_lower_levels_leave_the_program_alone():
 def test_zero3_refuses_a_split_backward_schedule():
     with pytest.raises(autopart.AutopartError, match=r"(?s)zero=3 with schedule='zb-v'.*remedy"):
         _compile(zero=3, mesh=dict(pp=2), schedule="zb-v", virtual_stages=2)
+
+
+def test_only_parameters_read_by_matmuls_are_gathered_in_bf16():
+    """Under precision="bf16" a group's all-gather moved bf16 for every parameter: a norm's
+    weight or an embedding (read in fp32 under autocast, as the bf16 recipe reads them) then saw
+    its bf16 rounding (zero=3 gpt dp=2 bf16: step-1 update 4e-3 off the recipe, as far as fp32
+    is). Only the parameters every reader of which is an op autocast runs in bf16 (the example
+    GPT's linears: attention and MLP weights and biases) are marked; the layer norms, position
+    embedding and the token embedding tied to the output layer (read by embedding) are not."""
+    model, c = _compile(zero=3, precision="bf16")
+    reduced = set(c.programs[0].chunks[0].gm.param_shards.reduced)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    want = {f"{m}.{p}" for m in linears for p in ("weight", "bias")
+            if getattr(model.get_submodule(m), p, None) is not None} - {"lm_head.weight"}
+    assert reduced == want, (sorted(reduced ^ want))
+    assert not any("ln" in n or "wte" in n or "wpe" in n for n in reduced)

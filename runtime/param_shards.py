@@ -15,8 +15,10 @@ into the full tensor, whose counter autograd does not check: autograd saved the 
 view of its full tensor) in the forward, and the refilled values are the ones it saved. Each
 gather posts the next group's all-gather
 asynchronously (the prefetch), waited when that group is gathered, released or the step ends.
-Under precision="bf16" the all-gather moves bf16 (what autocast would compute with anyway: the
-bf16 rounding of the fp32 slice), FSDP2's MixedPrecisionPolicy default.
+Under precision="bf16" the all-gather moves bf16 for the parameters read only by ops that
+autocast runs in bf16 (matmuls, convolutions, attention: the bf16 rounding of the fp32 slice is
+what they compute with anyway), fp32 for the others (norms, embeddings: the bf16 recipe reads
+them in fp32). FSDP2's MixedPrecisionPolicy casts every parameter: a recipe of its own.
 """
 from __future__ import annotations
 
@@ -31,12 +33,15 @@ _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 class ShardedParameters:
     """The zero=3 parameters of `layouts` (ShardLayouts): their slices, and which are held."""
 
-    def __init__(self, layouts, gather_dtype: torch.dtype | None = None, filled: bool = True):
+    def __init__(self, layouts, gather_dtype: torch.dtype | None = None, filled: bool = True,
+                 reduced: set[int] | None = None):
         """`filled`: the parameters hold values to slice (a model built on a real device); a
         meta model's parameters are allocated but unfilled, never read (their pages are never
         touched: reading them would commit the whole rank share once), and the store starts
-        empty for a load or an init to write (`writers`)."""
+        empty for a load or an init to write (`writers`). `gather_dtype` applies to the
+        parameters in `reduced` (ids) only: those read only by ops autocast runs in it."""
         self.layouts, self.gather_dtype = list(layouts), gather_dtype
+        self.reduced = reduced if reduced is not None else set()
         self.where = {id(p): (lay, i) for lay in self.layouts for i, p in enumerate(lay.params)}
         self.data = {id(lay): [p.data for p in lay.params] for lay in self.layouts}   # full
         self.held: set[int] = set()        # ids of parameters whose storage holds full values
@@ -153,17 +158,18 @@ class ShardedParameters:
             lay, i = self.where[id(p)]
             by_layout.setdefault(id(lay), []).append(i)
         for lay in self.layouts:
-            for first, last in _runs(sorted(set(by_layout.get(id(lay), ())))):
-                entry = self._post_run(lay, first, last)
+            low = [id(q) in self.reduced for q in lay.params]
+            for first, last in _runs(sorted(set(by_layout.get(id(lay), ()))), low):
+                entry = self._post_run(lay, first, last, low[first])
                 for i in range(first, last):
                     posted[id(lay.params[i])] = entry
         self.pending.update(posted)
         return posted
 
-    def _post_run(self, lay, first: int, last: int) -> tuple:
+    def _post_run(self, lay, first: int, last: int, low: bool) -> tuple:
         s, e = lay.offsets[first], lay.offsets[last]
         piece = lay.store[s:e]
-        if self.gather_dtype is not None and piece.is_floating_point():
+        if low and self.gather_dtype is not None and piece.is_floating_point():
             piece = piece.to(self.gather_dtype)
         full = torch.empty(lay.size * (e - s), dtype=piece.dtype, device=piece.device)
         work = None
@@ -219,7 +225,11 @@ def shard_parameters(layouts, chunks, precision: str, filled: bool = True) -> Sh
     """zero=3: hold the parameters of `layouts` as slices and bind each chunk program's
     `param_shards` (passes/gather_parameters.py) to them. `filled`: see ShardedParameters."""
     from autopart.ops.zero import ParamShards
-    sharded = ShardedParameters(layouts, torch.bfloat16 if precision == "bf16" else None, filled)
+    reduced = {id(_attr(c.gm, name)) for c in chunks
+               if isinstance(getattr(c.gm, "param_shards", None), ParamShards)
+               for name in c.gm.param_shards.reduced}
+    sharded = ShardedParameters(layouts, torch.bfloat16 if precision == "bf16" else None, filled,
+                                reduced)
     for chunk in chunks:
         shards = getattr(chunk.gm, "param_shards", None)
         if isinstance(shards, ParamShards):
@@ -234,11 +244,12 @@ def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
     return getattr(module.get_submodule(owner), leaf)
 
 
-def _runs(indices: list[int]) -> list[tuple[int, int]]:
-    """[first, last) ranges of consecutive `indices` (sorted)."""
+def _runs(indices: list[int], low: list[bool]) -> list[tuple[int, int]]:
+    """[first, last) ranges of consecutive `indices` (sorted) whose `low` (gathered in the
+    reduced precision or not) is the same: one all-gather moves one dtype."""
     out: list[tuple[int, int]] = []
     for i in indices:
-        if out and out[-1][1] == i:
+        if out and out[-1][1] == i and low[out[-1][0]] == low[i]:
             out[-1] = (out[-1][0], i + 1)
         else:
             out.append((i, i + 1))

@@ -98,7 +98,8 @@ def test_zero3_holds_its_slice_and_about_two_layers_at_a_time():
     gather, release and all-gather post, the storages' own byte counts, in-flight gather
     buffers included) stays within two blocks (the one running and the one prefetched) plus
     the parameters outside the blocks (the embeddings, read first and, tied, last; the final
-    norm). Bounds from the plain model's parameter sizes, not from autopart."""
+    norm). Bounds from the plain model's parameter sizes, not from autopart; and the memory
+    model's count of the gathered bytes is what was measured (within 5%, not below)."""
     from autopart.runtime.launch import spawn
     from tests._workers import Case, build as build_case
     from tests.zero_workers import zero3_held
@@ -113,3 +114,6 @@ def test_zero3_holds_its_slice_and_about_two_layers_at_a_time():
         assert r["held_numel"] == half, (r, half)
         assert r["samples"] > 20, r          # gathered per block, forward and backward
         assert block < r["during"] <= 2 * block + outside < total, (r, block, outside, total)
+        # the memory model's zero=3 "params" (what is gathered at most; the slice is counted
+        # as the master) against the storage measured
+        assert r["during"] <= r["predicted"] <= 1.05 * r["during"], r

@@ -94,5 +94,5 @@ def zero3_held(rank: int, world: int) -> dict:
     after_step = held()
     opt.step()
     return {"during": during, "after_step": after_step, "after_optimizer": held(),
-            "samples": len(samples),
+            "samples": len(samples), "predicted": pm.compiled.memory[rank]["params"],
             "held_numel": sum(p.numel() for p in pm.parameters())}

@@ -26,8 +26,9 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
                    state for them (4 * states bytes each)
     plus, for Adam, one 4-byte `step` per tensor stepped (each parameter, or each slice).
         zero=3     params: the trainable ones as this rank's slice (an fp32 slice is the master
-                   itself, counted there) plus two gathered parameter groups (the layer in use
-                   and the one prefetched, passes/gather_parameters.py)
+                   itself, counted there) plus the most its program holds gathered at once
+                   (the layer in use, the one prefetched, and a tied embedding read at both
+                   ends of the forward: _gathered_bytes)
     Not counted: the buckets in flight (at most runtime/buckets.IN_FLIGHT of zero_bucket_size
     elements) and zero=2's full-shaped gradients of the chunk whose backward runs."""
     check_zero(zero)        # precision changes no state byte (see the module docstring)
@@ -62,14 +63,27 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
 
 
 def _gathered_bytes(chunks, trainable: dict) -> int:
-    """zero=3: the bytes of the two largest neighbouring parameter groups a rank gathers (the
-    group in use and the one prefetched), over its chunks' programs."""
+    """zero=3: the most parameter bytes a rank holds gathered at once, read off its chunks'
+    programs (passes/gather_parameters.py): at each gather_params, the groups gathered and not
+    yet released, plus the next group, whose all-gather that call posts (the prefetch). A group
+    read at both ends of the forward (an embedding tied to the output layer) stays gathered in
+    between. The backward gathers the same groups in reverse, one and its prefetch at a time,
+    each freed once its gradients are in, so the forward's most is the rank's."""
+    from autopart.ops.zero import gather_params, release_params
     best = 0
     for c in chunks:
         groups = getattr(getattr(c.gm, "param_shards", None), "groups", None) or []
         sizes = [sum(trainable[n].numel() * trainable[n].element_size()
                      for n in names if n in trainable) for names in groups]
-        best = max([best] + [a + b for a, b in zip(sizes, sizes[1:] + [0])])
+        held: set[int] = set()
+        for node in c.gm.graph.nodes:
+            if node.target is gather_params:
+                g = node.args[1]
+                held.add(g)
+                ahead = sizes[g + 1] if g + 1 < len(sizes) and g + 1 not in held else 0
+                best = max(best, sum(sizes[h] for h in held) + ahead)
+            elif node.target is release_params:
+                held.discard(node.args[1])
     return best
 
 
@@ -168,7 +182,8 @@ class MemoryTable(Mapping):
         # the global chunks with this rank's shard shapes: localizing every pipeline rank's
         # chunks (a GraphModule each) only to count bytes is most of a 3072-rank table's time
         chunks = [ch for ch in program.chunks if ch.rank == pp]
-        local = _RankShapes(plan, c["tp"], self.mesh.ep_rank(rank))
+        local = _RankShapes(plan, c["tp"], self.mesh.ep_rank(rank),
+                            {n: tuple(int(d) for d in i.shape) for n, i in program.params.items()})
         state = state_bytes(program, chunks, self.mesh, self.optimizer, self.precision,
                             self.zero, local=local)
         return with_activations(state, compiled.schedule.ranks[pp], self.activations(rank), b, s)
@@ -178,18 +193,22 @@ class _RankShapes:
     """name, full tensor -> a meta tensor of the shape, dtype and trainability one rank holds,
     cut as localize_module cuts it (experts, then tp sections); one per distinct case."""
 
-    def __init__(self, plan, tp_rank: int, ep_rank: int):
+    def __init__(self, plan, tp_rank: int, ep_rank: int, shapes: dict | None = None):
         self.plan, self.tp_rank, self.ep_rank = plan, tp_rank, ep_rank
+        # name -> the captured (full) shape: under zero=3 a running model's parameter is its
+        # rank's 1-D slice between steps, and the table counts the tensor it stands for
+        self.shapes = shapes or {}
         self._seen: dict = {}
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
         from autopart.localize import rank_cuts, shard_tensor
         cuts = rank_cuts(self.plan, name, self.tp_rank, self.ep_rank)
-        if not cuts:
+        shape = tuple(self.shapes.get(name, t.shape))
+        if not cuts and shape == tuple(t.shape):
             return t
-        key = (tuple(t.shape), t.dtype, t.requires_grad, repr(cuts))
+        key = (shape, t.dtype, t.requires_grad, repr(cuts))
         if key not in self._seen:
-            local = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            local = torch.empty(shape, dtype=t.dtype, device="meta")
             for sh, size, rank in cuts:
                 local = shard_tensor(local, sh.dim, sh.sections, size, rank)
             self._seen[key] = local.requires_grad_(t.requires_grad)

@@ -27,11 +27,15 @@ from autopart.ops.registry import register
 
 class ParamShards(nn.Module):
     """A zero=3 program's parameter groups: `groups[g]` the attribute names of group g,
-    `labels[g]` what the program says it is (the layer whose nodes first read it)."""
+    `labels[g]` what the program says it is (the layer whose nodes first read it); `reduced`
+    the names read only by ops that autocast runs in bf16 (passes/gather_parameters.py)."""
 
-    def __init__(self, groups: list[tuple[str, ...]], labels: list[str]):
+    def __init__(self, groups: list[tuple[str, ...]], labels: list[str],
+                 reduced: list[str] = ()):
         super().__init__()
         self.groups, self.labels = [tuple(g) for g in groups], list(labels)
+        # read only by ops autocast runs in bf16: under precision="bf16" gathered in bf16
+        self.reduced = tuple(reduced)
         self.owner = None          # the runtime's ShardedParameters, once bound
         self.params: list[list[torch.Tensor]] = []     # group -> this rank's Parameters
 
@@ -40,7 +44,8 @@ class ParamShards(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"groups={len(self.groups)}, bound={self.owner is not None}"
+        return (f"groups={len(self.groups)}, gathered in the reduced precision under bf16: "
+                f"{len(self.reduced)}, bound={self.owner is not None}")
 
 
 def gather_params(shards: ParamShards, group: int) -> None:
