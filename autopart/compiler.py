@@ -74,8 +74,15 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
           if recompute != "none" or memory_budget is not None else []),
         # zero=3: where each layer's parameters are all-gathered and freed; after recompute,
         # whose regions then read gathered parameters in their replay too
-        *([Pass("gather_parameters", gather_parameters, requires=("chunks",),
-                provides=("param_groups",), options=dict(zero=zero),
+        # (under a budget it weighs which groups stay gathered with the memory model, which
+        # reads the cut and the costs)
+        *([Pass("gather_parameters", gather_parameters,
+                requires=("chunks",) + (("costs", "stages") if memory_budget is not None else ()),
+                provides=("param_groups",),
+                options=dict(zero=zero, budget=memory_budget, mesh=mesh, schedule=schedule,
+                             microbatch_size=microbatch_size,
+                             microbatches=schedule.microbatches if schedule else 1,
+                             optimizer=optimizer, precision=precision),
                 after=("recompute_activations",))] if zero == 3 else []),
         # zero-bubble schedules only (I/W actions): the chunks' backwards as I and W programs,
         # traced from the final chunks (recomputation's rewrite included)

@@ -231,6 +231,7 @@ def explain_table(compiled) -> str:
     lines.append(f"simulated bubble: {sim.bubble:.3f} of the ideal time; peak microbatches in "
                  f"flight per rank: {list(sim.peak_in_flight)}")
     lines += _memory_lines(compiled)
+    lines += _gather_lines(compiled)
     lines.append("passes: " + ", ".join(f"{p.name} {p.seconds:.2f}s" for p in compiled.passes)
                  + f"; compile {compiled.seconds:.2f}s")
     return "\n".join(lines)
@@ -253,6 +254,43 @@ def recompute_summary(compiled) -> dict:
     return {"mode": plan.mode, "optimizer": plan.optimizer, "budget": plan.budget,
             "layers": {k: sorted(v) for k, v in chosen.items()},
             "skipped": [list(x) for x in plan.skipped]}
+
+
+def gather_rows(compiled) -> list[dict]:
+    """zero=3: per chunk, its parameter groups in the forward's order and when each is freed
+    (passes/gather_parameters.py: "forward", "backward" or "step")."""
+    groups = getattr(compiled.program, "param_groups", None) or {}
+    return [{"chunk": c, "groups": [{"group": label, "freed_after": after}
+                                    for label, after in rows]}
+            for c, rows in sorted(groups.items())]
+
+
+_FREED = {"forward": "freed after the forward (gathered again for the backward)",
+          "backward": "kept to the backward", "step": "kept for the step"}
+
+
+def _gather_lines(compiled) -> list[str]:
+    rows = gather_rows(compiled)
+    if not rows:
+        return []
+    lines = ["zero=3 parameter groups (all-gathered before their first reader, each gather "
+             "prefetching the next group):"]
+    for row in rows:
+        by = {}
+        for g in row["groups"]:
+            by.setdefault(g["freed_after"], []).append(g["group"])
+        parts = [f"{len(v)} {_FREED[k]}" + (f": {_names(v)}" if k != "forward" else "")
+                 for k, v in by.items()]
+        lines.append(f"  chunk {row['chunk']}: {len(row['groups'])} groups; " + "; ".join(parts))
+    return lines
+
+
+def _names(labels: list[str]) -> str:
+    """Group labels, a group of several names in parentheses, a long list cut in the middle."""
+    shown = [f"({x})" if ", " in x else x for x in labels]
+    if len(shown) > 6:
+        shown = shown[:3] + [f"... {len(shown) - 5} more ..."] + shown[-2:]
+    return ", ".join(shown)
 
 
 def _memory_lines(compiled) -> list[str]:
@@ -297,6 +335,7 @@ def explain_json(compiled) -> dict:
         "recompute": recompute_summary(compiled),
         "memory": memory_rows(compiled),
         "zero": getattr(compiled, "zero", 0),
+        "param_groups": gather_rows(compiled),
         "passes": [{"name": p.name, "seconds": p.seconds} for p in compiled.passes],
         "compile_seconds": compiled.seconds,
     }

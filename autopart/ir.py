@@ -295,7 +295,7 @@ class Program:
     chunks: tuple[ChunkProgram, ...] | None = None  # emit_rank_programs
     recompute: RecomputePlan | None = None   # recompute_activations
     split_backward: dict | None = None       # split_backward: chunk -> "graphs" or why autograd
-    param_groups: dict | None = None         # gather_parameters (zero=3): chunk -> group labels
+    param_groups: dict | None = None         # gather_parameters (zero=3): chunk -> [(label, freed after)]
     loss_rule: str | None = None             # weigh_loss_by_tokens: how microbatch losses combine
     loss_count: Any = None                   # weigh_loss_by_tokens: a TokenCount, or None
 

@@ -14,6 +14,21 @@ and the runtime frees a group again once the backward has accumulated all its gr
 forward and in the backward, as FSDP2 with reshard_after_forward does. Each gather also starts
 the next group's (the backward: the previous one's), so the all-gather overlaps the layer.
 
+Which groups stay gathered past the forward (release_params' `after`), decided per group:
+
+    "forward"   freed after its last reader, gathered again for the backward (the default)
+    "backward"  kept until its gradients are in: one all-gather fewer per microbatch, its bytes
+                held from the forward to the backward
+    "step"      kept across the step's microbatches (pipelines: each microbatch would gather
+                again), freed when the step ends: one gather per step
+
+The groups released after the last gather of the chunk that computes the loss are kept to the
+backward always: its backward starts right after its forward and gathers them first, so keeping
+them costs no byte at the peak and saves their re-gather. Under a memory budget the pass keeps
+more, the most that fits each pipeline rank by the memory model (memory.rank_memory): first
+every group for the step (microbatches > 1), else the most groups to the backward, last ones
+first. The report and explain() say which.
+
 Decided by dataflow only: a node "touches" a parameter when it reads its get_attr, directly or
 through views; a recomputed region (recompute_activations' checkpoint call) is one node that reads
 every parameter passed to it (its body reads them as inputs), so its replay in the backward finds
@@ -30,7 +45,8 @@ import torch.fx as fx
 
 from autopart.analysis import layer_of
 from autopart.ir import ChunkProgram, Program, copied_graph, graph_module
-from autopart.ops.zero import ParamShards, gather_params, regather_on_backward, release_params
+from autopart.ops.zero import (ParamShards, gather_params, regather_on_backward,
+                               release_params)
 
 aten = torch.ops.aten
 # ops whose output aliases their input's storage: a parameter read through them is still the
@@ -52,17 +68,31 @@ REDUCED_OPS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bm
                aten.scaled_dot_product_attention.default}
 
 
-def gather_parameters(program: Program, *, zero: int = 0):
-    """Return (program with rewritten .chunks and .param_groups, report). zero < 3: as is."""
+def gather_parameters(program: Program, *, zero: int = 0, budget: int | None = None,
+                      mesh=None, schedule=None, microbatch_size: int = 1, microbatches: int = 1,
+                      optimizer: str = "adam", precision: str = "fp32"):
+    """Return (program with rewritten .chunks and .param_groups, report). zero < 3: as is.
+    .param_groups: chunk -> [(group label, when it is freed)], in the forward's order."""
     if zero != 3:
         return program.replace(param_groups={}), {}
-    chunks, groups = [], {}
-    for chunk in program.chunks:
-        new, labels = rewrite_chunk(chunk)
-        chunks.append(new)
-        groups[chunk.chunk] = labels
-    report = {f"chunk {c}": len(labels) for c, labels in groups.items()}
-    return program.replace(chunks=tuple(chunks), param_groups=groups), report
+    staged = program.replace(chunks=tuple(rewrite_chunk(c)[0] for c in program.chunks))
+    keep = _free_keeps(staged)
+    if budget is not None:
+        weigh = _Weigher(staged, budget, dict(mesh=mesh, schedule=schedule, zero=3,
+                                              microbatch_size=microbatch_size,
+                                              optimizer=optimizer, precision=precision))
+        for pp in range(mesh.pp):
+            keep.update(weigh.most_kept(pp, microbatches))
+    for chunk in staged.chunks:
+        set_releases(chunk, [keep.get((chunk.chunk, g), "forward")
+                             for g in range(_group_count(chunk))])
+    groups = {c.chunk: list(zip(c.gm.param_shards.labels, c.gm.param_shards.after))
+              for c in staged.chunks if _group_count(c)}
+    report = {f"chunk {c}": {after: sum(a == after for _, a in rows)
+                             for after in ("forward", "backward", "step")
+                             if any(a == after for _, a in rows)}
+              for c, rows in groups.items()}
+    return staged.replace(param_groups=groups), report
 
 
 def rewrite_chunk(chunk: ChunkProgram) -> tuple[ChunkProgram, list[str]]:
@@ -95,6 +125,75 @@ def rewrite_chunk(chunk: ChunkProgram) -> tuple[ChunkProgram, list[str]]:
     root._modules = {**root._modules, SHARDS: shards}
     gm = graph_module(root, graph, class_name=type(chunk.gm).__name__)
     return dataclasses.replace(chunk, gm=gm), [label for label, _ in groups]
+
+
+def _group_count(chunk: ChunkProgram) -> int:
+    shards = getattr(chunk.gm, SHARDS, None)
+    return len(shards.groups) if isinstance(shards, ParamShards) else 0
+
+
+def _releases(chunk: ChunkProgram) -> dict[int, fx.Node]:
+    return {n.args[1]: n for n in chunk.gm.graph.nodes if n.target is release_params}
+
+
+def set_releases(chunk: ChunkProgram, after: list[str]) -> None:
+    """Say in `chunk`'s program (its release_params calls) and its ParamShards when each group
+    is freed. Mutates the chunk: only this pass's own copies are handed to it."""
+    if not after:
+        return
+    for g, node in _releases(chunk).items():
+        node.kwargs = {} if after[g] == "forward" else {"after": after[g]}
+    chunk.gm.param_shards.after = list(after)
+    chunk.gm.recompile()
+
+
+def _free_keeps(program: Program) -> dict[tuple[int, int], str]:
+    """(chunk, group) -> "backward" for the loss chunk's groups released after its last
+    gather_params: its backward gathers them again first thing (module docstring)."""
+    last = max(program.chunks, key=lambda c: c.chunk)
+    nodes = list(last.gm.graph.nodes)
+    gathers = [i for i, n in enumerate(nodes) if n.target is gather_params]
+    if not gathers:
+        return {}
+    return {(last.chunk, g): "backward" for g, n in _releases(last).items()
+            if nodes.index(n) > gathers[-1]}
+
+
+class _Weigher:
+    """The memory model over candidate releases of one program's groups (pipeline rank by
+    rank): the most kept that fits `budget`, by memory.rank_memory."""
+
+    def __init__(self, program: Program, budget: int, options: dict):
+        from autopart.ir import REDUCED_DTYPES
+        from autopart.memory import ActivationCache
+        self.program, self.budget, self.options = program, budget, options
+        self.cache = ActivationCache(REDUCED_DTYPES[options["precision"]])
+
+    def fits(self, pp: int, keep: dict) -> bool:
+        from autopart.memory import rank_memory
+        mine = [c for c in self.program.chunks if c.rank == pp]
+        for c in mine:
+            set_releases(c, [keep.get((c.chunk, g), "forward") for g in range(_group_count(c))])
+        return rank_memory(self.program, pp, cache=self.cache, **self.options)["total"] \
+            <= self.budget
+
+    def most_kept(self, pp: int, microbatches: int) -> dict[tuple[int, int], str]:
+        """Every group for the step if that fits and there is more than one microbatch; else
+        the largest k such that the rank's last k groups kept to the backward fit."""
+        order = [(c.chunk, g) for c in sorted(self.program.chunks, key=lambda c: c.chunk)
+                 if c.rank == pp for g in range(_group_count(c))]
+        base = {k: v for k, v in _free_keeps(self.program).items() if k in order}
+        whole = dict.fromkeys(order, "step")
+        if microbatches > 1 and self.fits(pp, whole):
+            return whole
+        lo, hi = 0, len(order)          # lo fits (the free keeps: no byte more), find the most
+        while lo < hi:
+            k = (lo + hi + 1) // 2
+            if self.fits(pp, {**base, **dict.fromkeys(order[len(order) - k:], "backward")}):
+                lo = k
+            else:
+                hi = k - 1
+        return {**base, **dict.fromkeys(order[len(order) - lo:], "backward")}
 
 
 def _touches(graph: fx.Graph, params: set[str]) -> dict[fx.Node, set[str]]:
@@ -157,4 +256,4 @@ def _regather(graph: fx.Graph, out: fx.Node, handle: fx.Node, g: int) -> None:
     out.replace_all_uses_with(hooked, delete_user_cb=lambda user: user is not hooked)
 
 
-__all__ = ["gather_parameters", "rewrite_chunk"]
+__all__ = ["gather_parameters", "rewrite_chunk", "set_releases"]

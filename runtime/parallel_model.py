@@ -127,7 +127,7 @@ class ParallelModel:
                                     self.compiled.program.inputs, checked)
             ctx = self._step.run(inputs, target, self.steps, checked, loss_scale=scale)
             if self._sharded is not None:
-                self._sharded.settle()
+                self._sharded.end_step()
             if self._trace is not None:
                 self._trace.end_step()
             self._grads.reduce()

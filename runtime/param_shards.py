@@ -85,14 +85,20 @@ class ShardedParameters:
                 full.untyped_storage().resize_(0)
 
     def settle(self) -> None:
-        """Wait for every prefetch still posted (the end of a step)."""
+        """Wait for every prefetch still posted."""
         posted, self.pending = self.pending, {}
         self._finish(posted)
+
+    def end_step(self) -> None:
+        """The step's forwards and backwards are done: wait for the prefetches and free what is
+        still gathered (the groups kept for the step, a group with no trainable parameter)."""
+        self.settle()
+        self.release([p for lay in self.layouts for p in lay.params if id(p) in self.held])
 
     # -- the backward: free a group once its gradients are in ----------------------------------
     def watch(self, groups: list[list]) -> None:
         """Free each of `groups` (lists of Parameters) when the backward accumulated the gradient
-        of each of its trainable parameters."""
+        of each of its trainable parameters (not the groups kept for the step: end_step)."""
         for group in groups:
             for p in group:
                 if p.requires_grad and id(p) in self.where:
@@ -235,7 +241,7 @@ def shard_parameters(layouts, chunks, precision: str, filled: bool = True) -> Sh
         if isinstance(shards, ParamShards):
             groups = [[_attr(chunk.gm, name) for name in names] for names in shards.groups]
             shards.bind(sharded, groups)
-            sharded.watch(groups)
+            sharded.watch([g for g, after in zip(groups, shards.after) if after != "step"])
     return sharded
 
 

@@ -191,10 +191,12 @@ class CCase(_workers.Case):
     noise: str = "none"          # bf16 only: which precision_workers.BOUNDS applies
     round_cuts: bool = True      # bf16 only: the reference rounds at the pipeline cuts
     refused: tuple = ()          # what parallelize's error must say (empty: it must train)
+    memory_budget: str | None = None   # zero=3: lets the gather pass keep groups gathered
 
     def options(self) -> dict:
         """parallelize's keyword arguments beyond tests/_workers.Case's."""
-        return dict(recompute=self.recompute, zero=self.zero, compile=self.compile)
+        budget = {} if self.memory_budget is None else {"memory_budget": self.memory_budget}
+        return dict(recompute=self.recompute, zero=self.zero, compile=self.compile, **budget)
 
 
 # -- models ---------------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ gradient reduce-scattered into this rank's slice as the backward produces it, `.
 Checkpoints across levels: tests/test_checkpoint.py (zero=2 phases).
 
 ZeRO-3 (zero=3: parameters sharded too, gathered per layer by passes/gather_parameters.py's ops)
-runs the same cases (the interleaved schedule where zero=2 runs ZB-V, which zero=3 refuses), and
-a rank's parameter storage is measured over a step: its slice between steps, about two blocks
-at a time during it.
+runs the same cases (the interleaved schedule where zero=2 runs ZB-V, which zero=3 refuses),
+plus the groups kept gathered for the whole step under a memory budget (dp=2; pp=2 x dp=2 in the
+full tier), and a rank's parameter storage is measured over a step: its slice between steps,
+about two blocks at a time during it.
 """
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ def fast_cases(zero: int) -> list:
                      microbatches=2, recompute="full", ignored="uneven", **z),
             # two train_steps per optimizer step: the second adds to the slice the first left
             cm.CCase(f"zero{zero}-gpt-dp2-accumulate", model="c-gpt-tied", dp=2,
-                     microbatches=2, accumulate=2, **z)]
+                     microbatches=2, accumulate=2, **z)] + ([
+        # a budget that holds everything: the pass keeps every group for the step (one gather
+        # per step), freed when the step ends
+        cm.CCase("zero3-gpt-dp2-kept-for-the-step", model="c-gpt-tied", dp=2, microbatches=2,
+                 memory_budget="1GB", **z)] if zero == 3 else [])
 
 
 def full_cases(zero: int) -> list:
@@ -55,7 +60,11 @@ def full_cases(zero: int) -> list:
             cm.CCase(f"zero{zero}-gpt-dp2-rc-selective", model="c-gpt-tied", dp=2,
                      microbatches=2, recompute="selective", **z),
             cm.CCase(f"zero{zero}-gpt-dp2-bf16", model="c-gpt-tied", dp=2, microbatches=2,
-                     zero=zero, optim="adamw", precision="bf16", clip=None)]
+                     zero=zero, optim="adamw", precision="bf16", clip=None)] + ([
+        # pipelines under a budget: every group kept for the step on both pipeline ranks
+        # (passes/test_gather_parameters.py: the decision), 1F1B's microbatches in between
+        cm.CCase("zero3-hf-gpt2-pp2xdp2-kept-for-the-step", model="c-hf-gpt2-tied", pp=2,
+                 dp=2, microbatches=4, memory_budget="1GB", **z)] if zero == 3 else [])
 
 
 FAST = {zero: fast_cases(zero) for zero in (2, 3)}
@@ -99,17 +108,19 @@ def test_zero3_holds_its_slice_and_about_two_layers_at_a_time():
     buffers included) stays within two blocks (the one running and the one prefetched) plus
     the parameters outside the blocks (the embeddings, read first and, tied, last; the final
     norm). Bounds from the plain model's parameter sizes, not from autopart; and the memory
-    model's count of the gathered bytes is what was measured (within 5%, not below)."""
+    model's count of the gathered bytes is what was measured (within 5%, not below). Then the
+    same under a budget that lets the pass keep every group for the step."""
     from autopart.runtime.launch import spawn
     from tests._workers import Case, build as build_case
-    from tests.zero_workers import zero3_held
+    from tests.zero_workers import MICROBATCHES, zero3_held
     model, *_ = build_case(Case("zero3-held", model="gpt4"))
     sizes = {n: 4 * p.numel() for n, p in model.named_parameters()}     # tied: counted once
     block = sum(b for n, b in sizes.items() if n.startswith("transformer.h.0."))
     outside = sum(b for n, b in sizes.items() if not n.startswith("transformer.h."))
     total = sum(sizes.values())
     half = sum(math.ceil(b // 4 / 2) for b in sizes.values())
-    for r in spawn(zero3_held, 2, timeout=300):
+    for both in spawn(zero3_held, 2, timeout=300):
+        r, kept = both["default"], both["budget"]
         assert r["after_step"] == 0 and r["after_optimizer"] == 0, r
         assert r["held_numel"] == half, (r, half)
         assert r["samples"] > 20, r          # gathered per block, forward and backward
@@ -117,3 +128,13 @@ def test_zero3_holds_its_slice_and_about_two_layers_at_a_time():
         # the memory model's zero=3 "params" (what is gathered at most; the slice is counted
         # as the master) against the storage measured
         assert r["during"] <= r["predicted"] <= 1.05 * r["during"], r
+        # under a budget that holds them all the pass keeps every group for the step: each is
+        # all-gathered once per step (not twice per microbatch), the whole model is held during
+        # it, and all is freed when the step ends
+        assert set(kept["freed_after"]) == {"step"}, kept
+        assert kept["after_step"] == 0 and kept["after_optimizer"] == 0, kept
+        assert total <= kept["during"] <= total + block, (kept, total)
+        assert kept["during"] <= kept["predicted"] <= 1.05 * kept["during"], kept
+        # (by default each microbatch gathers every group in its forward and all but the kept
+        # two again in its backward: 72 all-gathers against 19 here)
+        assert r["gathers"] >= 1.8 * MICROBATCHES * kept["gathers"], (kept, r)

@@ -56,17 +56,24 @@ def _slice_error(pm, plain: dict, zero: int) -> float:
 
 
 def zero3_held(rank: int, world: int) -> dict:
+    """zero3_held_once as the pass decides without a budget, and under a budget that holds
+    every group for the step."""
+    return {"default": zero3_held_once(rank, world),
+            "budget": zero3_held_once(rank, world, memory_budget="1GB")}
+
+
+def zero3_held_once(rank: int, world: int, **options) -> dict:
     """zero=3 on dp=`world`: the bytes of full parameter storage a rank holds, sampled after
     every gather, release and all-gather post of the step (runtime/param_shards.py); the
     storages' own sizes (`untyped_storage().nbytes()`: what is allocated, not what autopart
-    thinks it holds) plus the all-gather buffers in flight. Also the bytes of each parameter
-    group the program gathers, the full parameter bytes, and what `pm.parameters()` hold."""
+    thinks it holds) plus the all-gather buffers in flight; the all-gathers the step posted.
+    Also the memory model's count and what `pm.parameters()` hold."""
     from tests._workers import Case, build as build_case
     model, loss_fn, inputs, target = build_case(Case("zero3-held", model="gpt4"))
     x = inputs[0]
     pm = autopart.parallelize(model, autopart.Mesh(dp=world), inputs, loss_fn=loss_fn,
                               target=target, zero=3, microbatches=MICROBATCHES,
-                              timeout=timedelta(seconds=120))
+                              timeout=timedelta(seconds=120), **options)
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
     sharded = pm._sharded
     samples: list[int] = []
@@ -89,10 +96,14 @@ def zero3_held(rank: int, world: int) -> dict:
     opt.step()
     opt.zero_grad()
     samples.clear()
+    gathers = sharded.gathers
     pm.train_step(x, target=target)          # the second step: measured
     during = max(samples)
     after_step = held()
     opt.step()
     return {"during": during, "after_step": after_step, "after_optimizer": held(),
+            "gathers": sharded.gathers - gathers,
+            "freed_after": [a for rows in pm.compiled.program.param_groups.values()
+                            for _, a in rows],
             "samples": len(samples), "predicted": pm.compiled.memory[rank]["params"],
             "held_numel": sum(p.numel() for p in pm.parameters())}

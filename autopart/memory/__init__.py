@@ -38,7 +38,7 @@ from .activations import (ActivationCache, ChunkActivations, SavedCounter,  # no
                           storage_key)
 from .per_rank import (MemoryTable, activation_peak, buffer_bytes, local_shaper,  # noqa: F401
                        state_bytes)
-from .budget import check_budget, choose_recompute  # noqa: F401
+from .budget import check_budget, choose_recompute, rank_memory  # noqa: F401
 
 __all__ = ["KEYS", "OPTIMIZER_STATES", "ZERO_LEVELS", "check_zero",
            "ChunkActivations", "ActivationCache", "MemoryTable", "chunk_activations",

@@ -77,6 +77,19 @@ def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbat
     return choices
 
 
+def rank_memory(program: Program, pp: int, *, mesh, schedule, microbatch_size: int,
+                optimizer: str, precision: str, zero: int, cache: ActivationCache) -> dict:
+    """Pipeline rank `pp`'s memory row for `program` as it stands (what check_budget reads):
+    a pass weighing choices of its own (gather_parameters' releases) asks it per candidate;
+    `cache` keeps the activations' fake runs to one per distinct chunk across the asks."""
+    b, s = microbatch_size, program.seq_len
+    local = local_shaper(program, mesh)
+    acts = {c.chunk: cache.get(c, program, b, s, local) for c in program.chunks if c.rank == pp}
+    state = state_bytes(program, _rank_chunks_local(program, mesh, pp), mesh, optimizer,
+                        precision, zero)
+    return with_activations(state, schedule.ranks[pp], acts, b, s)
+
+
 def _mixed(chunks, layers, current, variants) -> dict:
     """Per chunk: the none variant with each layer's bytes replaced by its chosen variant's."""
     out = {}

@@ -68,7 +68,8 @@ def _gathered_bytes(chunks, trainable: dict) -> int:
     yet released, plus the next group, whose all-gather that call posts (the prefetch). A group
     read at both ends of the forward (an embedding tied to the output layer) stays gathered in
     between. The backward gathers the same groups in reverse, one and its prefetch at a time,
-    each freed once its gradients are in, so the forward's most is the rank's."""
+    each freed once its gradients are in, so the forward's most is the rank's. A group the pass
+    keeps (release_params(..., after="backward" | "step")) counts as held from its gather on."""
     from autopart.ops.zero import gather_params, release_params
     best = 0
     for c in chunks:
@@ -82,7 +83,8 @@ def _gathered_bytes(chunks, trainable: dict) -> int:
                 held.add(g)
                 ahead = sizes[g + 1] if g + 1 < len(sizes) and g + 1 not in held else 0
                 best = max(best, sum(sizes[h] for h in held) + ahead)
-            elif node.target is release_params:
+            elif node.target is release_params and node.kwargs.get("after", "forward") == \
+                    "forward":      # a kept group stays gathered into the backward
                 held.discard(node.args[1])
     return best
 

@@ -6,6 +6,12 @@ parameters are all-gathered and freed:
 
     gather_params(self.param_shards, g)       all-gather group g's parameters (no-op when held)
     release_params(self.param_shards, g)      free their storage (the slice stays)
+    release_params(self.param_shards, g, after="backward")
+                                              keep them: the backward frees them once their
+                                              gradients are in (no re-gather in between)
+    release_params(self.param_shards, g, after="step")
+                                              keep them across the step's microbatches: freed
+                                              when the step ends (one gather per step)
     regather_on_backward(x, self.param_shards, g)
                                               forward identity; backward gathers group g again
                                               before the backward of the op that made x runs
@@ -25,15 +31,22 @@ import torch.nn as nn
 from autopart.ops.registry import register
 
 
+# when a group's gathered parameters are freed (passes/gather_parameters.py decides per group)
+RELEASES = ("forward", "backward", "step")
+
+
 class ParamShards(nn.Module):
     """A zero=3 program's parameter groups: `groups[g]` the attribute names of group g,
     `labels[g]` what the program says it is (the layer whose nodes first read it); `reduced`
     the names read only by ops that autocast runs in bf16 (passes/gather_parameters.py)."""
 
     def __init__(self, groups: list[tuple[str, ...]], labels: list[str],
-                 reduced: list[str] = ()):
+                 reduced: list[str] = (), after: list[str] | None = None):
         super().__init__()
         self.groups, self.labels = [tuple(g) for g in groups], list(labels)
+        # per group, when it is freed: "forward" (after its last reader there, gathered again
+        # for the backward), "backward" (once its gradients are in), "step" (at the step's end)
+        self.after = list(after) if after is not None else ["forward"] * len(self.groups)
         # read only by ops autocast runs in bf16: under precision="bf16" gathered in bf16
         self.reduced = tuple(reduced)
         self.owner = None          # the runtime's ShardedParameters, once bound
@@ -44,8 +57,10 @@ class ParamShards(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return (f"groups={len(self.groups)}, gathered in the reduced precision under bf16: "
-                f"{len(self.reduced)}, bound={self.owner is not None}")
+        kept = {k: self.after.count(k) for k in RELEASES if k != "forward" and k in self.after}
+        return (f"groups={len(self.groups)}, kept past the forward: {kept or 'none'}, gathered "
+                f"in the reduced precision under bf16: {len(self.reduced)}, "
+                f"bound={self.owner is not None}")
 
 
 def gather_params(shards: ParamShards, group: int) -> None:
@@ -53,8 +68,10 @@ def gather_params(shards: ParamShards, group: int) -> None:
         shards.owner.gather(shards.params[group], next_group=_next(shards, group, +1))
 
 
-def release_params(shards: ParamShards, group: int) -> None:
-    if shards.owner is not None:
+def release_params(shards: ParamShards, group: int, after: str = "forward") -> None:
+    """Free group's storage now (after="forward"); a kept group (after="backward" or "step")
+    stays gathered: the runtime frees it later (ShardedParameters.watch, .end_step)."""
+    if shards.owner is not None and after == "forward":
         shards.owner.release(shards.params[group])
 
 
@@ -89,4 +106,4 @@ register(gather_params, release_params, regather_on_backward, kind="collective",
 # fx's dead-code elimination must keep them: they return nothing anyone reads
 torch.fx.node._side_effectful_functions.update({gather_params, release_params})
 
-__all__ = ["ParamShards", "gather_params", "release_params", "regather_on_backward"]
+__all__ = ["RELEASES", "ParamShards", "gather_params", "release_params", "regather_on_backward"]
