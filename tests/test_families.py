@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests._workers import Case, assert_all_ranks_equal_plain
-from tests.family_workers import FAMILIES, build_family, run_family_group
+from tests.family_workers import FAMILIES, WITHOUT_PARTIAL_SUM, build_family, run_family_group
 
 NAMES = ["llama-meta", "neox", "bert", "bart", "vit"]
 FAST_2 = [Case(f"{n}-pp2", model=n, pp=2, microbatches=2) for n in NAMES] + \
@@ -28,7 +28,8 @@ FULL_8 = [Case(f"{n}-tp2xpp2xdp2", model=n, tp=2, pp=2, dp=2, microbatches=2) fo
 # gemma3, stablelm), set-ordered rotary tables (gemma3), `x @ w.T` linears (falcon), a fused
 # qkv cut by slices (phi3), latent attention (deepseek-v3), attention sinks and experts (gpt-oss)
 NEW = ["qwen3", "gemma3", "falcon", "phi3", "stablelm", "deepseek-v3"]
-FAST_2 += [Case("qwen3-tp2", model="qwen3", tp=2), Case("phi3-tp2", model="phi3", tp=2)]
+FAST_2 += [Case("qwen3-tp2", model="qwen3", tp=2), Case("phi3-tp2", model="phi3", tp=2),
+           Case("qwen3-tp2" + WITHOUT_PARTIAL_SUM, model="qwen3", tp=2, steps=1, clip=None)]
 FULL_2 += [Case(f"{n}-pp2", model=n, pp=2, microbatches=2) for n in NEW] + \
           [Case(f"{n}-tp2", model=n, tp=2) for n in NEW if n not in ("qwen3", "phi3")]
 FULL_4 = [Case(f"{n}-tp2xpp2", model=n, tp=2, pp=2, microbatches=2) for n in NEW] + \
@@ -37,7 +38,8 @@ FULL_4 = [Case(f"{n}-tp2xpp2", model=n, tp=2, pp=2, microbatches=2) for n in NEW
 GROUPS = {("families", 2): FAST_2, ("families-full", 2): FULL_2, ("families-full", 4): FULL_4,
           ("families-full", 8): FULL_8}
 _GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
-CASES = [pytest.param(c, id=c.name) for c in FAST_2] + [
+CASES = [pytest.param(c, id=c.name) for c in FAST_2
+         if not c.name.endswith(WITHOUT_PARTIAL_SUM)] + [
     pytest.param(c, id=c.name, marks=pytest.mark.full) for c in FULL_2 + FULL_4 + FULL_8]
 
 # Linears docs/families.md's table says stay replicated over tp, by family: BERT's masked-LM
@@ -51,6 +53,22 @@ REPLICATED_OK = {"bert": 1, "deepseek-v3": 8}
 def test_matches_plain_model(case: Case, spawn_cache):
     key = _GROUP_OF[case.name]
     assert_all_ranks_equal_plain(case, run_family_group(spawn_cache, key, GROUPS[key])[case.name])
+
+
+def test_per_head_norm_gradients_must_be_summed_over_tp(spawn_cache):
+    """Qwen3 at tp=2 with the partial-gradient rule switched off (split_tensor_parallel finds no
+    replicated parameter meeting a tp-sharded activation): each rank's q_norm/k_norm weight
+    gradient is the sum over its own heads only, and those gradients, and only those, differ
+    from the plain model's. So qwen3-tp2's equality tests the rule, not a model whose norms do
+    not matter."""
+    key = ("families", 2)
+    results = run_family_group(spawn_cache, key, GROUPS[key])
+    ranks = results["qwen3-tp2" + WITHOUT_PARTIAL_SUM]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        grads = [p for p in r["problems"] if p.startswith("step 1 grad of")]
+        assert grads, r["problems"]
+        assert all("q_norm" in p or "k_norm" in p for p in grads), grads
 
 
 # compile-only, ~10 s each: the fast tier keeps the ones whose rules are new (slices, x @ w.T)
