@@ -137,6 +137,10 @@ class Compiled:
     activation_runs: Any = field(repr=False, default=None)
     # what train_step must be given, per input: shapes, dtypes, embedding tables (capture.py)
     input_specs: tuple = field(repr=False, default=())
+    # a hash of the captured graph's structure in the agreed order (node_order.structure):
+    # ranks whose programs differ while this agrees traced the same forward, so their options
+    # or autopart versions differ (runtime/groups.check_same_program says which)
+    traced: str = field(repr=False, default="")
     # the program check's report: {"checked": distinct programs run, "skipped": [...]}
     check: dict = field(repr=False, default_factory=dict)
 
@@ -214,10 +218,14 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     from autopart.memory import parse_bytes
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     program = _capture(model, example_inputs, loss_fn, target, mbs, trace_device)
+    traced = ""
     if agree_order is not None:
+        import hashlib
         from autopart import node_order
         program, _ = node_order.follow(program, agree_order(
             node_order.structure(program.gm.graph)))
+        traced = hashlib.sha1(repr(node_order.structure(program.gm.graph)).encode()
+                              ).hexdigest()[:16]
     # what train_step must be given; before the passes rewrite the embeddings
     specs = input_specs(program, example_inputs + ((target,) if target is not None else ()))
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
@@ -239,7 +247,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
                         results, time.perf_counter() - start, program.costs, zero,
-                        input_specs=specs)
+                        input_specs=specs, traced=traced)
     # every distinct rank program runs forward and backward on fake tensors before it is handed
     # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)
     from autopart.check_programs import check_rank_programs

@@ -149,19 +149,27 @@ def check_same_batch(values: list, groups: RankGroups, step: int) -> None:
         "microbatch its share. Do not shard the data per rank as for DistributedDataParallel")
 
 
-def check_same_program(digest: str, groups: RankGroups) -> None:
-    """Raise on every rank, naming which ranks differ, unless all compiled the same program."""
+def check_same_program(digest: str, groups: RankGroups, traced: str = "") -> None:
+    """Raise on every rank, naming which ranks differ, unless all compiled the same program;
+    `traced` (the captured graph's hash, Compiled.traced) tells the two causes apart."""
     parts = _differing(digest, groups, "compiled")
     if not parts:
         return
-    raise AutopartError(
-        f"the ranks compiled different programs ({parts}).\n  remedy: every rank must build "
-        "the same model with the same configuration, example input shapes, parallelize options "
-        "and autopart version. A forward whose ops depend on the process is the other cause: "
-        "where only their order differs (a loop over a Python set) every rank already takes "
-        "rank 0's order, so these ranks traced different ops (code branching on a set's or "
-        "dict's iteration order, id() or hash()); set PYTHONHASHSEED to one value on every "
-        "rank, or iterate in a fixed order (sorted())")
+    captured = _differing(traced, groups, "traced") if traced else ""
+    if captured:
+        cause = (f"They traced different forwards ({captured}), before any pass ran.\n  remedy: "
+                 "every rank must build the same model and pass example inputs of the same "
+                 "shapes. If they do, the forward's ops depend on the process: code branching "
+                 "on a set's or dict's iteration order, id() or hash() (where only the order of "
+                 "the ops differs, as in a loop over a set, every rank already takes rank 0's "
+                 "order); set PYTHONHASHSEED to one value on every rank, or iterate in a fixed "
+                 "order (sorted())")
+    else:
+        cause = ("They traced the same forward, so what differs is how it was compiled.\n  "
+                 "remedy: pass the same parallelize options (mesh, microbatches, schedule, "
+                 "recompute, memory_budget, zero, precision, ...) on every rank, and run one "
+                 "autopart and torch version everywhere")
+    raise AutopartError(f"the ranks compiled different programs ({parts}). {cause}")
 
 
 def bind_comms(chunks, groups: RankGroups) -> None:

@@ -55,7 +55,7 @@ class ParallelModel:
         self.ep_rank = self.mesh.ep_rank(rank)
         self.device = device
         self._groups: RankGroups = build_groups(self.mesh, plan, timeout)
-        check_same_program(compiled.digest(), self._groups)
+        check_same_program(compiled.digest(), self._groups, compiled.traced)
         # this rank's own copies of its weight shards, its comms bound to its groups
         self.program = compiled.programs.instantiate(rank)
         bind_comms(self.program.chunks, self._groups)

@@ -9,17 +9,20 @@ import torch
 from tests._workers import Case, build
 
 
-def mismatched_programs(rank: int, world: int) -> str:
-    """Rank 1 builds a deeper model than the others: parallelize must refuse on every rank."""
+def mismatched_programs(rank: int, world: int, differ: str = "model") -> str:
+    """Rank 1 builds a deeper model than the others (differ="model"), or the same model with
+    another recompute option ("options"): parallelize must refuse on every rank."""
     import autopart
     from examples.gpt import GPT, config, lm_loss
 
     torch.manual_seed(0)
-    model = GPT(config(f"tiny,n_layer={4 if rank == 1 else 2},n_embd=32,n_head=2,block_size=16"))
+    deeper = rank == 1 and differ == "model"
+    model = GPT(config(f"tiny,n_layer={4 if deeper else 2},n_embd=32,n_head=2,block_size=16"))
     x = torch.randint(0, 256, (4, 16))
+    recompute = "full" if rank == 1 and differ == "options" else "none"
     try:
         autopart.parallelize(model, autopart.Mesh(pp=world), (x,), loss_fn=lm_loss, target=x,
-                             microbatches=2, timeout=timedelta(seconds=60))
+                             microbatches=2, timeout=timedelta(seconds=60), recompute=recompute)
         return "no error"
     except autopart.AutopartError as e:
         return f"AutopartError: {e}"

@@ -53,12 +53,21 @@ def test_the_survivors_error_names_the_action_the_peer_and_the_step():
                      r"\dSEND_[FB]\d+ to) rank 1 at step 2", text), text[-3000:]
 
 
-def test_ranks_that_compiled_different_programs_are_named():
-    errors = spawn(mismatched_programs, 2, timeout=240)
+@pytest.mark.parametrize("differ", ["model", "options"])
+def test_ranks_that_compiled_different_programs_are_named(differ):
+    """The ranks that differ are named, and the cause: a deeper model on rank 1 was traced
+    differently (the remedy names the model, the inputs and a process-dependent forward); the
+    same model with another recompute option was traced alike (the remedy names the options)."""
+    errors = spawn(mismatched_programs, 2, differ, timeout=240)
     for rank, error in enumerate(errors):
         assert error.startswith("AutopartError: the ranks compiled different programs"), error
         assert "ranks [0] compiled" in error and "ranks [1] compiled" in error, error
-        assert "remedy" in error
+        if differ == "model":
+            assert "They traced different forwards (ranks [0] traced" in error, error
+            assert "PYTHONHASHSEED" in error and "same model" in error, error
+        else:
+            assert "They traced the same forward" in error, error
+            assert "same parallelize options" in error and "PYTHONHASHSEED" not in error, error
 
 
 def test_nonfinite_loss_raises_with_the_step_stage_and_microbatch():
