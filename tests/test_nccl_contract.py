@@ -54,6 +54,19 @@ def test_runtime_posts_point_to_point_only_in_batches():
     assert not found, found
 
 
+def test_the_runtime_sends_no_unbatched_point_to_point():
+    """Nor blocking dist.send/recv in what runs while training (runtime/: the step, state
+    gathering, checkpoints): under NCCL each unbatched pair on the world group builds a 2-rank
+    communicator of its own. Only the planner's link calibration (a ping-pong timed once,
+    autopart/planner/calibrate.py) sends alone."""
+    calls = re.compile(r"\bdist\.(send|recv|isend|irecv)\s*\(")
+    found = [f"{p.relative_to(ROOT)}:{i}" for d in ("runtime", "autopart")
+             for p in (ROOT / d).rglob("*.py")
+             if not p.name.startswith("test_") and p.name != "calibrate.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if calls.search(line)]
+    assert not found, found
+
+
 # -- the equivalence cases, under the contract ----------------------------------------------------
 # Fast tier: the pipelines whose batches mix sends and receives (1F1B, interleaved, zb-v), and one
 # tensor-parallel, one expert-parallel and one ZeRO case (their collectives keep Gloo's behaviour;
