@@ -9,7 +9,8 @@ gradient reduce-scattered into this rank's slice as the backward produces it, `.
 - 3 AdamW steps against the plain model on the meshes and features ZeRO meets (the composition
   cases' models and comparison, tests/composition.py): dp=2 (fast tier), and in the full tier
   dp=4, pp=2 x dp=2 (1F1B, tied embeddings across stages; ZB-V, whose W is not autograd's),
-  tp=2 with sequence parallelism x dp=2, HF Mixtral dp=4 x ep=2 (the experts' own layout),
+  tp=2 with sequence parallelism x dp=2, HF Mixtral dp=4 x ep=2 (the experts' own layout), Switch
+  dp=2 x ep=2,
   recompute, bf16 against the written-out recipe, ignored labels, two train_steps accumulated
   before an optimizer step.
 Checkpoints across levels: tests/test_checkpoint.py (zero=2 phases).
@@ -57,6 +58,11 @@ def full_cases(zero: int) -> list:
                      sequence_parallel=True, microbatches=2, **z),
             cm.CCase(f"zero{zero}-mixtral-dp4xep2", model="c-hf-mixtral-untied", dp=4, ep=2,
                      microbatches=2, **z),
+            # Switch (examples/switch.py: top-1 routing, capacity) with its experts sliced over
+            # the dp/ep ranks holding them: here none (each expert on one rank), the dense part
+            # over both
+            cm.CCase(f"zero{zero}-switch-dp2xep2", model="switch", dp=2, ep=2, microbatches=2,
+                     **z),
             cm.CCase(f"zero{zero}-gpt-dp2-rc-selective", model="c-gpt-tied", dp=2,
                      microbatches=2, recompute="selective", **z),
             cm.CCase(f"zero{zero}-gpt-dp2-bf16", model="c-gpt-tied", dp=2, microbatches=2,
