@@ -133,7 +133,7 @@ def test_to_json(compiled_tiny):
     json.dumps(out)   # plain data
     assert set(out) >= {"mesh", "schedule", "microbatches", "virtual_stages", "global_batch",
                         "microbatch_size", "chunks", "shared_params", "bubble", "peak_in_flight",
-                        "passes", "compile_seconds", "loss_rule"}
+                        "passes", "compile_seconds", "loss_rule", "param_groups"}
     assert out["loss_rule"].startswith("token-weighted: cross_entropy_loss over targets != -100")
     assert out["mesh"] == {"dp": 2, "pp": 2, "tp": 1, "ep": 1, "world_size": 4}
     assert [p["name"] for p in out["passes"]] == ["weigh_loss_by_tokens", "split_tensor_parallel",
