@@ -2,6 +2,7 @@
 
     python bench/zero_vs_fsdp.py                          # step time, table
     python bench/zero_vs_fsdp.py --steps 30 --json
+    python bench/zero_vs_fsdp.py --steps 30 --sides autopart_zero3,fsdp2_reshard
     python bench/zero_vs_fsdp.py --memory --config tiny,n_layer=4 --levels 0,1,2   # peak RSS
     python bench/zero_vs_fsdp.py --memory --levels 3 --fsdp2      # zero=3 and FSDP2, dp=4, 355M
 
@@ -131,7 +132,8 @@ def equal_work(steps: dict, x, plain, rtol: float) -> dict:
     first = {k: fn() for k, fn in steps.items()}
     check_losses(first, ref, rtol, "first-step loss vs the plain model")
     second = {k: fn() for k, fn in steps.items()}
-    check_losses(second, second["fsdp2"], 10 * rtol, "second-step loss vs fsdp2")
+    peer = "fsdp2" if "fsdp2" in second else "fsdp2_reshard"
+    check_losses(second, second[peer], 10 * rtol, f"second-step loss vs {peer}")
     return {"plain": ref, "first": first, "second": second}
 
 
@@ -143,18 +145,21 @@ def step_rank(rank: int, world: int, opts: dict) -> dict:
     plain = GPT(cfg)
     x = global_batch(cfg, opts["batch"], opts["seed"] + 1)
     m = opts["microbatches"]
+    sides = opts["sides"]
     steps = {}
     for level in (3, 2, 1, 0):
-        pm, opt = autopart_side(copy.deepcopy(plain), autopart.Mesh(dp=world), x, m, level)
-        steps[f"autopart_zero{level}"] = lambda pm=pm, opt=opt: autopart_step(pm, opt, x)
+        if f"autopart_zero{level}" in sides:
+            pm, opt = autopart_side(copy.deepcopy(plain), autopart.Mesh(dp=world), x, m, level)
+            steps[f"autopart_zero{level}"] = lambda pm=pm, opt=opt: autopart_step(pm, opt, x)
     for name, reshard in (("fsdp2", False), ("fsdp2_reshard", True)):
-        fsdp, fsdp_opt = fsdp2_side(plain, world, reshard)
-        steps[name] = lambda f=fsdp, o=fsdp_opt, r=reshard: fsdp2_step(f, o, x, m, r)
+        if name in sides:
+            fsdp, fsdp_opt = fsdp2_side(plain, world, reshard)
+            steps[name] = lambda f=fsdp, o=fsdp_opt, r=reshard: fsdp2_step(f, o, x, m, r)
     check = equal_work(steps, x, plain, opts["rtol"])
-    wall = {k: [] for k in SIDES}
+    wall = {k: [] for k in sides}
     for it in range(opts["warmup"] + opts["steps"]):
         # reversed every other round: no side always follows the same one (caches, drift)
-        for side in SIDES if it % 2 == 0 else SIDES[::-1]:
+        for side in sides if it % 2 == 0 else sides[::-1]:
             dist.barrier()
             start = time.perf_counter()
             steps[side]()
@@ -174,11 +179,12 @@ def slowest(times: list[float]) -> list[float]:
 def step_mode(a) -> int:
     from autopart.runtime.launch import spawn
     opts = dict(config=a.config, batch=a.batch, microbatches=a.microbatches, steps=a.steps,
-                warmup=a.warmup, seed=a.seed, rtol=a.rtol)
+                warmup=a.warmup, seed=a.seed, rtol=a.rtol, sides=a.sides)
     load = os.getloadavg()[0]
     out = spawn(step_rank, 2, opts, timeout=a.timeout)[0]
     times = out["step_seconds"]
-    ratios = {k: statistics.median(_per_round(times[k], times[peer])) for k, peer in PEER.items()}
+    ratios = {k: statistics.median(_per_round(times[k], times[peer])) for k, peer in PEER.items()
+              if k in times and peer in times}
     result = {"bench": "zero_vs_fsdp", "dp": 2, "config": a.config, "params": out["params"],
               "batch": a.batch, "microbatches": a.microbatches, "steps": a.steps,
               "warmup": a.warmup, "equal_work": out["check"], "step_seconds": times,
@@ -198,7 +204,7 @@ def step_table(r: dict) -> str:
              f"equal work: plain first-step loss {c['plain']:.6f}; " + ", ".join(
                  f"{k} {v:.6f}" for k, v in c["first"].items()) + " (match)", "",
              f"{'side':<16}{'median s':>10}{'/ peer':>10}  peer"]
-    for side in SIDES:
+    for side in [s for s in SIDES if s in r["step_seconds"]]:
         ratio = r["median_ratio_to_fsdp2"].get(side)
         lines.append(f"{side:<16}{statistics.median(r['step_seconds'][side]):>10.3f}"
                      f"{'' if ratio is None else f'{ratio:.3f}':>10}  {PEER.get(side, '')}")
@@ -322,6 +328,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", type=int, default=4, help="memory mode: ranks (default 4)")
     ap.add_argument("--fsdp2", action="store_true",
                     help="memory mode: also FSDP2 with reshard_after_forward=True (ZeRO-3's peer)")
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help="step mode: which of " + ", ".join(SIDES) + " (default all; a ratio "
+                    "needs the side and its peer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true",
@@ -331,6 +340,9 @@ def main(argv=None) -> int:
     a.batch = a.batch or (4 if a.memory else 8)
     a.microbatches = a.microbatches or (1 if a.memory else 2)
     a.levels = sorted({int(v) for v in a.levels.split(",")})
+    a.sides = tuple(s for s in SIDES if s in a.sides.split(","))
+    if not a.sides or not set(a.sides) & {"fsdp2", "fsdp2_reshard"}:
+        ap.error(f"--sides: name at least one FSDP2 side and others of {', '.join(SIDES)}")
     if not set(a.levels) <= {0, 1, 2, 3}:
         ap.error(f"--levels {a.levels}: zero levels are 0, 1, 2, 3")
     return memory_mode(a) if a.memory else step_mode(a)
