@@ -320,3 +320,21 @@ class _expert_reduce_left_out:
 
     def __exit__(self, *exc):
         self.module._reduce = self.reduce
+
+
+# -- host syncs of dropless expert parallelism (tests/test_expert_parallel.py) ------------------
+
+def expert_syncs(rank: int, world: int) -> dict:
+    """HF Mixtral (dropless, rows sorted by expert) on dp=world x ep=world, 2 microbatches: the
+    host syncs of its second train_step made in autopart's own files (the model's own code,
+    e.g. transformers' grouped-mm fallback on the CPU, syncs in the plain model too), and the
+    number of MoE layers it has."""
+    from pathlib import Path
+    from tests._workers import Case
+    from tests.overlap_workers import counted_syncs
+    case = Case("mixtral-syncs", model="mixtral", dp=world, ep=world, microbatches=2, batch=4)
+    root = Path(__file__).resolve().parent.parent
+    ours = {p.name for d in ("autopart", "runtime", "passes") for p in (root / d).rglob("*.py")}
+    syncs = [s for s in counted_syncs(case, rank) if s.split(" at ")[1].split(":")[0] in ours]
+    return {"syncs": syncs, "moe_layers": hf_moe("hf-mixtral").config.num_hidden_layers,
+            "microbatches": case.microbatches}

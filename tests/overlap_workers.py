@@ -46,7 +46,8 @@ _buckets: list = []
 def _parallelize(case: Case, trace: str | None = None):
     import autopart
     model, loss_fn, inputs, target = build(case)
-    pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=case.dp), inputs,
+    pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep),
+                              inputs,
                               loss_fn=loss_fn, target=target, microbatches=case.microbatches,
                               schedule=case.schedule, virtual_stages=case.virtual_stages,
                               zero=getattr(case, "zero", 0), nonfinite="ignore", trace=trace,

@@ -172,3 +172,18 @@ def test_switch_c_compiles_on_meta_with_pipeline_and_expert_parallelism():
         starts.add(w.storage_offset())
     assert len(starts) == 3
     assert "expert parallelism over ep=64" in c.explain()
+
+
+def test_dropless_dispatch_syncs_the_host_once_per_moe_layer_and_microbatch():
+    """all_to_all_single takes its split sizes as Python ints, so a dropless dispatch needs the
+    per-expert row counts on the host: one sync per MoE layer per microbatch in the forward;
+    the combine of the same rows and both backwards reuse that plan. Counted on a real step
+    (Tensor.item/tolist/__int__... patched: tests/overlap_workers.counted_syncs), besides the
+    step's own two input-size reads and the loss scale."""
+    from autopart.runtime.launch import spawn
+    from tests.moe_workers import expert_syncs
+    for r in spawn(expert_syncs, 2, timeout=300):
+        plans = [s for s in r["syncs"] if "(_row_plan)" in s]
+        assert len(plans) == r["moe_layers"] * r["microbatches"] == 4, r["syncs"]
+        others = [s for s in r["syncs"] if s not in plans]
+        assert [s.split(" at ")[0] for s in others] == ["__int__"] * 3, r["syncs"]

@@ -176,10 +176,21 @@ def _rows_backward(y, plan, comm, rows: int):
     return out
 
 
+def _plan_for(offsets: torch.Tensor, layout: torch.Tensor, comm: EPComm):
+    """_row_plan, made once per dispatch: the combine of the same rows (the same offsets and
+    layout tensors) reuses the dispatch's plan, so a layer syncs the host once per forward."""
+    memo = getattr(comm, "_plan_memo", None)
+    if memo is not None and memo[0] is offsets and memo[1] is layout:
+        return memo[2]
+    plan = _row_plan(offsets, layout, comm.size)
+    comm._plan_memo = (offsets, layout, plan)
+    return plan
+
+
 class _DispatchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, layout, comm):
-        ctx.plan = _row_plan(offsets, layout, comm.size)   # kept for the backward: no new sync
+        ctx.plan = _plan_for(offsets, layout, comm)     # kept for the backward: no new sync
         ctx.comm, ctx.rows = comm, x.shape[0]
         return _rows_forward(x, ctx.plan, comm)
 
@@ -191,7 +202,7 @@ class _DispatchRows(torch.autograd.Function):
 class _CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, offsets, layout, rows, comm):
-        ctx.plan = _row_plan(offsets, layout, comm.size)
+        ctx.plan = _plan_for(offsets, layout, comm)
         ctx.comm = comm
         return _rows_backward(y, ctx.plan, comm, rows)
 
