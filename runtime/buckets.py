@@ -136,10 +136,8 @@ class StepBuckets:
         """Wait on every posted bucket's work, each once, and put the sums where they belong."""
         for bucket, work, result, grads, posted in self.posted:
             start = self.now()
-            if work is not None:
-                self.wait(work, f"was waiting for the gradient reduction of bucket "
-                                f"{bucket.index} ({', '.join(bucket.names[:2])}"
-                                f"{', ...' if len(bucket.names) > 2 else ''})")
+            if work is not None:        # the text is formatted only if the wait fails
+                self.wait(work, _Waiting(bucket))
             if bucket.shards is not None:
                 lay, s, _ = bucket.shards
                 lay.take_reduced(s, result, keep_full=not self.every_backward)
@@ -158,6 +156,19 @@ class StepBuckets:
             self._post(self.layout.buckets[b])
         self.next = len(self.window)
         self.settle()
+
+
+class _Waiting:
+    """What a rank was doing when a bucket's wait failed: formatted only then (a step waits on
+    every bucket; formatting each would cost every step)."""
+
+    def __init__(self, bucket: Bucket):
+        self.bucket = bucket
+
+    def __str__(self) -> str:
+        names = self.bucket.names
+        return (f"was waiting for the gradient reduction of bucket {self.bucket.index} "
+                f"({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})")
 
 
 def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
