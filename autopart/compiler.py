@@ -222,10 +222,11 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     if agree_order is not None:
         import hashlib
         from autopart import node_order
-        program, _ = node_order.follow(program, agree_order(
-            node_order.structure(program.gm.graph)))
-        traced = hashlib.sha1(repr(node_order.structure(program.gm.graph)).encode()
-                              ).hexdigest()[:16]
+        mine = node_order.structure(program.gm.graph)
+        agreed = agree_order(mine)
+        program, changed = node_order.follow(program, agreed)
+        # follow rebuilds the graph as `agreed` describes, or leaves it as it was
+        traced = hashlib.sha1(repr(agreed if changed else mine).encode()).hexdigest()[:16]
     # what train_step must be given; before the passes rewrite the embeddings
     specs = input_specs(program, example_inputs + ((target,) if target is not None else ()))
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,

@@ -61,6 +61,8 @@ def test_rank0_order_gives_one_program():
     other = _compiled(("full", "sliding"), agree_order=lambda structure: list(reference))
     assert other.digest() == first.digest()
     assert [c.code for c in other.program.chunks] == [c.code for c in first.program.chunks]
+    # the reordered rank's captured-graph hash is rank 0's (check_same_program's cause test)
+    assert other.traced and other.traced == first.traced
 
 
 def test_different_computations_are_left_for_the_digest_check():
