@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+from collections import Counter
 
 import torch
 import torch.fx as fx
@@ -81,16 +82,16 @@ def gather_parameters(program: Program, *, zero: int = 0, budget: int | None = N
         weigh = _Weigher(staged, budget, dict(mesh=mesh, schedule=schedule, zero=3,
                                               microbatch_size=microbatch_size,
                                               optimizer=optimizer, precision=precision))
+        free = dict(keep)
         for pp in range(mesh.pp):
-            keep.update(weigh.most_kept(pp, microbatches))
+            keep.update(weigh.most_kept(pp, microbatches, free))
     for chunk in staged.chunks:
-        set_releases(chunk, [keep.get((chunk.chunk, g), "forward")
-                             for g in range(_group_count(chunk))])
+        if _group_count(chunk):
+            set_releases(chunk, _releases_of(chunk, keep))
+            chunk.gm.recompile()
     groups = {c.chunk: list(zip(c.gm.param_shards.labels, c.gm.param_shards.after))
               for c in staged.chunks if _group_count(c)}
-    report = {f"chunk {c}": {after: sum(a == after for _, a in rows)
-                             for after in ("forward", "backward", "step")
-                             if any(a == after for _, a in rows)}
+    report = {f"chunk {c}": dict(Counter(after for _, after in rows))
               for c, rows in groups.items()}
     return staged.replace(param_groups=groups), report
 
@@ -136,15 +137,20 @@ def _releases(chunk: ChunkProgram) -> dict[int, fx.Node]:
     return {n.args[1]: n for n in chunk.gm.graph.nodes if n.target is release_params}
 
 
+def _releases_of(chunk: ChunkProgram, keep: dict[tuple[int, int], str]) -> list[str]:
+    """Per group of `chunk`, when it is freed: `keep`'s say, else after the forward."""
+    return [keep.get((chunk.chunk, g), "forward") for g in range(_group_count(chunk))]
+
+
 def set_releases(chunk: ChunkProgram, after: list[str]) -> None:
-    """Say in `chunk`'s program (its release_params calls) and its ParamShards when each group
-    is freed. Mutates the chunk: only this pass's own copies are handed to it."""
+    """Say in `chunk`'s graph (its release_params calls) and its ParamShards when each group
+    is freed (its code once the caller recompiles it: the memory model reads the graph). Mutates
+    the chunk: only this pass's own copies are handed to it."""
     if not after:
         return
     for g, node in _releases(chunk).items():
         node.kwargs = {} if after[g] == "forward" else {"after": after[g]}
     chunk.gm.param_shards.after = list(after)
-    chunk.gm.recompile()
 
 
 def _free_keeps(program: Program) -> dict[tuple[int, int], str]:
@@ -173,16 +179,18 @@ class _Weigher:
         from autopart.memory import rank_memory
         mine = [c for c in self.program.chunks if c.rank == pp]
         for c in mine:
-            set_releases(c, [keep.get((c.chunk, g), "forward") for g in range(_group_count(c))])
+            set_releases(c, _releases_of(c, keep))
         return rank_memory(self.program, pp, cache=self.cache, **self.options)["total"] \
             <= self.budget
 
-    def most_kept(self, pp: int, microbatches: int) -> dict[tuple[int, int], str]:
+    def most_kept(self, pp: int, microbatches: int,
+                  free: dict[tuple[int, int], str]) -> dict[tuple[int, int], str]:
         """Every group for the step if that fits and there is more than one microbatch; else
-        the largest k such that the rank's last k groups kept to the backward fit."""
+        the largest k such that the rank's last k groups kept to the backward fit, besides
+        the `free` keeps (_free_keeps)."""
         order = [(c.chunk, g) for c in sorted(self.program.chunks, key=lambda c: c.chunk)
                  if c.rank == pp for g in range(_group_count(c))]
-        base = {k: v for k, v in _free_keeps(self.program).items() if k in order}
+        base = {k: v for k, v in free.items() if k in order}
         whole = dict.fromkeys(order, "step")
         if microbatches > 1 and self.fits(pp, whole):
             return whole
