@@ -248,11 +248,11 @@ PARALLELIZE_ONLY = {
 }
 
 
-@pytest.mark.parametrize("entry", ["compile", "parallelize"])
-@pytest.mark.parametrize("name", list(OPTION_CASES) + list(PARALLELIZE_ONLY))
+# autopart.compile does not take the parallelize-only options: those run through parallelize only
+@pytest.mark.parametrize("name, entry", [(n, e) for e in ("compile", "parallelize")
+                                         for n in OPTION_CASES] +
+                         [(n, "parallelize") for n in PARALLELIZE_ONLY])
 def test_bad_option_value_names_the_option_and_the_allowed_values(name, entry):
-    if entry == "compile" and name in PARALLELIZE_ONLY:
-        pytest.skip(f"{name}: an option of parallelize only; autopart.compile does not take it")
     options, words = {**OPTION_CASES, **PARALLELIZE_ONLY}[name]
     with pytest.raises(AutopartError) as e:
         (_compile_with if entry == "compile" else _parallelize_with)(**options)
