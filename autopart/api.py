@@ -33,7 +33,8 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                 init_fn: Callable | None = None, trace: str | None = None,
                 zero: int = 0, nonfinite: str = "raise",
                 precision: str = "fp32", compile: bool | str = False,
-                zero_bucket_size: int | None = None) -> ParallelModel:
+                zero_bucket_size: int | None = None,
+                cp_attention: str = "ring") -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
@@ -59,6 +60,10 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     replay as CUDA graphs. With precision="bf16" each segment is traced under the step's
     autocast, so its graph holds the casts, and AOTAutograd runs the artifact with autocast off.
 
+    A mesh with `cp` > 1 shards the sequence over context-parallel ranks (passes/
+    split_context_parallel): each rank holds sequence chunks i and 2*cp-1-i, attention runs as
+    `cp_attention="ring"` (K/V passed peer to peer) or `"allgather"`.
+
     `zero_bucket_size` (zero=1): gradient elements per reduce-scatter and all-gather (default
     40M, Megatron-LM's bucket size); a rank's transient memory for them is one bucket
     (autopart/runtime/optimizer.py).
@@ -67,7 +72,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     # option values first, before any process-group call (autopart/arguments.py)
     check_options(sequence_parallel=sequence_parallel, schedule=schedule, recompute=recompute,
                   memory_budget=memory_budget, optimizer=optimizer, precision=precision,
-                  zero=zero, nonfinite=nonfinite, compile=compile)
+                  zero=zero, nonfinite=nonfinite, compile=compile, cp_attention=cp_attention)
     zero_bucket_size = check_bucket_size(zero_bucket_size, zero)
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
@@ -93,7 +98,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                              virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
                              recompute=recompute, memory_budget=memory_budget,
                              optimizer=optimizer, precision=precision, zero=zero,
-                             agree_order=rank0_order,
+                             cp_attention=cp_attention, agree_order=rank0_order,
                              trace_device=torch.device(device.type) if meta else None)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)

@@ -128,18 +128,20 @@ _REMEDIES = {
     "nonfinite": "raise (stop with the step, stage and microbatch), skip (drop the step's "
                  "gradients) or ignore",
     "compile": "False, True (Inductor) or 'cudagraphs'",
+    "cp_attention": "'ring' (K/V passed peer to peer around the context-parallel ranks, "
+                    "overlapped with compute) or 'allgather' (K/V all-gathered at once)",
 }
 
 
 def _choices() -> dict[str, tuple]:
-    from autopart.compiler import PRECISIONS
+    from autopart.compiler import CP_ATTENTIONS, PRECISIONS
     from autopart.memory import OPTIMIZER_STATES, ZERO_LEVELS
     from autopart.passes.recompute_activations import MODES as RECOMPUTE
     from autopart.runtime.nonfinite import MODES as NONFINITE
     from autopart.schedule import SCHEDULES
     return {"schedule": SCHEDULES, "recompute": RECOMPUTE, "optimizer": tuple(OPTIMIZER_STATES),
             "precision": PRECISIONS, "zero": ZERO_LEVELS, "nonfinite": NONFINITE,
-            "compile": (False, True, "cudagraphs")}
+            "compile": (False, True, "cudagraphs"), "cp_attention": CP_ATTENTIONS}
 
 
 def check_choice(name: str, value):

@@ -31,6 +31,8 @@ from autopart.passes.emit_rank_programs import emit_rank_programs
 from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.gather_parameters import gather_parameters
 from autopart.passes.shard_experts import shard_experts
+from autopart.passes.split_context_parallel import ATTENTIONS as CP_ATTENTIONS
+from autopart.passes.split_context_parallel import split_context_parallel
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 from autopart.passes.split_backward import split_backward
 from autopart.passes.weigh_loss_by_tokens import weigh_loss_by_tokens
@@ -39,14 +41,17 @@ from autopart.passes.weigh_loss_by_tokens import weigh_loss_by_tokens
 def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
               sequence_parallel: bool, recompute: str = "none", memory_budget: int | None = None,
               optimizer: str = "adam", schedule: sched.Schedule | None = None,
-              zero: int = 0, precision: str = "fp32", splits: int = 1) -> list[Pass]:
+              zero: int = 0, precision: str = "fp32", splits: int = 1,
+              cp_attention: str = "ring") -> list[Pass]:
     """The compiler's passes in order, with the Program fields each reads and fills.
 
     shard_experts runs first (ep > 1 only), so that split_tensor_parallel counts each expert
     weight as 1/ep of a rank's; the cost analysis runs after both, so costs, activation sizes and
     boundary shapes are per rank; the cut sees what each rank really sends. weigh_loss_by_tokens
     runs before them all: it rewrites the loss the tensor-parallel pass then splits.
-    `splits` = microbatches * dp, the pieces the global batch is cut into."""
+    split_context_parallel runs after tensor parallelism (it replaces attention on each rank's
+    heads) and before the costs, which it makes per rank: each rank's sequence is S / cp.
+    `splits` = microbatches * dp * cp, the pieces the global batch is cut into."""
     experts = [Pass("shard_experts", shard_experts, requires=(), provides=("ep",),
                     options=dict(ep=mesh.ep, microbatch_size=microbatch_size, dp=mesh.dp))]
     return [
@@ -56,7 +61,10 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
         Pass("split_tensor_parallel", split_tensor_parallel, requires=(), provides=("tp",),
              options=dict(tp=mesh.tp, sequence_parallel=sequence_parallel),
              after=("shard_experts", "weigh_loss_by_tokens")),
-        Pass("analyze_costs", analyze_costs, requires=("tp",), provides=("costs",)),
+        Pass("split_context_parallel", split_context_parallel, requires=("tp", "loss_rule"),
+             provides=("cp",), options=dict(cp=mesh.cp, attention=cp_attention, tp=mesh.tp,
+                                            sequence_parallel=sequence_parallel)),
+        Pass("analyze_costs", analyze_costs, requires=("tp", "cp"), provides=("costs",)),
         Pass("cut_pipeline_stages", cut_pipeline_stages, requires=("costs",), provides=("stages",),
              options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size,
                           schedule=schedule, optimizer=optimizer, zero=zero, dp=mesh.dp,
@@ -183,7 +191,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
             virtual_stages: int = 1, sequence_parallel: bool = False,
             dump_dir: str | None = None, recompute: str = "none",
             memory_budget: str | int | None = None, optimizer: str = "adam",
-            precision: str = "fp32", zero: int = 0,
+            precision: str = "fp32", zero: int = 0, cp_attention: str = "ring",
             agree_order: Callable[[list], list] | None = None,
             trace_device: torch.device | str | None = None) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
@@ -206,7 +214,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     """
     start = time.perf_counter()
     check_options(sequence_parallel=sequence_parallel, schedule=schedule, recompute=recompute,
-                  memory_budget=memory_budget, optimizer=optimizer, precision=precision, zero=zero)
+                  memory_budget=memory_budget, optimizer=optimizer, precision=precision, zero=zero,
+                  cp_attention=cp_attention)
     example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
     mbs = _microbatch_size(example_inputs, mesh, microbatches)
     if sequence_parallel and mesh.tp == 1:
@@ -232,7 +241,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
                        sequence_parallel=sequence_parallel, recompute=recompute,
                        memory_budget=budget, optimizer=optimizer, schedule=the_schedule,
-                       zero=zero, precision=precision, splits=microbatches * mesh.dp)
+                       zero=zero, precision=precision, splits=microbatches * mesh.dp * mesh.cp,
+                       cp_attention=cp_attention)
     program, results = run_passes(program, passes, dump_dir)
     stages = program.stages
     if stages.num_chunks != the_schedule.num_chunks:
@@ -244,7 +254,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                 dict(program.tp.params) if mesh.tp > 1 else {},
                 dict(program.ep.params) if mesh.ep > 1 else {},
                 frozenset(program.tp.sp_grad_reduce), program.stats, optimizer, precision,
-                program.loss_rule)
+                program.loss_rule, cp_attention)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
                         results, time.perf_counter() - start, program.costs, zero,

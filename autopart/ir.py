@@ -93,6 +93,19 @@ class ParamShard:
     sections: tuple             # global section sizes along dim; each is split over the axis
 
 
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """split_context_parallel's decisions: the attention kernel, the cores it replaced (output
+    node name -> "causal" or "full"), the position sources it rewrote, and the sequence lengths
+    (the captured one and each rank's)."""
+    cp: int
+    attention: str = "ring"
+    cores: tuple = ()               # ((node name, "causal" | "full"), ...)
+    positions: tuple = ()           # node names of the aranges and table slices rewritten
+    seq_len: int | None = None      # the whole sequence, S
+    local_seq_len: int | None = None   # each rank's share, S / cp
+
+
 @dataclass
 class TensorParallelPlan:
     """split_tensor_parallel's decisions."""
@@ -290,6 +303,7 @@ class Program:
     stats: tuple[str, ...] = ()              # capture: names of the statistics outputs
     ep: ExpertPlan | None = None             # shard_experts
     tp: TensorParallelPlan | None = None     # split_tensor_parallel
+    cp: ContextParallelPlan | None = None    # split_context_parallel
     costs: dict[str, NodeCost] | None = None  # analyze_costs: node name -> cost
     stages: StagePlan | None = None          # cut_pipeline_stages
     chunks: tuple[ChunkProgram, ...] | None = None  # emit_rank_programs
@@ -325,12 +339,13 @@ class Plan:
     optimizer: str = "adam"                 # whose state the memory model counts
     precision: str = "fp32"                 # "bf16": compute and transfers in bf16 (step.py)
     loss_rule: str = ""                     # how the microbatch losses make the global loss
+    cp_attention: str = "ring"              # context parallelism's attention kernel (cp > 1)
 
     @property
     def loss_scale(self) -> float:
         """Each microbatch loss is scaled by this so that summing over microbatches and
         data-parallel replicas gives the global-batch mean."""
-        return 1.0 / (self.microbatches * self.mesh.dp)
+        return 1.0 / (self.microbatches * self.mesh.dp * self.mesh.cp)
 
     @property
     def last_rank(self) -> int:

@@ -93,7 +93,8 @@ def localize_module(gm: fx.GraphModule, *, tp_shards: dict[str, ParamShard] = {}
             continue
         value = attribute(gm, node.target)
         if isinstance(value, GroupComm):
-            attrs[node.target] = type(value)(*comms[type(value)])
+            # its own comm (binding sets the group and index); cp's index is bound at run time
+            attrs[node.target] = type(value)(*comms.get(type(value), (value.size, 0)))
             changed = True
         elif node.target in cuts:
             if id(value) not in made:

@@ -3,13 +3,17 @@
     autopart plan examples/gpt.py:GPT --config megatron-1t --gpus 3072 --batch 3072 --cluster a100-80gb-selene
     autopart plan examples/gpt.py:GPT --config megatron-1t --gpus 3072 --batch 3072 --cluster a100-80gb-selene --mesh tp=8,pp=64,dp=6 --json
     autopart plan examples/gpt.py:GPT --config gpt3-175b --gpus 96 --batch 96 --cluster a100-80gb-selene --explain-cost --png plan.png
+    autopart plan examples/gpt.py:GPT --config gpt3-175b,n_layer=80,n_embd=8192,n_head=64 --seq 131072 --gpus 1024 --batch 64
     autopart calibrate                      # measure this machine: the `local` cluster
 
 Without --mesh (or with some axes of it) the planner searches tp, pp, dp, microbatch size, virtual
-stages, schedule, recomputation and the ZeRO level; knobs given are fixed. The ranked table lists
-the layouts that fit first (fastest first), then the rejected ones with why, and a line says why
-the chosen layout has its ZeRO level; `--json` prints {"layouts": [...], "best": {...},
-"zero_choice": "..."} alone on stdout.
+stages, schedule, recomputation and the ZeRO level, and context parallelism (cp: each sequence
+split over cp ranks) for sequences of 8192 tokens or more (or when nothing fits without it);
+knobs given are fixed. `--seq N` plans at N tokens a sequence (the config's sequence-length
+field, e.g. block_size or max_seq_len, set to N). The ranked table lists the layouts that fit
+first (fastest first), then the rejected ones with why, and lines say why the chosen layout has
+its ZeRO level and its cp degree; `--json` prints {"layouts": [...], "best": {...},
+"zero_choice": "...", "cp_choice": "..."} alone on stdout.
 """
 from __future__ import annotations
 
@@ -35,7 +39,11 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, required=True, help="global batch (sequences per step)")
     p.add_argument("--cluster", default="a100-80gb-selene",
                    help="a100-80gb-selene (default), h100-sxm, h200, local, or a cluster .json file")
-    p.add_argument("--mesh", default=None, help="fix some axes, e.g. tp=8,pp=64,dp=6 or dp=8,ep=8 (the rest searched)")
+    p.add_argument("--mesh", default=None,
+                   help="fix some axes, e.g. tp=8,pp=64,dp=6, dp=8,ep=8 or cp=4 (the rest searched)")
+    p.add_argument("--seq", type=int, default=None, metavar="TOKENS",
+                   help="sequence length to plan for (default: the config's); sets the config's "
+                        "block_size / max_seq_len / ... field; cp is searched from 8192 tokens")
     p.add_argument("--microbatch-size", type=int, default=None)
     p.add_argument("--virtual-stages", type=int, default=None)
     p.add_argument("--schedule", default=None, choices=("1f1b", "interleaved-1f1b"))
@@ -68,14 +76,16 @@ def add_calibrate_command(subparsers) -> argparse.ArgumentParser:
 
 
 def parse_mesh(text: str | None, gpus: int) -> dict:
-    """'tp=8,pp=64,dp=6' -> {'tp': 8, 'pp': 64, 'dp': 6}, checked against --gpus."""
+    """'tp=8,pp=64,dp=6' -> {'tp': 8, 'pp': 64, 'dp': 6}, checked against --gpus (cp adds ranks:
+    tp * pp * dp * cp devices; ep does not)."""
     if not text:
         return {}
     axes = {}
     for item in text.split(","):
         key, sep, value = item.strip().partition("=")
-        if not sep or key not in ("tp", "pp", "dp", "ep"):
-            raise AutopartError(f"--mesh {text!r}: write axis=size with axes tp, pp, dp (e.g. tp=8,pp=64,dp=6)")
+        if not sep or key not in ("tp", "pp", "dp", "ep", "cp"):
+            raise AutopartError(f"--mesh {text!r}: write axis=size with axes tp, pp, dp, cp, ep "
+                                "(e.g. tp=8,pp=64,dp=6)")
         if key in axes:
             raise AutopartError(f"--mesh {text!r}: {key} given twice")
         try:
@@ -101,8 +111,8 @@ def run_plan(args: argparse.Namespace) -> int:
     except AutopartError as e:
         print(f"autopart plan: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:   # the compile CLI's usage errors (file, name, config)
-        if type(e).__name__ == "_UsageError":
+    except Exception as e:   # the compile CLI's usage errors (file, name, config), a model file's
+        if type(e).__name__ in ("_UsageError", "ModelFileError"):
             print(f"autopart plan: error: {e}", file=sys.stderr)
             return 2
         raise
@@ -112,31 +122,36 @@ def _plan(args: argparse.Namespace) -> int:
     from autopart.planner import CostModel, default_precision
     from autopart.planner.cluster import cluster
     from autopart.planner.profile import load_profile
-    from autopart.planner.search import search, zero_choice
+    from autopart.planner.search import cp_choice, search, zero_choice
     start = time.perf_counter()
     if args.gpus < 1 or args.batch < 1:
         raise AutopartError(f"--gpus {args.gpus} and --batch {args.batch} must be positive")
+    if args.seq is not None and args.seq < 1:
+        raise AutopartError(f"--seq {args.seq} must be positive")
     c = cluster(args.cluster)                       # before the slow capture
     axes = parse_mesh(args.mesh, args.gpus)
-    profile = load_profile(args.target, args.config)
+    profile = load_profile(args.target, args.config, args.seq)
     model = CostModel(profile, c, args.batch, precision=args.precision or default_precision(c),
                       optimizer=args.optimizer)
     ranked = search(model, args.gpus, tp=axes.get("tp"), pp=axes.get("pp"), dp=axes.get("dp"), ep=axes.get("ep"),
                     microbatch_size=args.microbatch_size, virtual_stages=args.virtual_stages,
-                    schedule=args.schedule, recompute=args.recompute, zero=args.zero)
+                    schedule=args.schedule, recompute=args.recompute, zero=args.zero, cp=axes.get("cp"))
     best = next((e for e in ranked if e.fits), None)
     why_zero = zero_choice(model, best) if best is not None else None
+    why_cp = cp_choice(model, best, ranked) if best is not None else None
     seconds = time.perf_counter() - start
     if args.png and best is not None:
         for path in draw(model, best, ranked, args.png):
             print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(json.dumps({"layouts": [e.row() for e in ranked], "best": best.row() if best else None,
-                          "zero_choice": why_zero}))
+                          "zero_choice": why_zero, "cp_choice": why_cp}))
     else:
         print(report(model, ranked, best, args.top, seconds))
         if why_zero:
             print(f"ZeRO: {why_zero}")
+        if why_cp:
+            print(f"CP: {why_cp}")
     if args.explain_cost:
         print(explain(model, best), file=sys.stderr if args.json else sys.stdout)
     return 0 if best is not None else 1
@@ -148,7 +163,7 @@ def report(model, ranked, best, top: int, seconds: float) -> str:
              f"{model.batch}; {c.name}, {model.precision} + {model.optimizer}",
              f"{len(ranked)} layouts, {sum(e.fits for e in ranked)} fit; searched in {seconds:.1f} s "
              + (f"(one layer captured in {p.seconds:.1f} s)" if not p.cached else "(layer profile cached)"), ""]
-    head = ("mesh", "mbs", "v", "schedule", "recompute", "zero", "step s", "TFLOP/s/dev", "GB/rank",
+    head = ("mesh", "cp", "mbs", "v", "schedule", "recompute", "zero", "step s", "TFLOP/s/dev", "GB/rank",
             "")
     rows = [_cells(e) for e in ranked if e.fits][:top]
     rejected = [e for e in ranked if not e.fits]
@@ -174,7 +189,7 @@ def _cells(e) -> tuple:
     note = "" if e.fits else f"rejected: {e.rejected_because}"
     if not e.simulated:
         note = (note + " " if note else "") + "(bubble formula)"
-    return (r["mesh"], r["microbatch_size"], r["virtual_stages"], r["schedule"], r["recompute"],
+    return (r["mesh"], r["cp"], r["microbatch_size"], r["virtual_stages"], r["schedule"], r["recompute"],
             r["zero"], f"{r['step_time_s']:.3f}", f"{r['tflops_per_device']:.1f}", f"{r['memory_per_rank_gb']:.1f}", note)
 
 
@@ -182,7 +197,7 @@ def explain(model, best) -> str:
     lines = [model.cluster.explain()]
     if best is not None:
         lay = best.layout
-        f, b, _ = model.part_times(model.parts(lay)["layer"], lay.tp, lay.microbatch_size, lay.ep)
+        f, b, _ = model.part_times(model.parts(lay)["layer"], lay.tp, lay.microbatch_size, lay.ep, lay.cp)
         lines.append(f"chosen layout {lay.mesh}: one layer, one microbatch of {lay.microbatch_size}: forward "
                      f"{f * 1e3:.2f} ms, backward {b * 1e3:.2f} ms (+ forward again with full recompute)")
         lines += [f"  {k}: {v:.4f} s" for k, v in best.breakdown.items()]

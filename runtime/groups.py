@@ -16,6 +16,7 @@ from autopart.errors import AutopartError
 from autopart.ir import Plan
 from autopart.mesh import Mesh
 from autopart.ops.comm import GroupComm
+from autopart.ops.cp import CPComm
 from autopart.ops.ep import EPComm
 from autopart.ops.tp import TPComm
 
@@ -25,7 +26,7 @@ class RankGroups:
     rank: int
     mesh: Mesh
     world: object       # every rank, with this model's timeout (the default group may have another)
-    dp: object          # ranks holding the same chunks (data-parallel replicas)
+    dp: object          # ranks holding the same chunks (data-parallel replicas, x cp)
     pp: object          # ranks of one pipeline (same dp and tp coordinates)
     shared: dict        # param name -> group of ranks whose chunks share it (tied weights)
     tp: object = None   # ranks splitting the same layers (tensor parallelism)
@@ -33,6 +34,7 @@ class RankGroups:
     ep: object = None     # ranks exchanging tokens for their experts: same pp, tp, dp // ep
     ep_replica: object = None  # ranks holding the same experts: same pp, tp, dp % ep
     timeout: timedelta | None = None   # the model's, which `world` was made with
+    cp: object = None     # ranks sharing one sequence (context parallelism): same pp, dp, tp
 
 
 def barrier(group=None) -> None:
@@ -63,17 +65,18 @@ def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
     model = _mine(mesh.replica_groups(), rank, timeout)
     ep = _mine(mesh.ep_groups(), rank, timeout)
     ep_replica = _mine(mesh.ep_replica_groups(), rank, timeout) if mesh.ep > 1 else None
+    cp = _mine(mesh.groups("cp"), rank, timeout) if mesh.cp > 1 else None
     shared = {}
     for name in sorted(plan.shared_params):
         pp_ranks = sorted({plan.chunk_ranks[c] for c in plan.shared_params[name]})
         if len(pp_ranks) < 2:
             continue        # all its chunks are on one rank: .grad accumulates there already
-        groups = sorted({tuple(mesh.rank(pp=p, dp=mesh.coords(r)["dp"], tp=mesh.coords(r)["tp"])
-                               for p in pp_ranks) for r in range(mesh.world_size)})
+        groups = sorted({tuple(mesh.rank(**{**mesh.coords(r), "pp": p}) for p in pp_ranks)
+                         for r in range(mesh.world_size)})
         group = _mine(groups, rank, timeout)
         if group is not None:
             shared[name] = group
-    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica, timeout)
+    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica, timeout, cp)
 
 
 def enter_together(groups: RankGroups, what: str) -> None:
@@ -175,7 +178,8 @@ def check_same_program(digest: str, groups: RankGroups, traced: str = "") -> Non
 def bind_comms(chunks, groups: RankGroups) -> None:
     """Bind each program's comm modules to this rank's process group of their axis."""
     mine = {TPComm: (groups.tp, groups.mesh.coords(groups.rank)["tp"]),
-            EPComm: (groups.ep, groups.mesh.ep_rank(groups.rank))}
+            EPComm: (groups.ep, groups.mesh.ep_rank(groups.rank)),
+            CPComm: (groups.cp, groups.mesh.coords(groups.rank)["cp"])}
     for chunk in chunks:
         for module in chunk.gm.modules():
             if isinstance(module, GroupComm):
@@ -189,7 +193,7 @@ def check_world_size(mesh: Mesh) -> None:
         raise AutopartError(
             f"{mesh} needs {mesh.world_size} processes but the process group has {world}.\n"
             f"  remedy: launch {mesh.world_size} processes (torchrun --nproc-per-node "
-            f"{mesh.world_size}), or choose a mesh whose pp*dp*tp = {world}")
+            f"{mesh.world_size}), or choose a mesh whose pp*dp*cp*tp = {world}")
 
 
 def _mine(groups: list[tuple[int, ...]], rank: int, timeout: timedelta):

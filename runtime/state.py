@@ -95,7 +95,7 @@ class StateGatherer:
         """What this rank contributes: replica 0 sends its dense state, the first ep ranks (one
         per expert slice) their experts (this rank's own tensors, detached)."""
         dp = self.mine.coords["dp"]
-        if dp >= self.plan.mesh.ep:
+        if dp >= self.plan.mesh.ep or self.mine.coords["cp"]:   # cp ranks are replicas
             return {}
         return {n: t.detach() for c in self.mine.chunks for n, t in c.gm.state_dict().items()
                 if dp == 0 or n in self.plan.ep_shards}

@@ -19,6 +19,7 @@ import torch
 
 from autopart.errors import AutopartError
 from autopart.ir import REDUCED_DTYPES, Plan, RankProgram
+from autopart.ops.cp import shard_sequence
 from autopart.runtime.compiled import cudagraph_steps
 from autopart.runtime.executor import StepContext, run_actions
 
@@ -51,9 +52,9 @@ class StepDriver:
         mbs = plan.microbatch_size
         ctx = StepContext(
             chunks=self.chunks,
-            peer=lambda p: mesh.rank(pp=p, dp=self.coords["dp"], tp=self.coords["tp"]),
+            peer=lambda p: mesh.rank(**{**self.coords, "pp": p}),
             microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
-            batch=mbs, seq=int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None,
+            batch=mbs, seq=self._local_seq(inputs),
             device=self.device, group=self.group, trace=self.trace,
             loss_scale=plan.loss_scale if loss_scale is None else loss_scale,
             step=step, reduced=REDUCED_DTYPES[plan.precision],
@@ -71,12 +72,29 @@ class StepDriver:
 
     def replica_rows(self, inputs: tuple, target, checked: list | None = None
                      ) -> dict[str, torch.Tensor]:
-        """This data-parallel replica's rows of each input (and the target), by input name."""
+        """This data-parallel replica's rows of each input (and the target), by input name;
+        under context parallelism, of those rows this rank's sequence chunks (i and 2*cp-1-i)
+        of every input whose dim 1 is the sequence."""
         values = checked if checked is not None else self.check_inputs(inputs, target)
         rows = self.plan.microbatch_size * self.plan.microbatches
         dp = self.coords["dp"]
-        return {name: v[dp * rows:(dp + 1) * rows].to(self.device)
-                for name, v in zip(self.input_names, values)}
+        out = {name: v[dp * rows:(dp + 1) * rows] for name, v in zip(self.input_names, values)}
+        cp = self.plan.mesh.cp
+        if cp > 1:
+            out = {name: shard_sequence(v, 1, cp, self.coords["cp"]) if self._on_sequence(i) else v
+                   for i, (name, v) in enumerate(out.items())}
+        return {name: v.to(self.device) for name, v in out.items()}
+
+    def _on_sequence(self, i: int) -> bool:
+        """Is dim 1 of input `i` the sequence (captured symbolic)?"""
+        return i < len(self.input_specs) and 1 in self.input_specs[i].dynamic
+
+    def _local_seq(self, inputs: tuple) -> int | None:
+        """The sequence length this rank's programs see (its share under cp)."""
+        if not inputs or inputs[0].dim() < 2:
+            return None
+        cp = self.plan.mesh.cp if self._on_sequence(0) else 1
+        return int(inputs[0].shape[1]) // cp
 
     def check_inputs(self, inputs: tuple, target) -> list[torch.Tensor]:
         """The train_step tensors (inputs, then the target), checked against what was compiled:

@@ -126,6 +126,8 @@ class Case:
     dp: int = 1
     tp: int = 1
     ep: int = 1                      # experts sharded over ep of the dp ranks
+    cp: int = 1                      # the sequence sharded over cp ranks (context parallelism)
+    cp_attention: str = "ring"       # ring | allgather
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -143,7 +145,7 @@ class Case:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.tp * self.cp
 
 
 # model name -> build function (case, seed, device) for models defined outside this file
@@ -308,8 +310,9 @@ def equivalence(case: Case, rank: int) -> dict:
     ref_keys = list(ref_sd0.keys())
     ref_shapes = {k: tuple(v.shape) for k, v in ref_sd0.items()}
     ref_params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
-    mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep)
-    pm = autopart.parallelize(model, mesh, inputs,
+    mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep, cp=case.cp)
+    cp_options = {"cp_attention": case.cp_attention} if case.cp > 1 else {}
+    pm = autopart.parallelize(model, mesh, inputs, **cp_options,
                               loss_fn=loss_fn, target=target, microbatches=case.microbatches,
                               schedule=case.schedule, virtual_stages=case.virtual_stages,
                               sequence_parallel=case.sequence_parallel,

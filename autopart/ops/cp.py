@@ -388,15 +388,36 @@ def ring_attention(q, k, v, comm, causal: bool, scale=None):
     ring of `comm`'s ranks; q, k, v: (batch, heads, local_seq, head_dim) in the load-balanced
     layout. The same result as SDPA over the whole sequence, in this rank's chunks."""
     scale = _check_inputs(q, k, v, comm, scale)
-    return _RingAttention.apply(q, k, v, comm, bool(causal), scale)
+    return _sdpa_layout(_RingAttention.apply(q, k, v, comm, bool(causal), scale))
 
 
 def allgather_kv_attention(q, k, v, comm, causal: bool, scale=None):
     """ring_attention's result by one all-gather of K/V (and one reduce-scatter of dK/dV):
     fewer, larger messages, and the whole sequence's K/V held at once."""
     scale = _check_inputs(q, k, v, comm, scale)
-    return _AllGatherKVAttention.apply(q, k, v, comm, bool(causal), scale)
+    return _sdpa_layout(_AllGatherKVAttention.apply(q, k, v, comm, bool(causal), scale))
+
+
+def _sdpa_layout(out: torch.Tensor) -> torch.Tensor:
+    """`out` laid out in memory as SDPA lays out its result, (batch, seq, heads, dim) viewed as
+    (batch, heads, seq, dim): a captured program that reshapes SDPA's output after a transpose
+    has no .contiguous() (the export dropped it as a no-op for that layout)."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def sequence_positions(comm, length, start=0, dtype=torch.int64, device=None):
+    """The global positions of this rank's `length` local sequence positions, from `start`:
+    what `arange(start, start + S)` gives the plain model, in this rank's chunks (i and
+    2*cp-1-i of S = length * cp). Position ids, RoPE tables and embeddings then see the
+    positions the plain model gives these tokens. A group of one, or a shape-only run: arange."""
+    if comm.size == 1 or comm.shape_only:
+        return torch.arange(start, start + length, dtype=dtype, device=device)
+    c = length // 2
+    first, second = (i * c + start for i in _chunk_ids(comm.rank, comm.size))
+    return torch.cat([torch.arange(first, first + c, dtype=dtype, device=device),
+                      torch.arange(second, second + c, dtype=dtype, device=device)])
 
 
 register(ring_attention, allgather_kv_attention,
          kind="collective", axis="cp", namespace="autopart.cp_ops")
+register(sequence_positions, kind="local", axis="cp", namespace="autopart.cp_ops")

@@ -51,7 +51,7 @@ def _plan(model, example_inputs, loss_fn, target, world_size, cluster_name, zero
             f"{lay.microbatch_size}, {lay.schedule} (v={lay.virtual_stages}), recompute {lay.recompute}: "
             f"predicted {best.step_time * 1e3:.1f} ms a step on the {c.name} cluster "
             f"({len(ranked)} layouts considered)")
-    return {"mesh": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep}, "microbatches": model_.microbatches(lay),
+    return {"mesh": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp}, "microbatches": model_.microbatches(lay),
             "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
             "recompute": lay.recompute, "note": note}
 

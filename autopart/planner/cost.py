@@ -10,7 +10,12 @@ runs) with those per-chunk costs and a p2p message time: a microbatch's hidden s
 slices, each over its own InfiniBand link, then all-gathered over NVLink (the paper's scatter/gather).
 After it: the data-parallel ring all-reduce of the gradients (not overlapped: autopart's runtime
 reduces after the last backward), the tied-embedding all-reduce between first and last stage, and
-the optimizer step (memory-bound). The efficiency of a GEMM is a smooth function of its dimensions,
+the optimizer step (memory-bound). Context parallelism (cp) splits each sequence over cp ranks
+(ring attention, causal load balancing: rank i holds chunks i and 2cp-1-i, so every rank does 1/cp
+of the attention's work): every per-token cost, FLOPs, memory traffic, activations, tp and expert
+messages, divides by cp, and each attention core passes its K and V around the ring (see
+`ring_times`); the parameters are replicated over cp, so gradients are reduced, and ZeRO shards,
+over dp * cp ranks. The efficiency of a GEMM is a smooth function of its dimensions,
 ``gemm_efficiency * prod(d / (d + gemm_half_dim))``: small dimensions (a head's 64-160, a thin
 tp shard) run further from peak. Its two constants and the memory and link efficiencies are the
 cluster's, global; nothing here is per model.
@@ -45,11 +50,22 @@ class Layout:
     recompute: str = "full"
     ep: int = 1                 # experts sharded over ep of the dp ranks (adds no ranks)
     zero: int = 0               # ZeRO level (runtime/optimizer.py): 1 shards the optimizer
-                                # state and master weights over dp, 2 the gradients too
+                                # state and master weights over dp * cp, 2 the gradients too
+    cp: int = 1                 # context parallelism: each sequence split over cp ranks (adds ranks)
 
     @property
     def mesh(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep > 1 else "")
+        return (f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep > 1 else "")
+                + (f",cp={self.cp}" if self.cp > 1 else ""))
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, reducing their gradients together: dp * cp."""
+        return self.dp * self.cp
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
 
 
 @dataclass
@@ -66,7 +82,7 @@ class Estimate:
 
     def row(self) -> dict:
         lay = self.layout
-        return {"mesh": lay.mesh, "microbatch_size": lay.microbatch_size, "virtual_stages": lay.virtual_stages,
+        return {"mesh": lay.mesh, "cp": lay.cp, "microbatch_size": lay.microbatch_size, "virtual_stages": lay.virtual_stages,
                 "schedule": lay.schedule, "recompute": lay.recompute, "zero": lay.zero,
                 "step_time_s": round(self.step_time, 4),
                 "tflops_per_device": round(self.tflops_per_device, 1),
@@ -116,31 +132,61 @@ class CostModel:
             return 0.0
         return (ranks - 1) / ranks * nbytes / self.link(intra) + (ranks - 1) * self.cluster.latency_s
 
-    def part_times(self, part: Part, tp: int, b: int, ep: int = 1) -> tuple[float, float, float]:
-        """(forward, backward, tp communication in forward) of one part for one microbatch."""
+    def part_times(self, part: Part, tp: int, b: int, ep: int = 1, cp: int = 1) -> tuple[float, float, float]:
+        """(forward, backward, communication) of one part for one microbatch; with cp > 1 on one
+        context-parallel rank: 1/cp of the tokens, plus the ring's exposed time."""
         c = self.cluster
-        gemm = sum(self.gemm_time(f(b), mm(b), n, k) for f, mm, n, k, _ in part.gemms)
+        # a linear's M (tokens) is 1/cp; an attention core runs cp blocks of s/cp queries by
+        # s/cp keys, together 1/cp of its FLOPs (the causal load balancing evens them out)
+        gemm = sum(self.gemm_time(f(b) / cp, mm(b) / cp, n / cp if att else n, k)
+                   for f, mm, n, k, att in part.gemms)
         # the score_bytes constant is per fp16 element; _act_scale*2 turns it back for fp32 runs
-        gemm += sum(self.attention_scores_time(f(b), k) for f, _, _, k, att in part.gemms if att)
-        mem = part.elementwise_bytes(b) * self._act_scale / (c.hbm_bw * c.memory_efficiency)
+        gemm += sum(self.attention_scores_time(f(b) / cp, k) for f, _, _, k, att in part.gemms if att)
+        mem = part.elementwise_bytes(b) / cp * self._act_scale / (c.hbm_bw * c.memory_efficiency)
         mem += part.ops * c.op_overhead_s
-        ar_f = self.allreduce_time(part.allreduce_fwd(b) * self._act_scale, tp, True)
-        ar_b = self.allreduce_time(part.allreduce_bwd(b) * self._act_scale, tp, True)
-        # expert all-to-alls: ep ranks are dp ranks, tp apart; the backward mirrors the forward's
-        a2a = self.alltoall_time(part.alltoall(b) * self._act_scale, ep, tp * ep <= c.gpus_per_node)
-        return gemm + mem + ar_f + a2a, 2 * (gemm + mem) + ar_b + a2a, ar_f + ar_b + 2 * a2a
+        ar_f = self.allreduce_time(part.allreduce_fwd(b) / cp * self._act_scale, tp, True)
+        ar_b = self.allreduce_time(part.allreduce_bwd(b) / cp * self._act_scale, tp, True)
+        # expert all-to-alls: ep ranks are dp ranks, tp * cp apart; the backward mirrors the forward's
+        a2a = self.alltoall_time(part.alltoall(b) / cp * self._act_scale, ep, tp * cp * ep <= c.gpus_per_node)
+        ring_f, ring_b = self.ring_times(part, tp, b, cp)
+        return (gemm + mem + ar_f + a2a + ring_f, 2 * (gemm + mem) + ar_b + a2a + ring_b,
+                ar_f + ar_b + 2 * a2a + ring_f + ring_b)
+
+    def ring_transfer(self, part: Part, tp: int, b: int, cp: int) -> float:
+        """Seconds one ring step's message takes: a K and V chunk (1/cp of the sequence, this
+        rank's 1/tp of the kv heads) to the next cp rank (over NVLink when tp * cp fit a node)."""
+        if cp <= 1 or part.kv_bytes(b) <= 0:
+            return 0.0
+        intra = tp * cp <= self.cluster.gpus_per_node
+        return self.cluster.latency_s + part.kv_bytes(b) / cp * self._act_scale / self.link(intra)
+
+    def ring_times(self, part: Part, tp: int, b: int, cp: int) -> tuple[float, float]:
+        """(forward, backward) seconds the context-parallel ring adds to a part beyond its compute.
+
+        The rule: per attention core the forward runs cp steps; in each but the last a rank
+        computes one block (its queries against the K/V chunk it holds: 1/cp of its attention
+        work) while that chunk travels on to the next rank, so a step costs max(block, transfer):
+        the transfer adds max(0, transfer - block) per step over cp - 1 steps (the blocks are in
+        the part's compute already). The backward sends K/V and their gradients dK/dV (twice the
+        bytes) while computing blocks of twice the forward's work: max(0, 2 transfer - 2 block)."""
+        if cp <= 1 or part.kv_bytes(b) <= 0:
+            return 0.0, 0.0
+        block = sum(self.gemm_time(f(b) / cp, mm(b) / cp, n / cp, k) + self.attention_scores_time(f(b) / cp, k)
+                    for f, mm, n, k, att in part.gemms if att) / cp
+        step = self.ring_transfer(part, tp, b, cp)
+        return (cp - 1) * max(0.0, step - block), (cp - 1) * max(0.0, 2 * step - 2 * block)
 
     def chunk_costs(self, lay: Layout) -> tuple[list[float], list[float], list[int]]:
         """Per chunk (model order): forward, backward (with recomputation) and layer counts."""
         parts = self.parts(lay)
         b = lay.microbatch_size
-        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep)
+        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep, lay.cp)
         if lay.recompute == "full":
             lb += lf                      # the layer's forward once more before its backward
-        elif lay.recompute == "selective":
-            lb += self.part_times(parts["core"], lay.tp, b, lay.ep)[0]   # its attention core's
-        ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep)
-        tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep)
+        elif lay.recompute == "selective":   # its attention core's (and its ring's, with cp)
+            lb += self.part_times(parts["core"], lay.tp, b, lay.ep, lay.cp)[0]
+        ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep, lay.cp)
+        tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep, lay.cp)
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
         fwd = [n * lf for n in counts]
         bwd = [n * lb for n in counts]
@@ -158,14 +204,15 @@ class CostModel:
         if lay.pp == 1:
             return 0.0
         c = self.cluster
-        nbytes = self.parts(lay)["layer"].out_bytes(lay.microbatch_size) * self._act_scale
-        if lay.tp * lay.dp < c.gpus_per_node:          # neighbours in one node (tp, then dp, then pp)
+        nbytes = self.parts(lay)["layer"].out_bytes(lay.microbatch_size) / lay.cp * self._act_scale
+        if lay.tp * lay.cp * lay.dp < c.gpus_per_node:   # neighbours in one node (tp, cp, dp, then pp)
             return c.latency_s + nbytes / self.link(True)
         # scatter/gather: each of the tp ranks sends 1/tp over its own link, then an all-gather
         gather = (lay.tp - 1) / lay.tp * nbytes / self.link(True) if lay.tp > 1 else 0.0
         return 2 * c.latency_s + nbytes / lay.tp / self.link(False) + gather
 
     def microbatches(self, lay: Layout) -> int:
+        """Per dp replica; cp splits each sequence, not the batch."""
         return self.batch // (lay.dp * lay.microbatch_size)
 
     def params_on(self, lay: Layout, rank: int, experts_only: bool = False) -> float:
@@ -184,14 +231,14 @@ class CostModel:
         return total
 
     def after_pipeline(self, lay: Layout) -> dict:
-        """Gradient all-reduce over dp, tied-embedding all-reduce, optimizer step (seconds)."""
+        """Gradient all-reduce over dp * cp, tied-embedding all-reduce, optimizer step (seconds)."""
         c = self.cluster
         params = max(self.params_on(lay, 0), self.params_on(lay, lay.pp - 1))
         experts = max(self.params_on(lay, 0, True), self.params_on(lay, lay.pp - 1, True))
-        intra = lay.tp * lay.dp <= c.gpus_per_node
-        # expert weights are reduced only over the dp / ep ranks holding the same experts
-        grads = (self.allreduce_time((params - experts) * self.bytes[4], lay.dp, intra)
-                 + self.allreduce_time(experts * self.bytes[4], lay.dp // lay.ep, intra))
+        intra = lay.tp * lay.cp * lay.dp <= c.gpus_per_node
+        # expert weights are reduced only over the dp / ep (times cp) ranks holding the same experts
+        grads = (self.allreduce_time((params - experts) * self.bytes[4], lay.replicas, intra)
+                 + self.allreduce_time(experts * self.bytes[4], lay.dp // lay.ep * lay.cp, intra))
         if lay.zero == 2:
             # a reduce-scatter (half an all-reduce's traffic) per microbatch, one all-gather
             grads *= (self.microbatches(lay) + 1) / 2
@@ -208,11 +255,15 @@ class CostModel:
 
     @staticmethod
     def sharded(lay: Layout, params: float, experts: float) -> float:
-        """A ZeRO slice of `params` elements (`experts` of them over dp/ep, the rest over dp)."""
-        return (params - experts) / lay.dp + experts / max(1, lay.dp // lay.ep)
+        """A ZeRO slice of `params` elements (`experts` of them over dp/ep * cp, the rest over
+        dp * cp: context-parallel ranks hold the same parameters)."""
+        return (params - experts) / lay.replicas + experts / max(1, lay.dp // lay.ep * lay.cp)
 
     def memory(self, lay: Layout, in_flight: tuple) -> dict:
-        """Bytes on the fullest pipeline rank (first or last); `in_flight[r]` chunk-microbatches."""
+        """Bytes on the fullest pipeline rank (first or last); `in_flight[r]` chunk-microbatches.
+        With cp > 1 a rank keeps the activations of 1/cp of each sequence; its parameters,
+        gradients and optimizer state are whole (ZeRO shards them over dp * cp), and it holds the
+        ring's K/V chunks in flight (two: one computed on, one arriving) as buffers."""
         parts = self.parts(lay)
         b, scale = lay.microbatch_size, self._act_scale
         pb, gb, mb, _, _ = self.bytes
@@ -227,10 +278,13 @@ class CostModel:
             if rank == 0:
                 # the embedding's output is the first layer's input (counted above); what it saves
                 # for its own backward (the token ids) is one microbatch's working memory at most
-                acts += parts["first"].saved_bytes(b) * scale
+                acts += parts["first"].saved_bytes(b) / lay.cp * scale
             if rank == lay.pp - 1:
-                acts += parts["last"].saved_bytes(b) * scale  # logits and loss: one microbatch at a time
-            buffers = 2 * layer.out_bytes(b) * scale if lay.pp > 1 else 0.0
+                # logits and loss: one microbatch at a time
+                acts += parts["last"].saved_bytes(b) / lay.cp * scale
+            buffers = 2 * layer.out_bytes(b) / lay.cp * scale if lay.pp > 1 else 0.0
+            if lay.cp > 1:
+                buffers += 2 * layer.kv_bytes(b) / lay.cp * scale
             state = params
             if lay.zero:    # runtime/optimizer.py: an fp32 master slice, also in fp32 training
                 state = self.sharded(lay, params, self.params_on(lay, rank, True))
@@ -245,13 +299,29 @@ class CostModel:
                 best = row
         return best
 
+    def ring_exposed(self, lay: Layout) -> float:
+        """Seconds a step waits on the context-parallel ring on the first pipeline rank: its
+        layers' exposed K/V transfers (forward, backward, and the forward's again when
+        recomputed), over its microbatches."""
+        if lay.cp <= 1:
+            return 0.0
+        parts, b = self.parts(lay), lay.microbatch_size
+        f, bw = self.ring_times(parts["layer"], lay.tp, b, lay.cp)
+        per_layer = f + bw + (f if lay.recompute == "full" else 0.0)
+        if lay.recompute == "selective" and parts.get("core") is not None:
+            per_layer += self.ring_times(parts["core"], lay.tp, b, lay.cp)[0]
+        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        layers = sum(n for k, n in enumerate(counts) if k % lay.pp == 0)
+        return self.microbatches(lay) * layers * per_layer
+
     def kept_per_layer(self, lay: Layout) -> tuple[float, float]:
         """(bytes a layer keeps per microbatch in flight, bytes of the region rerunning in
         backward): full keeps the layer's input and reruns all of it; selective keeps all but
         the attention core's insides (its output, read by the projection, stays) and reruns the
-        core; none keeps everything (an upper bound: every non-view op's output)."""
+        core; none keeps everything (an upper bound: every non-view op's output). A
+        context-parallel rank keeps 1/cp of each."""
         layer, core = self.parts(lay)["layer"], self.parts(lay).get("core")
-        b, scale = lay.microbatch_size, self._act_scale
+        b, scale = lay.microbatch_size, self._act_scale / lay.cp
         if lay.recompute == "full":
             return layer.out_bytes(b) * scale, layer.saved_bytes(b) * scale
         if lay.recompute == "selective":
@@ -277,8 +347,16 @@ class CostModel:
             return p.invalid_tp.get((lay.tp, lay.ep), f"tp={lay.tp}, ep={lay.ep} was not analysed")
         if lay.recompute == "selective" and p.parts[(lay.tp, lay.ep)].get("core") is None:
             return "selective recomputation reruns attention cores, and the layer has none"
-        if lay.zero and lay.dp == 1:
+        if lay.zero and lay.replicas == 1:
             return f"zero={lay.zero} shards over data-parallel replicas, and dp=1"
+        if lay.cp > 1:
+            layer = p.parts[(lay.tp, lay.ep)]["layer"]
+            if layer.kv_bytes(1) <= 0:
+                return ("cp shards attention cores (scaled_dot_product_attention) over the sequence, "
+                        "and the layer has none")
+            if p.seq % (2 * lay.cp):
+                return (f"cp={lay.cp} splits the sequence into 2*cp = {2 * lay.cp} chunks (causal load "
+                        f"balancing), which do not divide its {p.seq} tokens")
         if lay.dp % lay.ep:
             return f"ep={lay.ep} must divide dp={lay.dp} (experts are sharded over data-parallel ranks)"
         if self.batch % (lay.dp * lay.microbatch_size):
@@ -307,11 +385,13 @@ class CostModel:
         why = None if fits else (f"needs {mem['total'] / 1e9:.1f} GB per rank (params+grads+master+optimizer "
                                  f"{(mem['params'] + mem['grads'] + mem['master'] + mem['optimizer']) / 1e9:.1f}, "
                                  f"activations {mem['activations'] / 1e9:.1f}) > {self.cluster.memory_bytes / 1e9:g} GB")
-        devices = lay.tp * lay.pp * lay.dp
+        devices = lay.devices
         tflops = self.model_flops(lay) / (step * devices) / 1e12
         compute = m * sum(f + b for k, (f, b) in enumerate(zip(fwd, bwd)) if k % lay.pp == 0)
         breakdown = {"pipeline": makespan, "compute_rank0": compute, "bubble_and_p2p": makespan - compute,
                      "message": msg, **after}
+        if lay.cp > 1:
+            breakdown["cp_ring_exposed"] = self.ring_exposed(lay)
         return Estimate(lay, step, tflops, mem, fits, why, breakdown, simulate)
 
 

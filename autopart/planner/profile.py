@@ -24,7 +24,7 @@ from autopart.planner.cluster import LOCAL_PATH
 
 CACHE = LOCAL_PATH.parent / "layers"
 TP_CANDIDATES = (1, 2, 4, 8, 16)
-_VERSION = 11          # bump when the profile's contents change
+_VERSION = 13          # bump when the profile's contents change
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Part:
     ops: int = 0            # compute ops (kernels) in forward
     alltoall: Lin = Lin(0.0, 0.0)   # bytes the expert all-to-alls move in forward (dispatch + combine)
     expert_params: float = 0.0      # of `params`, the expert weights (reduced over dp / ep only)
+    kv_bytes: Lin = Lin(0.0, 0.0)   # K and V of its attention cores (scaled_dot_product_attention),
+                                    # before a grouped-query repeat: what a context-parallel ring passes on
 
     def flops(self, b: float) -> float:
         return sum(g[0](b) for g in self.gemms)
@@ -70,13 +72,16 @@ class Profile:
     blocks: int = 0         # the model's blocks (layers = units of blocks that repeat)
 
 
-def load_profile(target: str, spec: str | None) -> Profile:
-    """The profile of FILE.py:NAME built with `spec`, from the cache or by capturing one layer."""
+def load_profile(target: str, spec: str | None, seq: int | None = None) -> Profile:
+    """The profile of FILE.py:NAME built with `spec`, from the cache or by capturing one layer;
+    `seq` (`autopart plan --seq`): at that sequence length instead of the config's (see
+    `with_sequence`)."""
     from autopart.model_files import load_target as _load
     import time
     file = Path(target.rpartition(":")[0])
     module, name = _load(target)
-    key = hashlib.sha256(f"{_VERSION}\n{file.read_text() if file.is_file() else ''}\n{name}\n{spec}".encode()).hexdigest()[:20]
+    text = f"{_VERSION}\n{file.read_text() if file.is_file() else ''}\n{name}\n{spec}" + (f"\n{seq}" if seq else "")
+    key = hashlib.sha256(text.encode()).hexdigest()[:20]
     path = CACHE / f"{file.stem}-{name}-{key}.json"
     if path.is_file():
         try:
@@ -84,7 +89,7 @@ def load_profile(target: str, spec: str | None) -> Profile:
         except (ValueError, KeyError, TypeError):
             pass                  # a stale or broken cache entry: capture again
     start = time.perf_counter()
-    data = _capture_profile(module, name, spec)
+    data = _capture_profile(module, name, spec, seq)
     data["seconds"] = time.perf_counter() - start
     try:
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -94,10 +99,53 @@ def load_profile(target: str, spec: str | None) -> Profile:
     return _from_json(data)
 
 
-def _capture_profile(module, name: str, spec: str | None) -> dict:
+def _capture_profile(module, name: str, spec: str | None, seq: int | None = None) -> dict:
     from autopart.model_files import build as _build
-    built = _build(module, name, spec, 2, meta=True)
+    if seq is None:
+        built = _build(module, name, spec, 2, meta=True)
+    else:
+        built = _build(_WithSequence(module, seq), name, spec, 2, meta=True, adjust=with_sequence(seq))
+        got = built.inputs[0].shape[1] if getattr(built.inputs[0], "dim", lambda: 0)() > 1 else None
+        if got != seq:
+            raise AutopartError(f"--seq {seq}: the model's example inputs have sequence {got}; give the "
+                                f"model's module an example_inputs(cfg, batch, device) that follows its "
+                                f"config's sequence length ({', '.join(SEQ_FIELDS)})")
     return profile_data(built.model, built.inputs, built.loss_fn, built.target)
+
+
+# config fields holding the sequence length (or its maximum), set to `--seq`
+SEQ_FIELDS = ("block_size", "n_positions", "max_position_embeddings", "seq_len", "max_seq_len")
+
+
+def with_sequence(seq: int):
+    """config -> the config with its sequence-length fields (SEQ_FIELDS: nanoGPT's block_size,
+    Meta Llama's max_seq_len, ...) set to `seq`, for a dataclass config; others are kept."""
+    import dataclasses
+
+    def adjust(cfg):
+        if cfg is None or not dataclasses.is_dataclass(cfg):
+            return cfg
+        fields = {f.name for f in dataclasses.fields(cfg)} & set(SEQ_FIELDS)
+        return dataclasses.replace(cfg, **{f: seq for f in fields}) if fields else cfg
+    return adjust
+
+
+class _WithSequence:
+    """A model file's module whose example inputs are `seq` tokens long: its own
+    example_inputs(cfg, batch, device) (after with_sequence changed the config), or token ids."""
+
+    def __init__(self, module, seq: int):
+        self._module, self._seq = module, seq
+
+    def __getattr__(self, key):
+        return getattr(self._module, key)
+
+    def example_inputs(self, cfg, batch, device):
+        import torch
+        make = getattr(self._module, "example_inputs", None)
+        if callable(make):
+            return make(cfg, batch, device)
+        return (torch.zeros(batch, self._seq, dtype=torch.long, device=device),)
 
 
 def profile_model(model, inputs: tuple, loss_fn=None, target=None) -> Profile:
@@ -252,8 +300,51 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep) -> dict:
         out = _core_output(nodes, costs, lin)
     return {"gemms": gemms, "elementwise_bytes": elt, "allreduce_fwd": ar_f, "allreduce_bwd": ar_b,
             "saved_bytes": saved, "out_bytes": out, "params": _params(nodes, program, shards, tp, experts, ep),
-            "ops": ops, "alltoall": a2a,
+            "ops": ops, "alltoall": a2a, "kv_bytes": _kv_bytes(nodes, costs, lin, nbytes),
             "expert_params": _params(nodes, program, shards, tp, experts, ep, only=set(experts))}
+
+
+def _kv_bytes(nodes, costs, lin, nbytes) -> list:
+    """Bytes of K and V that the part's attention cores (scaled_dot_product_attention) read on
+    this rank, each at the smallest tensor on its way back to its projection (a grouped-query
+    model repeats K and V after it; a context-parallel ring sends them before the repeat). Sizes
+    are the graph's (whole) ones, scaled to the rank as the core's output is (heads over tp)."""
+    total = [0.0, 0.0]
+    for n in nodes:
+        if "scaled_dot_product" not in getattr(n.target, "__name__", str(n.target)):
+            continue
+        whole, local = lin(nbytes(n)), lin(costs[n.name].out_bytes) if n.name in costs else None
+        if not local or not whole[1]:
+            continue
+        share = local[1] / whole[1]                # 1/tp when the heads are split
+        for arg in n.args[1:3]:
+            best, node = None, arg
+            for _ in range(64):          # back through views, the rotary embedding, the repeat
+                if not hasattr(node, "op") or node.op != "call_function":
+                    break
+                if hasattr(node.meta.get("val"), "shape"):
+                    size = lin(nbytes(node))
+                    if size[1] > 0 and (best is None or size[1] < best[1]):
+                        best = size
+                name = getattr(node.target, "__name__", str(node.target))
+                if any(k in name for k in ("linear", "mm", "matmul")):
+                    break                 # the projection: K and V start here
+                ins = list(node.all_input_nodes)
+                if not ins:
+                    break
+                # follow the largest input (the activation, not a rotation table or a weight)
+                node = max(ins, key=_numel_hint)
+            if best is not None:       # K and V grow as b: the value at b=2, halved at b=1
+                total = _add(total, [best[1] * share / 2, best[1] * share])
+    return total
+
+
+def _numel_hint(node) -> int:
+    v = node.meta.get("val")
+    try:
+        return int(v.numel())
+    except (TypeError, ValueError, AttributeError, RuntimeError):
+        return 0
 
 
 def _core_output(nodes, costs, lin) -> list:
@@ -350,7 +441,7 @@ def _from_json(data: dict, cached: bool = False) -> Profile:
         return Part(tuple((Lin(*g[0]), Lin(*g[1]), g[2], g[3], g[4]) for g in d["gemms"]),
                     Lin(*d["elementwise_bytes"]), Lin(*d["allreduce_fwd"]), Lin(*d["allreduce_bwd"]),
                     Lin(*d["saved_bytes"]), Lin(*d["out_bytes"]), d["params"], d["ops"],
-                    Lin(*d["alltoall"]), d["expert_params"])
+                    Lin(*d["alltoall"]), d["expert_params"], Lin(*d.get("kv_bytes", (0.0, 0.0))))
     parts = {tuple(map(int, key.split(","))): {k: (part(v) if isinstance(v, dict) else v) for k, v in ps.items()}
              for key, ps in data["parts"].items()}
     invalid = {tuple(map(int, k.split(","))): v for k, v in data["invalid_tp"].items()}

@@ -5,7 +5,10 @@ Every candidate is first priced with the bubble formula (microseconds each), the
 `simulate_top` (fitting or not) are priced again with the C++ simulator and re-ranked; the table
 says which rows were simulated. Layouts that do not fit the memory model stay in the table, with
 their prediction and why they were rejected. ep is searched for mixture-of-experts models (powers
-of two dividing the expert count and dp); dense models have ep = 1.
+of two dividing the expert count and dp); dense models have ep = 1. cp (context parallelism: each
+sequence split over cp ranks) is searched for long sequences, from CP_MIN_SEQ tokens, or when no
+layout without it fits: powers of two with 2*cp dividing the sequence (causal load balancing cuts
+it in 2*cp chunks), for models whose layers have attention cores.
 
 >>> from autopart.planner.search import divisors
 >>> divisors(12)
@@ -21,25 +24,47 @@ from autopart.planner.cost import SCHEDULE_NAMES, CostModel, Estimate, Layout
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
 MAX_VIRTUAL_STAGES = 8
+CP_MIN_SEQ = 8192       # tokens: from here on context parallelism is searched
+MAX_CP = 64
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(model: CostModel, gpus: int, tp=None, pp=None, dp=None, ep=None) -> list[tuple[int, int, int, int]]:
-    """(tp, pp, dp, ep) with tp * pp * dp = gpus: tp inside a node and analysed, pp at most the
-    layers, ep (expert shards, over dp ranks) dividing dp."""
+def cp_degrees(model: CostModel, gpus: int) -> list[int]:
+    """The context-parallel degrees > 1 worth pricing: powers of two dividing `gpus`, with 2*cp
+    dividing the sequence, for a model whose layer has attention cores (the ring passes K/V)."""
+    p = model.profile
+    if p.parts[(1, 1)]["layer"].kv_bytes(1) <= 0:
+        return []
+    return [k for k in (2 ** i for i in range(1, MAX_CP.bit_length()))
+            if gpus % k == 0 and p.seq % (2 * k) == 0]
+
+
+def long_sequence(model: CostModel) -> bool:
+    return model.profile.seq >= CP_MIN_SEQ
+
+
+def meshes(model: CostModel, gpus: int, tp=None, pp=None, dp=None, ep=None,
+           cp=None) -> list[tuple[int, int, int, int, int]]:
+    """(tp, pp, dp, ep, cp) with tp * cp * pp * dp = gpus: tp inside a node and analysed, cp in
+    `cp` (an int, or a list of degrees; None: 1), pp at most the layers, ep (expert shards, over
+    dp ranks) dividing dp."""
     c, p = model.cluster, model.profile
+    cps = [1] if cp is None else [cp] if isinstance(cp, int) else list(cp)
     out = []
     for t, e in sorted(p.parts):
         if t > c.gpus_per_node or gpus % t or (tp and t != tp) or (ep and e != ep):
             continue
-        for q in divisors(gpus // t):
-            d = gpus // (t * q)
-            if q > p.layers or (pp and q != pp) or (dp and d != dp) or model.batch % d or d % e:
+        for k in cps:
+            if gpus % (t * k):
                 continue
-            out.append((t, q, d, e))
+            for q in divisors(gpus // (t * k)):
+                d = gpus // (t * k * q)
+                if q > p.layers or (pp and q != pp) or (dp and d != dp) or model.batch % d or d % e:
+                    continue
+                out.append((t, q, d, e, k))
     return out
 
 
@@ -49,17 +74,18 @@ RECOMPUTE = ("full", "selective", "none")
 
 def candidates(model: CostModel, gpus: int, *, tp=None, pp=None, dp=None, microbatch_size=None,
                virtual_stages=None, schedule=None, recompute=None, ep=None,
-               zero=None) -> list[Layout]:
-    """Every layout the knobs allow; a knob given is fixed, the others are searched."""
+               zero=None, cp=None) -> list[Layout]:
+    """Every layout the knobs allow; a knob given is fixed, the others are searched (cp: an int
+    fixes it, a list gives the degrees to search, None is 1)."""
     layers = model.profile.layers
     out = []
-    for t, q, d, e in meshes(model, gpus, tp, pp, dp, ep):
-        levels = [zero] if zero is not None else ZERO_LEVELS if d > 1 else (0,)
+    for t, q, d, e, k in meshes(model, gpus, tp, pp, dp, ep, cp):
+        levels = [zero] if zero is not None else ZERO_LEVELS if d * k > 1 else (0,)
         for b in ([microbatch_size] if microbatch_size else MICROBATCH_SIZES):
             for name, v in _schedules(q, layers, virtual_stages, schedule):
                 for r in ([recompute] if recompute else RECOMPUTE):
                     for z in levels:
-                        lay = Layout(t, q, d, b, v, name, r, e, z)
+                        lay = Layout(t, q, d, b, v, name, r, e, z, k)
                         if model.check(lay) is None:
                             out.append(lay)
     return out
@@ -80,13 +106,21 @@ def _schedules(pp: int, layers: int, virtual_stages, schedule):
 
 
 def search(model: CostModel, gpus: int, *, simulate_top: int = 24, **knobs) -> list[Estimate]:
-    """Ranked estimates, best first: fitting layouts by step time, then the rejected ones."""
+    """Ranked estimates, best first: fitting layouts by step time, then the rejected ones. cp
+    (a knob: fixed) is searched from CP_MIN_SEQ tokens, or when no layout without it fits."""
     if gpus < 1:
         raise AutopartError(f"--gpus {gpus} must be at least 1")
-    layouts = candidates(model, gpus, **knobs)
-    if not layouts:
-        raise AutopartError(_nothing(model, gpus, knobs))
-    rough = sorted((model.estimate(lay, simulate=False) for lay in layouts), key=_rank)
+    cp = knobs.pop("cp", None)
+    degrees = cp_degrees(model, gpus) if cp is None else []
+    searched = [1, *degrees] if cp is None and long_sequence(model) else cp
+    layouts = candidates(model, gpus, cp=searched, **knobs)
+    rough = [model.estimate(lay, simulate=False) for lay in layouts]
+    if cp is None and degrees and not long_sequence(model) and not any(e.fits for e in rough):
+        more = candidates(model, gpus, cp=degrees, **knobs)     # nothing fits: try splitting sequences
+        rough += [model.estimate(lay, simulate=False) for lay in more]
+    if not rough:
+        raise AutopartError(_nothing(model, gpus, {**knobs, "cp": cp}))
+    rough.sort(key=_rank)
     fitting = [e for e in rough if e.fits][:simulate_top]
     rejected = [e for e in rough if not e.fits][: max(4, simulate_top // 4)]
     exact = {e.layout: model.estimate(e.layout) for e in fitting + rejected}
@@ -96,7 +130,7 @@ def search(model: CostModel, gpus: int, *, simulate_top: int = 24, **knobs) -> l
 def zero_choice(model: CostModel, best: Estimate) -> str:
     """Why `best` has its ZeRO level: the same layout at the other levels, as predicted."""
     lay = best.layout
-    if lay.dp == 1:
+    if lay.replicas == 1:
         return "zero=0: dp=1, no replicas to shard over"
     others = []
     for z in (z for z in ZERO_LEVELS if z != lay.zero):
@@ -107,6 +141,47 @@ def zero_choice(model: CostModel, best: Estimate) -> str:
                       f"zero={z}: {e.step_time / best.step_time - 1:+.1%} step time, {gb}")
     return (f"zero={lay.zero} ({best.memory['total'] / 1e9:.1f} GB per rank, the fastest level "
             f"that fits): " + "; ".join(others))
+
+
+def cp_choice(model: CostModel, best: Estimate, ranked: list[Estimate]) -> str:
+    """Why `best` has its cp degree: activations with and without it, the best layout of the
+    other choice, the ring's share of the step."""
+    lay, p = best.layout, model.profile
+    gib = 2 ** 30
+    fitting = [e for e in ranked if e.fits]
+    if lay.cp == 1:
+        others = [e for e in fitting if e.layout.cp > 1]
+        if not any(e.layout.cp > 1 for e in ranked):
+            why = (f"at {p.seq} tokens (< {CP_MIN_SEQ}) context parallelism is not searched while a "
+                   "layout without it fits" if not long_sequence(model) else
+                   "no cp degree applies (2*cp must divide the sequence and the GPUs, and the layer "
+                   "needs attention cores)")
+            return f"cp=1: {why}"
+        if not others:
+            return f"cp=1: at {p.seq} tokens no layout with cp > 1 fits"
+        o = others[0]
+        return (f"cp=1: at {p.seq} tokens the sequence fits a rank whole; the fastest layout with cp, "
+                f"{o.layout.mesh}, is {o.step_time / best.step_time - 1:+.1%} in step time")
+    whole = model.estimate(dataclasses.replace(lay, cp=1), simulate=False)
+    layer_cp, _ = model.kept_per_layer(lay)
+    layer_1, _ = model.kept_per_layer(dataclasses.replace(lay, cp=1))
+    no_cp = [e for e in fitting if e.layout.cp == 1]
+    if no_cp:
+        rival = (f"the fastest layout without cp ({no_cp[0].layout.mesh}) is "
+                 f"{no_cp[0].step_time / best.step_time - 1:+.1%} in step time")
+    else:
+        rival = "no layout without cp fits"
+    ring = best.breakdown.get("cp_ring_exposed", 0.0)
+    moved = model.parts(lay)["layer"].kv_bytes(lay.microbatch_size) * model._act_scale
+    return (f"cp={lay.cp}: at {p.seq} tokens a layer keeps {layer_1 / gib:.2f} GiB of activations per "
+            f"microbatch on a rank with cp=1 ({whole.memory['activations'] / gib:.1f} GiB in all, "
+            f"{whole.memory['total'] / 1e9:.1f} GB per rank with this layout: "
+            f"{'fits' if whole.fits else 'does not fit'} {model.cluster.memory_bytes / 1e9:g} GB); "
+            f"cp={lay.cp} brings them to {layer_cp / gib:.2f} GiB ({best.memory['activations'] / gib:.1f} "
+            f"GiB in all, {best.memory['total'] / 1e9:.1f} GB per rank), the fastest layout that fits "
+            f"({rival}); the ring's K/V exchange ({moved / lay.cp / 2 ** 20:.0f} MiB a step, "
+            f"{lay.cp - 1} steps per attention layer) costs {ring / best.step_time:.1%} of the step "
+            f"beyond what the attention blocks hide")
 
 
 def _rank(e: Estimate):
@@ -123,4 +198,4 @@ def _nothing(model: CostModel, gpus: int, knobs: dict) -> str:
 
 
 __all__ = ["search", "candidates", "RECOMPUTE", "meshes", "divisors", "MICROBATCH_SIZES",
-           "ZERO_LEVELS", "zero_choice"]
+           "ZERO_LEVELS", "zero_choice", "cp_choice", "cp_degrees", "CP_MIN_SEQ"]

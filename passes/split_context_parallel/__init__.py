@@ -1,0 +1,133 @@
+"""split_context_parallel: the sequence sharded over a context-parallel axis (cp ranks).
+
+Each rank holds two of the sequence's 2*cp equal chunks (i and 2*cp-1-i: causal load balancing,
+as Megatron-Core and torch's context_parallel do) and runs the model on them. The captured graph
+is symbolic in the sequence length, so its shapes follow; what must change is found by ops and
+dataflow:
+
+  attention cores   (SDPA, or matmul-softmax-matmul written by hand, GQA/MQA included) become
+                    ring attention (K/V passed peer to peer, partial results merged by their
+                    log-sum-exp) or all-gather-K/V attention, `attention=`; a core's mask is
+                    proved causal or absent by computing it (masks.py), anything else refused
+  positions         aranges over the sequence become the global positions of the rank's chunks,
+                    and tables sliced to the sequence length (RoPE caches) are indexed at them
+  everything else   must work position by position: an op that mixes positions outside the
+                    cores is refused, naming it (check.py)
+
+The loss must be a token mean (weigh_loss_by_tokens rewrites it into a sum over counted tokens
+scaled by the global count), so the ranks' sums add up to the plain model's loss. The runtime
+hands each rank its chunks of every input whose dim 1 is the sequence, binds `cp_comm` to the
+rank's context-parallel group and reduces gradients over dp x cp.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopart.errors import AutopartError
+from autopart.ir import ContextParallelPlan, Program
+
+from autopart.passes.split_tensor_parallel.expert_linears import moe_matmuls
+
+from .check import check_loss, check_position_wise, check_sequence_length
+from .find import find_cores, position_sources
+from .masks import decide_causal
+from .rewrite import KERNELS, rewrite
+
+ATTENTIONS = tuple(KERNELS)
+
+
+def split_context_parallel(program: Program, *, cp: int, attention: str = "ring",
+                           tp: int = 1, sequence_parallel: bool = False):
+    """Return (program rewritten for one context-parallel rank, report)."""
+    if cp == 1:
+        return program.replace(cp=ContextParallelPlan(1, attention)), {"cp": 1}
+    if program.ep is not None or moe_matmuls(program):
+        raise AutopartError(
+            f"context parallelism (cp={cp}) with mixture-of-experts layers is not supported: "
+            "token routing groups and capacities are counted over the whole sequence.\n  "
+            "remedy: drop the cp axis for this model (ep and tp shard its memory)")
+    seq = check_sequence_length(program, cp, tp, sequence_parallel)
+    check_loss(program, cp)
+    cores = find_cores(program)
+    if not cores:
+        raise AutopartError(
+            f"context parallelism (cp={cp}) shards the sequence, but no attention core was "
+            "found in the model (scaled_dot_product_attention, or q @ k^T -> softmax -> @ v): "
+            "nothing mixes positions that the pass could replace.\n  remedy: drop the cp axis")
+    inputs = set(program.inputs)
+    for core in cores:
+        core.causal = decide_causal(core, program.gm, inputs, seq)
+    aranges, slices = position_sources(program)
+    live = _live_after_rewrite(program, cores)
+    check_position_wise(program, _core_nodes(program, cores) | (set(program.gm.graph.nodes) - live),
+                        _loss_nodes(program))
+    gm = rewrite(program, cores, aranges, slices, cp, attention)
+    plan = ContextParallelPlan(cp, attention,
+                               tuple((c.last.name, "causal" if c.causal else "full")
+                                     for c in cores),
+                               tuple(n.name for n in aranges + slices), seq, seq // cp)
+    report = {"cp": cp, "attention": attention, "cores": [list(c) for c in plan.cores],
+              "positions": list(plan.positions), "local_seq_len": seq // cp}
+    return program.replace(gm=gm, cp=plan, seq_len=seq // cp), report
+
+
+def _core_nodes(program: Program, cores) -> set[fx.Node]:
+    """Every node a core computes from its q, k, v up to its output (what the rewrite replaces;
+    the mask ops do not depend on q, k, v and are checked by value instead)."""
+    order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
+    out: set[fx.Node] = set()
+    for core in cores:
+        stop, end = {core.q, core.k, core.v}, order[core.last]
+        start = min(order[n] for n in stop)
+        after, todo = set(), list(stop)         # downstream of q, k, v, up to the output
+        while todo:
+            n = todo.pop()
+            for u in n.users:
+                if u not in after and order[u] <= end:
+                    after.add(u)
+                    todo.append(u)
+        before, todo = set(), [core.last]       # upstream of the output, back to q, k, v
+        while todo:
+            n = todo.pop()
+            if n in before or order[n] < start:
+                continue
+            before.add(n)
+            todo.extend(n.all_input_nodes)
+        out |= (after & before) - stop
+    return out
+
+
+def _live_after_rewrite(program: Program, cores) -> set[fx.Node]:
+    """The nodes the outputs still need once each core reads only its q, k, v: the ops that
+    build masks (checked by value in masks.py) are not among them."""
+    by_last = {c.last: c for c in cores}
+    out = next(n for n in program.gm.graph.nodes if n.op == "output")
+    seen, todo = set(), [out]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend((by_last[n].q, by_last[n].k, by_last[n].v) if n in by_last
+                    else n.all_input_nodes)
+    return seen
+
+
+def _loss_nodes(program: Program) -> set[fx.Node]:
+    """The reductions that make the loss a scalar: 0-dim nodes the loss output depends on."""
+    out = next(n for n in program.gm.graph.nodes if n.op == "output").args[0]
+    loss = out[0] if isinstance(out, (tuple, list)) else out
+    seen, todo = set(), [loss]
+    while todo:
+        n = todo.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        val = n.meta.get("val")
+        if getattr(val, "dim", lambda: 1)() != 0:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+__all__ = ["ATTENTIONS", "split_context_parallel"]

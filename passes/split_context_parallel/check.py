@@ -1,0 +1,138 @@
+"""What context parallelism refuses, each naming the node and a remedy.
+
+A rank runs the model on its own sequence chunks. That is the plain model's computation when every
+op outside the attention cores works position by position; an op that mixes positions (a
+softmax, a cumulative sum or a reduction over the sequence, a matmul contracting it, a slice or a
+concatenation along it, a convolution over it) would silently compute over the rank's chunks
+only. Such ops are found from the symbolic sizes: a dim whose size involves the sequence symbol s.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopart.errors import AutopartError, node_error
+from autopart.ir import SEQ, Program, sym_shape
+
+aten = torch.ops.aten
+
+# op -> index of its dim argument (None: every dim); mixing along that dim
+ALONG_DIM = {aten.softmax.int: 1, aten._softmax.default: 1, aten.log_softmax.int: 1,
+             aten._log_softmax.default: 1, aten.cumsum.default: 1, aten.cumprod.default: 1,
+             aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten.amax.default: 1,
+             aten.amin.default: 1, aten.max.dim: 1, aten.min.dim: 1, aten.var.correction: 1,
+             aten.logsumexp.default: 1, aten.sort.default: 1, aten.topk.default: 3,
+             aten.roll.default: 2, aten.flip.default: 1, aten.argmax.default: 1,
+             aten.sum.default: None, aten.mean.default: None, aten.prod.default: None,
+             aten.max.default: None, aten.min.default: None, aten.std.correction: 1}
+MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
+CONVS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default}
+
+
+def check_sequence_length(program: Program, cp: int, tp: int, sequence_parallel: bool) -> int:
+    """The captured sequence length S, checked: symbolic (the ranks run S/cp of it) and cut
+    into 2*cp equal chunks (and S/cp into tp under sequence parallelism)."""
+    seq = program.seq_len
+    if seq is None or SEQ not in program.symbols.values():
+        raise AutopartError(
+            f"context parallelism (cp={cp}) runs each rank's program on its share of the "
+            "sequence, but the model was captured with a fixed sequence length (the export "
+            "could not keep dim 1 of the inputs symbolic: the model ties its shapes to the "
+            f"example's {seq} positions).\n  remedy: let the model take any sequence length up "
+            "to its maximum (no reshape to a fixed length), or drop the cp axis")
+    if seq % (2 * cp):
+        ok = [c for c in range(1, seq + 1) if seq % (2 * c) == 0 and c <= 64]
+        raise AutopartError(
+            f"context parallelism cuts the sequence into 2*cp = {2 * cp} equal chunks (causal "
+            f"load balancing: rank i holds chunks i and {2 * cp - 1}-i), but the sequence is "
+            f"{seq} tokens, not a multiple of {2 * cp}.\n  remedy: pad the sequence to a "
+            f"multiple of {2 * cp} (labels of the padding -100), or cp in {ok}")
+    if sequence_parallel and (seq // cp) % tp:
+        raise AutopartError(
+            f"sequence parallelism splits each cp rank's {seq // cp} tokens over tp={tp} ranks: "
+            f"not divisible.\n  remedy: a sequence length that is a multiple of {cp * tp * 2}")
+    return seq
+
+
+def check_loss(program: Program, cp: int) -> None:
+    """The loss must be a token mean the runtime weighs exactly (weigh_loss_by_tokens): a
+    mean over each rank's chunks is not the mean over the sequence otherwise."""
+    if program.loss_count is None:
+        raise AutopartError(
+            f"context parallelism (cp={cp}) computes the loss of each rank's tokens; the global "
+            "loss is then exact only for a mean over tokens (cross_entropy / nll_loss with "
+            "reduction='mean', or sum(l * mask) / mask.sum()), which weigh_loss_by_tokens did "
+            f"not find in this model's loss ({program.loss_rule or 'no rule'}).\n  remedy: "
+            "return a token-mean loss, or drop the cp axis")
+
+
+def check_position_wise(program: Program, replaced: set[fx.Node], allowed: set[fx.Node]) -> None:
+    """Refuse any op outside the replaced cores (and the loss, `allowed`) that mixes positions."""
+    for node in program.gm.graph.nodes:
+        if node.op != "call_function" or node in replaced or node in allowed:
+            continue
+        dims = _mixed_dims(node)
+        if dims is None:
+            continue
+        src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if src is None or "val" not in src.meta or not hasattr(src.meta["val"], "shape"):
+            continue
+        shape = sym_shape(src.meta["val"], program.symbols)
+        if any(_has_seq(shape[d % len(shape)]) for d in dims if len(shape)):
+            raise node_error(node, f"context parallelism runs each rank on its own sequence "
+                             f"chunks, and this {_name(node)} mixes positions along the "
+                             "sequence outside an attention core the pass replaces (it would "
+                             "see only the rank's chunks)", "keep ops across positions inside "
+                             "attention (shift labels outside the model, for example), or drop "
+                             "the cp axis")
+
+
+def _mixed_dims(node: fx.Node) -> list[int] | None:
+    if node.target in ALONG_DIM:
+        i = ALONG_DIM[node.target]
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        rank = val.dim() if val is not None and hasattr(val, "dim") else 0
+        dim = None if i is None else (node.args[i] if len(node.args) > i else
+                                      node.kwargs.get("dim", None))
+        if dim is None:
+            return list(range(rank))
+        return list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    if node.target in MATMULS:
+        return [-1]                         # the contracted dim of the first operand
+    if node.target in CONVS:
+        val = node.args[0].meta.get("val")
+        return list(range(2, val.dim())) if val is not None else None
+    if node.target == aten.slice.Tensor:
+        return _cut(node, node.args[1] if len(node.args) > 1 else 0)
+    if node.target == aten.cat.default:
+        return _joined(node)
+    if node.target in (aten.narrow.default, aten.select.int):
+        return [node.args[1]]
+    return None
+
+
+def _cut(node: fx.Node, dim: int) -> list[int] | None:
+    """A slice that keeps the whole dim is no cut."""
+    src, val = node.args[0].meta.get("val"), node.meta.get("val")
+    if src is None or val is None or src.shape[dim] == val.shape[dim]:
+        return None
+    return [dim]
+
+
+def _joined(node: fx.Node) -> list[int] | None:
+    """A concatenation of one tensor with empty ones (HF's empty KV cache) joins nothing."""
+    dim = node.args[1] if len(node.args) > 1 else 0
+    parts = [p.meta.get("val") for p in node.args[0]]
+    if any(p is None for p in parts):
+        return None
+    if sum(1 for p in parts if p.dim() > 0 and p.shape[dim] != 0) <= 1:
+        return None
+    return [dim]
+
+
+def _has_seq(size) -> bool:
+    return bool(getattr(size, "free_symbols", None)) and SEQ in size.free_symbols
+
+
+def _name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]

@@ -1,0 +1,93 @@
+"""Models for the context-parallel tests (tests/test_context_parallel.py), registered in
+tests/_workers.FAMILIES on import, and the spawned ranks' function that imports them first."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests._workers import FAMILIES, run_cases
+
+
+# -- models autopart was not written for ---------------------------------------------------------
+
+class HandAttention(nn.Module):
+    """Attention as older code bases write it: a tril buffer sliced to the sequence, masked_fill,
+    softmax in fp32, dropout(0), a learned position table sliced to the sequence length."""
+
+    def __init__(self, d: int = 32, heads: int = 4, block: int = 64):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (c // self.heads) ** 0.5)
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        att = self.drop(F.softmax(att.float(), dim=-1).type_as(att))
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.proj(y)
+
+
+class HandLM(nn.Module):
+    def __init__(self, vocab: int = 96, d: int = 32, layers: int = 2, block: int = 64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(block, d) * 0.02)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(ln=nn.LayerNorm(d), att=HandAttention(d),
+                                                       mlp=nn.Linear(d, d))) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            x = x + blk["att"](blk["ln"](x))
+            x = x + torch.tanh(blk["mlp"](x))
+        return self.head(x)
+
+
+def _lm_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+def _hand(case, seed, device):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 96, (case.batch, case.seq), generator=g)
+    y = torch.randint(0, 96, (case.batch, case.seq), generator=g)
+    return HandLM().to(device), _lm_loss, (x.to(device),), y.to(device)
+
+
+class _Logits(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx):
+        return self.model(input_ids=idx, use_cache=False).logits
+
+
+def _llama(case, seed, device):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 128, (case.batch, case.seq), generator=g)
+    y = torch.randint(0, 128, (case.batch, case.seq), generator=g)
+    return _Logits(transformers.LlamaForCausalLM(cfg)).to(device), _lm_loss, (x.to(device),), \
+        y.to(device)
+
+
+FAMILIES.setdefault("cp-hand", _hand)
+FAMILIES.setdefault("cp-llama", _llama)
+
+
+def run_cp_cases(rank: int, world: int, cases: list) -> list[dict]:
+    """Rank function: run_cases with this file's models registered (spawned processes import
+    it, not the test module)."""
+    return run_cases(rank, world, cases)
