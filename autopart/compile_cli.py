@@ -63,12 +63,17 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
 def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     """The model and layout flags `autopart compile` and `autopart verify` share: FILE.py:NAME,
     --config, --mesh, --batch, --microbatches, --schedule, --virtual-stages,
-    --sequence-parallel, --recompute, --memory-budget, --precision, --zero, --loss-fn."""
+    --sequence-parallel, --recompute, --memory-budget, --precision, --zero, --loss-fn,
+    --cp-attention."""
     p.add_argument("target", metavar="FILE.py:NAME",
                    help="a model class or a function returning the model [, inputs [, target]]")
     p.add_argument("--config", default=None,
                    help="config name and/or overrides, e.g. gpt3-175b,n_layer=30")
-    p.add_argument("--mesh", default="pp=1", help="parallel sizes, e.g. dp=2,pp=4 (default pp=1)")
+    p.add_argument("--mesh", default="pp=1", help="parallel sizes, e.g. dp=2,pp=4 or cp=2,tp=2 "
+                   "(axes pp, dp, cp, tp, ep; default pp=1)")
+    p.add_argument("--cp-attention", default="ring", choices=("ring", "allgather"),
+                   help="context parallelism's attention (cp > 1): ring (K/V passed peer to "
+                        "peer) or allgather (K/V all-gathered); default ring")
     p.add_argument("--batch", type=int, default=None,
                    help="global batch (default: one sequence per microbatch per replica, "
                         "dp * microbatches)")
@@ -126,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
                                 sequence_parallel=args.sequence_parallel,
                                 recompute=args.recompute, memory_budget=args.memory_budget,
                                 optimizer=args.optimizer, precision=args.precision,
-                                zero=args.zero)
+                                zero=args.zero, cp_attention=args.cp_attention)
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
     files = _emit(compiled, Path(args.emit)) if args.emit else []

@@ -223,6 +223,7 @@ def explain_table(compiled) -> str:
                  f"largest pipeline rank holds {max(per_rank) / max(total, 1):.1%}")
     lines += _tp_lines(compiled)
     lines += _ep_lines(compiled)
+    lines += _cp_lines(compiled)
     if plan.shared_params:
         shared = ", ".join(f"{n} (chunks {list(c)})" for n, c in plan.shared_params.items())
         lines.append(f"shared parameters, gradients summed between their chunks: {shared}")
@@ -317,11 +318,35 @@ def _params_per_pp_rank(rows, pp) -> list[int]:
     return out
 
 
+def cp_rows(compiled) -> dict | None:
+    """Context parallelism as JSON (None without a cp axis): the attention kernel, each
+    replaced core with its mask, the rewritten position sources, the sequence per rank."""
+    cp = compiled.program.cp
+    if cp is None or cp.cp == 1:
+        return None
+    return {"cp": cp.cp, "attention": cp.attention, "seq_len": cp.seq_len,
+            "local_seq_len": cp.local_seq_len,
+            "cores": [{"node": n, "mask": m} for n, m in cp.cores], "positions": list(cp.positions)}
+
+
+def _cp_lines(compiled) -> list[str]:
+    row = cp_rows(compiled)
+    if row is None:
+        return []
+    masks = sorted({c["mask"] for c in row["cores"]})
+    return [f"context parallelism over cp={row['cp']}: {row['attention']} attention replaces "
+            f"{len(row['cores'])} attention core(s) ({'/'.join(masks)}); each rank holds "
+            f"{row['local_seq_len']} of {row['seq_len']} positions (chunks i and "
+            f"{2 * row['cp'] - 1}-i); positions from {len(row['positions'])} source(s) "
+            f"({', '.join(row['positions'][:4])}) are the rank's own; gradients reduced over "
+            f"dp x cp = {compiled.plan.mesh.replicas} replicas"]
+
+
 def explain_json(compiled) -> dict:
     plan, sim = compiled.plan, compiled.simulation
     return {
         "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp, "ep": plan.mesh.ep,
-                 "world_size": plan.mesh.world_size},
+                 "cp": plan.mesh.cp, "world_size": plan.mesh.world_size},
         "schedule": plan.schedule, "microbatches": plan.microbatches,
         "virtual_stages": plan.virtual_stages, "global_batch": plan.global_batch,
         "microbatch_size": plan.microbatch_size, "precision": plan.precision,
@@ -331,6 +356,7 @@ def explain_json(compiled) -> dict:
         "tensor_parallel": tp_rows(compiled),
         "sequence_parallel": plan.sequence_parallel,
         "expert_parallel": ep_rows(compiled),
+        "context_parallel": cp_rows(compiled),
         "bubble": sim.bubble, "peak_in_flight": list(sim.peak_in_flight),
         "recompute": recompute_summary(compiled),
         "memory": memory_rows(compiled),

@@ -115,6 +115,13 @@ class StepDriver:
                                     f"{v.shape[0] if v.dim() else 'none (a scalar)'}, but the "
                                     f"model was compiled for the global batch {plan.global_batch}")
         check_step_inputs(values, self.input_specs)
+        cp = plan.mesh.cp
+        for i, (name, v) in enumerate(zip(names, values)):
+            if cp > 1 and self._on_sequence(i) and v.shape[1] % (2 * cp):
+                raise AutopartError(
+                    f"train_step input {name!r} has {v.shape[1]} positions; context parallelism "
+                    f"(cp={cp}) cuts the sequence into 2*cp = {2 * cp} equal chunks.\n  remedy: "
+                    f"pad the sequence to a multiple of {2 * cp} (padding labels -100)")
         return values
 
 

@@ -91,3 +91,29 @@ def run_cp_cases(rank: int, world: int, cases: list) -> list[dict]:
     """Rank function: run_cases with this file's models registered (spawned processes import
     it, not the test module)."""
     return run_cases(rank, world, cases)
+
+
+def saved_activation_bytes(rank: int, world: int, seq: int) -> dict:
+    """Rank function: bytes of the distinct tensors autograd saves for backward in one
+    train_step of the example GPT at Mesh(cp=world), parameters excluded (measured by
+    torch.autograd.graph.saved_tensors_hooks, not by the memory model)."""
+    from datetime import timedelta
+
+    import autopart
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=seq)
+    x = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(1))
+    pm = autopart.parallelize(GPT(cfg), autopart.Mesh(cp=world), (x,), loss_fn=lm_loss,
+                              target=x, timeout=timedelta(seconds=120))
+    params = {p.untyped_storage().data_ptr() for p in pm.parameters()}
+    saved: dict = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pm.train_step(x, target=x)
+    return {"rank": rank, "bytes": sum(saved.values())}

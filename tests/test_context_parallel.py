@@ -63,3 +63,110 @@ def test_matches_plain_model(case: Case, spawn_cache):
     results = run_group(spawn_cache, _GROUP_OF[case.name], GROUPS[_GROUP_OF[case.name]],
                         rank_fn=run_cp_cases)
     assert_all_ranks_equal_plain(case, results[case.name])
+
+
+# -- what compile refuses, naming the node and a remedy ------------------------------------------
+
+def _compile(model, x, cp=2, loss=None, **kw):
+    from tests.cp_workers import _lm_loss
+    return autopart.compile(model, autopart.Mesh(cp=cp), (x,), loss_fn=loss or _lm_loss,
+                            target=torch.zeros_like(x), **kw)
+
+
+class _Masked(torch.nn.Module):
+    """The hand-written model with another mask: `window` (sliding window) or `pad` (a
+    padding mask computed from the inputs), or an op over the whole sequence (`pool`)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        from tests.cp_workers import HandLM
+        self.how, self.lm = how, HandLM(layers=1)
+        att = self.lm.blocks[0]["att"]
+        if how == "window":
+            att.bias.copy_(att.bias * torch.ones(64, 64).triu(-3))
+
+    def forward(self, idx):
+        out = self.lm(idx)
+        if self.how == "pool":                  # a sequence mean: mixes every position
+            return out - out.mean(dim=1, keepdim=True)
+        return out
+
+
+@pytest.mark.parametrize("how, says", [
+    ("window", ["mask is neither causal nor absent", "blocks.0.att", "sliding window"]),
+    ("pool", ["mixes positions along the sequence", "mean", "test_context_parallel.py"]),
+])
+def test_refuses_what_it_cannot_split(how, says):
+    with pytest.raises(AutopartError) as err:
+        _compile(_Masked(how), torch.randint(0, 96, (2, 32)))
+    text = str(err.value)
+    for s in says + ["remedy:"]:
+        assert s in text, text
+
+
+def test_refuses_a_sequence_not_divisible_by_2cp():
+    from tests.cp_workers import HandLM
+    with pytest.raises(AutopartError, match=r"2\*cp = 8 equal chunks(.|\n)*30 tokens(.|\n)*remedy"):
+        _compile(HandLM(layers=1), torch.randint(0, 96, (2, 30)), cp=4)
+
+
+def test_refuses_a_loss_that_is_not_a_token_mean():
+    from tests.cp_workers import HandLM
+    with pytest.raises(AutopartError, match="mean over tokens(.|\n)*remedy"):
+        _compile(HandLM(layers=1), torch.randint(0, 96, (2, 32)),
+                 loss=lambda out, t: out.float().pow(2).mean(dim=(1, 2)).max())
+
+
+def test_refuses_attention_dropout_naming_the_node():
+    class Drop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 96)
+
+        def forward(self, idx):
+            x = self.emb(idx).view(idx.shape[0], idx.shape[1], 2, 8).transpose(1, 2)
+            y = torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.1,
+                                                                 is_causal=True)
+            return self.head(y.transpose(1, 2).reshape(idx.shape[0], idx.shape[1], 16))
+    with pytest.raises(AutopartError, match="dropout_p=0.1(.|\n)*node:(.|\n)*remedy"):
+        _compile(Drop(), torch.randint(0, 96, (2, 32)))
+
+
+def test_refuses_a_padding_mask_from_the_inputs():
+    class Padded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 96)
+
+        def forward(self, idx):
+            x = self.emb(idx).view(idx.shape[0], idx.shape[1], 2, 8).transpose(1, 2)
+            keep = (idx != 0)[:, None, None, :]           # keys that are not padding
+            y = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=keep)
+            return self.head(y.transpose(1, 2).reshape(idx.shape[0], idx.shape[1], 16))
+    with pytest.raises(AutopartError, match="computed from the input 'idx'(.|\n)*remedy"):
+        _compile(Padded(), torch.randint(1, 96, (2, 32)))
+
+
+def test_the_emitted_program_shows_the_replaced_attention_and_positions():
+    from examples.gpt import GPT
+    from tests._workers import gpt_config
+    c = _compile(GPT(gpt_config(2)), torch.randint(0, 64, (2, 16)), cp_attention="allgather")
+    code = c.programs[1].code
+    assert code.count("autopart_cp_ops_allgather_kv_attention(") == 2, code
+    assert "scaled_dot_product_attention" not in code
+    assert "autopart_cp_ops_sequence_positions(" in code and "arange" not in code
+    assert c.program.cp.cores == (("scaled_dot_product_attention", "causal"),
+                                  ("scaled_dot_product_attention_1", "causal"))
+    assert (c.program.cp.seq_len, c.program.cp.local_seq_len) == (16, 8)
+
+
+def test_each_rank_saves_about_half_the_activations_at_cp2():
+    """The work is really divided: what autograd saves for backward on each cp=2 rank (bytes of
+    distinct storages, parameters excluded) is at most 0.55 of what the one rank of cp=1 saves,
+    on the same global batch (the issue's bound; the sequence-independent part keeps it above
+    0.5)."""
+    from autopart.runtime.launch import spawn
+    from tests.cp_workers import saved_activation_bytes
+    one = spawn(saved_activation_bytes, 1, 256, timeout=180)[0]["bytes"]
+    two = [r["bytes"] for r in spawn(saved_activation_bytes, 2, 256, timeout=180)]
+    assert one > 0 and all(0 < b <= 0.55 * one for b in two), (one, two)

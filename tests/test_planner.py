@@ -121,9 +121,10 @@ def test_cli_json_one_layout():
                "--cluster", "a100-80gb-selene", "--mesh", "tp=8,pp=64,dp=6", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    keys = {"mesh", "microbatch_size", "virtual_stages", "schedule", "recompute", "zero",
+    keys = {"mesh", "cp", "microbatch_size", "virtual_stages", "schedule", "recompute", "zero",
             "step_time_s", "tflops_per_device", "memory_per_rank_gb", "fits", "rejected_because"}
     assert set(data["best"]) == keys and data["best"]["mesh"] == "tp=8,pp=64,dp=6"
+    assert data["best"]["cp"] == 1 and data["cp_choice"].startswith("cp=1: at 2048 tokens")
     # the ZeRO level is searched and the choice explained against the other three levels
     assert {r["zero"] for r in data["layouts"]} == {0, 1, 2, 3}
     assert data["zero_choice"].startswith(f"zero={data['best']['zero']} (")

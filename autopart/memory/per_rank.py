@@ -94,7 +94,8 @@ def _zero_slices(trainable: dict, program: Program, mesh) -> list[tuple[torch.Te
     runtime/sharding.ShardLayout cuts them: the dense parameters over the dp replicas, the
     experts over the dp/ep ranks holding them."""
     experts = program.ep.params if (program.ep is not None and mesh.ep > 1) else {}
-    return [(t, -(-t.numel() // (mesh.dp // mesh.ep if n in experts else mesh.dp)), n in experts)
+    return [(t, -(-t.numel() // (mesh.dp // mesh.ep if n in experts else mesh.replicas)),
+             n in experts)
             for n, t in trainable.items()]
 
 

@@ -24,7 +24,7 @@ from autopart.planner.cluster import LOCAL_PATH
 
 CACHE = LOCAL_PATH.parent / "layers"
 TP_CANDIDATES = (1, 2, 4, 8, 16)
-_VERSION = 13          # bump when the profile's contents change
+_VERSION = 14          # bump when the profile's contents change
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def profile_data(model, inputs: tuple, loss_fn, target) -> dict:
                 invalid[key] = str(e).splitlines()[0]
     if "1,1" not in parts:
         raise AutopartError(f"the cost analysis failed: {invalid.get('1,1')}")
-    hidden, vocab = _sizes(model)
+    hidden, vocab = _sizes(model, seq)
     heads = getattr(getattr(model, "config", None), "n_head", None)
     return {"layers": units, "blocks": units * period, "seq": seq, "hidden": hidden, "vocab": vocab,
             "heads": heads, "parts": parts, "invalid_tp": invalid}
@@ -422,10 +422,12 @@ def _params(nodes, program, shards, tp, experts, ep, only: set | None = None) ->
     return total
 
 
-def _sizes(model) -> tuple[int, int]:
-    """Hidden size and vocabulary, for the paper's FLOPs formula: the largest nn.Embedding's."""
+def _sizes(model, seq: int | None = None) -> tuple[int, int]:
+    """Hidden size and vocabulary, for the paper's FLOPs formula: the largest nn.Embedding's,
+    other than a learned position table of `seq` rows (larger than the vocabulary at 128K)."""
     import torch.nn as nn
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    embeddings = [m for m in embeddings if m.num_embeddings != seq] or embeddings
     if not embeddings:
         return 0, 0
     e = max(embeddings, key=lambda m: m.num_embeddings)

@@ -20,7 +20,7 @@ import dataclasses
 
 from autopart.errors import AutopartError
 from autopart.memory.units import ZERO_LEVELS
-from autopart.planner.cost import SCHEDULE_NAMES, CostModel, Estimate, Layout
+from autopart.planner.cost import SCHEDULE_NAMES, CostModel, Estimate, Layout, chunk_layers
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
 MAX_VIRTUAL_STAGES = 8
@@ -167,21 +167,29 @@ def cp_choice(model: CostModel, best: Estimate, ranked: list[Estimate]) -> str:
     layer_1, _ = model.kept_per_layer(dataclasses.replace(lay, cp=1))
     no_cp = [e for e in fitting if e.layout.cp == 1]
     if no_cp:
-        rival = (f"the fastest layout without cp ({no_cp[0].layout.mesh}) is "
-                 f"{no_cp[0].step_time / best.step_time - 1:+.1%} in step time")
+        rival = (f"the fastest without cp, {no_cp[0].layout.mesh}, takes "
+                 f"{no_cp[0].step_time / best.step_time - 1:+.1%} step time")
     else:
         rival = "no layout without cp fits"
     ring = best.breakdown.get("cp_ring_exposed", 0.0)
-    moved = model.parts(lay)["layer"].kv_bytes(lay.microbatch_size) * model._act_scale
+    layer = model.parts(lay)["layer"]
+    moved = layer.kv_bytes(lay.microbatch_size) * model._act_scale / lay.cp
+    # transfer time a step on the first pipeline rank: K/V forward (again when recomputed), and
+    # K/V with dK/dV backward, cp - 1 steps per attention layer and microbatch
+    counts = chunk_layers(p.layers, lay.pp * lay.virtual_stages)
+    layers = sum(n for k, n in enumerate(counts) if k % lay.pp == 0)
+    sends = 3 + (lay.recompute == "full")
+    transfer = (model.microbatches(lay) * layers * (lay.cp - 1) * sends
+                * model.ring_transfer(layer, lay.tp, lay.microbatch_size, lay.cp))
     return (f"cp={lay.cp}: at {p.seq} tokens a layer keeps {layer_1 / gib:.2f} GiB of activations per "
             f"microbatch on a rank with cp=1 ({whole.memory['activations'] / gib:.1f} GiB in all, "
             f"{whole.memory['total'] / 1e9:.1f} GB per rank with this layout: "
-            f"{'fits' if whole.fits else 'does not fit'} {model.cluster.memory_bytes / 1e9:g} GB); "
+            f"{'fits in' if whole.fits else 'more than'} {model.cluster.memory_bytes / 1e9:g} GB); "
             f"cp={lay.cp} brings them to {layer_cp / gib:.2f} GiB ({best.memory['activations'] / gib:.1f} "
-            f"GiB in all, {best.memory['total'] / 1e9:.1f} GB per rank), the fastest layout that fits "
-            f"({rival}); the ring's K/V exchange ({moved / lay.cp / 2 ** 20:.0f} MiB a step, "
-            f"{lay.cp - 1} steps per attention layer) costs {ring / best.step_time:.1%} of the step "
-            f"beyond what the attention blocks hide")
+            f"GiB in all, {best.memory['total'] / 1e9:.1f} GB per rank), the fastest layout that fits; "
+            f"{rival}; the ring's K/V exchange ({moved / 2 ** 20:.0f} MiB a message, {lay.cp - 1} per "
+            f"attention layer and pass, {transfer:.1f} s of transfer a step) costs "
+            f"{ring / best.step_time:.1%} of the step beyond what the attention blocks hide")
 
 
 def _rank(e: Estimate):

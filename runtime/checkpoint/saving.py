@@ -134,7 +134,7 @@ def _marker(pm, optimizer, model, keys: list[str], files: dict) -> dict:
     out = {
         "format": FORMAT, "autopart_version": autopart.__version__,
         "torch_version": torch.__version__,
-        "mesh": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "ep": mesh.ep},
+        "mesh": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "ep": mesh.ep, "cp": mesh.cp},
         "world_size": mesh.world_size, "schedule": plan.schedule,
         "virtual_stages": plan.virtual_stages, "microbatches": plan.microbatches,
         "optimizer": _optimizer_name(optimizer) if optimizer is not None else None,
