@@ -34,6 +34,7 @@ AXES: dict[str, tuple] = {
     "embeddings": ("tied", "untied"),
     "reuse":      ("on", "off"),                 # layer reuse at capture (AUTOPART_LAYER_REUSE)
     "model":      ("gpt", "hf-gpt2", "hf-mixtral"),
+    "cp":         (1, 2),                        # the sequence over cp ranks (ring attention)
     "labels":     ("all", "ignored"),            # ignored: -100 on uneven parts of the rows
 }
 V_SCHEDULES = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipe-v": 2}   # virtual stages per rank
@@ -49,7 +50,7 @@ def allowed(values: dict) -> bool:
     if get("zero") in (1, 2, 3) and get("dp") == 1:  # ZeRO shards over data-parallel replicas
         return False
     tp = 2 if get("tp") in ("2", "2+sp") else 1
-    world = PP * tp * (get("dp") or 1)
+    world = PP * tp * (get("dp") or 1) * (get("cp") or 1)
     # Inductor compiles every distinct layer in every rank: 8 ranks on a 2-core machine is
     # minutes per case, so compiled cases stay at 4 ranks (every pair still has a case)
     if get("compile") and world > 4:
@@ -64,6 +65,9 @@ def refusal(values: dict) -> tuple[str, ...]:
         # tp splits each expert (expert tensor parallelism), but not under sequence
         # parallelism; with ep the experts are sharded over ep and stay whole over tp
         return ("leaves the experts", "sequence parallelism", "drop sequence_parallel", "ep=2")
+    if values["cp"] == 2 and values["model"] == "hf-mixtral":
+        # routing groups and capacities are counted over the whole sequence
+        return ("context parallelism", "mixture-of-experts", "remedy")
     if values["zero"] == 3 and values["schedule"] in SPLIT_BACKWARD:
         # the I and W programs of a split backward do not re-gather freed parameters
         return ("zero=3", f"schedule={values['schedule']!r}", "zero=2", "fused-backward")
@@ -83,12 +87,14 @@ class Combo:
     embeddings: str
     reuse: str
     model: str
+    cp: int = 1
     labels: str = "all"
 
     @property
     def name(self) -> str:
         parts = [self.model, self.embeddings, self.schedule, f"tp{self.tp}", f"dp{self.dp}"]
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"rc-{self.recompute}"] if self.recompute != "none" else []
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += [self.precision] if self.precision != "fp32" else []
@@ -102,7 +108,7 @@ class Combo:
         noise = "tp" if tp > 1 else "moe" if self.model == "hf-mixtral" else \
             "compiled" if self.compile else "kernels" if self.ep > 1 else "none"
         return CCase(name=self.name, model=f"c-{self.model}-{self.embeddings}", pp=PP, dp=self.dp,
-                     tp=tp, ep=self.ep, sequence_parallel=self.tp == "2+sp",
+                     tp=tp, ep=self.ep, cp=self.cp, sequence_parallel=self.tp == "2+sp",
                      schedule=self.schedule, virtual_stages=V_SCHEDULES.get(self.schedule, 1),
                      microbatches=MICROBATCHES, recompute=self.recompute, zero=self.zero,
                      precision=self.precision, compile=self.compile, reuse=self.reuse == "on",
@@ -112,7 +118,7 @@ class Combo:
 
 
 def _world(values: dict) -> int:
-    return PP * (1 if values["tp"] == "1" else 2) * values["dp"]
+    return PP * (1 if values["tp"] == "1" else 2) * values["dp"] * values["cp"]
 
 
 def _cost(values: dict) -> int:

@@ -169,7 +169,8 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
     start = time.perf_counter()
     model, loss_fn, inputs, target = build(case)
     ref, ref32 = copy.deepcopy(model), copy.deepcopy(model)
-    mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep)
+    mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep,
+                         cp=getattr(case, "cp", 1))
     pm = autopart.parallelize(model, mesh, inputs, loss_fn=loss_fn, target=target,
                               microbatches=case.microbatches, schedule=case.schedule,
                               virtual_stages=case.virtual_stages, zero=case.zero,

@@ -51,7 +51,7 @@ def test_mesh_coords_and_megatron_rank_order():
     assert Mesh.parse("dp=2, pp=2,tp=2") == m and m.world_size == 8
     assert str(m) == "Mesh(pp=2, dp=2, tp=2; 8 ranks)"
     # pp outermost, tp innermost: rank = (pp * dp_size + dp) * tp_size + tp
-    assert [tuple(m.coords(r).values()) for r in range(8)] == [
+    assert [tuple(m.coords(r)[a] for a in ("pp", "dp", "tp")) for r in range(8)] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
     assert all(m.rank(**m.coords(r)) == r for r in range(8))
     assert m.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]      # tensor parallel: adjacent
@@ -61,6 +61,20 @@ def test_mesh_coords_and_megatron_rank_order():
     with pytest.raises(AutopartError, match="rank 8 is outside a mesh of 8 ranks"):
         m.coords(8)
     assert Mesh(dp=4, ep=2).world_size == 4 and "ep=2" in str(Mesh(dp=4, ep=2))
+
+
+def test_mesh_cp_axis_sits_between_dp_and_tp():
+    """Megatron's order, tp innermost then cp: rank = ((pp * dp + dp_i) * cp + cp_i) * tp + tp_i;
+    the cp ranks are replicas, so "dp" (the gradient reduction) spans dp x cp."""
+    m = Mesh.parse("pp=2,dp=2,cp=2,tp=2")
+    assert m == Mesh(pp=2, dp=2, cp=2, tp=2) and m.world_size == 16 and m.replicas == 4
+    assert str(m) == "Mesh(pp=2, dp=2, tp=2, cp=2; 16 ranks)"
+    assert m.coords(6) == {"pp": 0, "dp": 1, "cp": 1, "tp": 0}
+    assert all(m.rank(**m.coords(r)) == r for r in range(16))
+    assert m.groups("cp")[:2] == [(0, 2), (1, 3)]
+    assert m.group("dp", 0) == (0, 2, 4, 6) and m.group("dp_only", 0) == (0, 4)
+    assert m.group("pp", 6) == (6, 14)
+    assert m.replica_groups()[0] == (0, 1, 8, 9)       # one model replica: same dp and cp
 
 
 def test_mesh_from_device_mesh():
@@ -76,7 +90,7 @@ def test_mesh_from_device_mesh():
     assert Mesh.from_device_mesh(dm2, ep=2) == Mesh(pp=2, dp=2, ep=2)
     bad = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("tp", "pp"),
                      _init_backend=False, _rank=0)
-    with pytest.raises(AutopartError, match="must be in the order pp, dp, tp"):
+    with pytest.raises(AutopartError, match="must be in the order pp, dp, cp, tp"):
         Mesh.from_device_mesh(bad)
     odd = DeviceMesh("cpu", torch.arange(4), mesh_dim_names=("x",), _init_backend=False, _rank=0)
     with pytest.raises(AutopartError, match="must be among"):
@@ -133,9 +147,11 @@ def test_to_json(compiled_tiny):
     json.dumps(out)   # plain data
     assert set(out) >= {"mesh", "schedule", "microbatches", "virtual_stages", "global_batch",
                         "microbatch_size", "chunks", "shared_params", "bubble", "peak_in_flight",
-                        "passes", "compile_seconds", "loss_rule", "param_groups"}
+                        "passes", "compile_seconds", "loss_rule", "param_groups",
+                        "context_parallel"}
+    assert out["context_parallel"] is None       # no cp axis
     assert out["loss_rule"].startswith("token-weighted: cross_entropy_loss over targets != -100")
-    assert out["mesh"] == {"dp": 2, "pp": 2, "tp": 1, "ep": 1, "world_size": 4}
+    assert out["mesh"] == {"dp": 2, "pp": 2, "tp": 1, "ep": 1, "cp": 1, "world_size": 4}
     assert [p["name"] for p in out["passes"]] == ["weigh_loss_by_tokens", "split_tensor_parallel",
                                                   "analyze_costs", "cut_pipeline_stages",
                                                   "emit_rank_programs"]

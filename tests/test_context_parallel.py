@@ -170,3 +170,16 @@ def test_each_rank_saves_about_half_the_activations_at_cp2():
     one = spawn(saved_activation_bytes, 1, 256, timeout=180)[0]["bytes"]
     two = [r["bytes"] for r in spawn(saved_activation_bytes, 2, 256, timeout=180)]
     assert one > 0 and all(0 < b <= 0.55 * one for b in two), (one, two)
+
+
+def test_explain_and_json_name_the_cores_and_the_sequence_per_rank():
+    from tests.cp_workers import HandLM
+    c = _compile(HandLM(), torch.randint(0, 96, (2, 32)), cp=4)
+    row = c.to_json()["context_parallel"]
+    assert (row["cp"], row["attention"], row["seq_len"], row["local_seq_len"]) == (4, "ring", 32, 8)
+    assert [core["mask"] for core in row["cores"]] == ["causal", "causal"]
+    assert c.to_json()["mesh"]["cp"] == 4 and c.plan.mesh.world_size == 4
+    assert "context parallelism over cp=4: ring attention replaces 2 attention core(s) (causal)" \
+        in c.explain()
+    assert [p.name for p in c.passes][:4] == ["weigh_loss_by_tokens", "split_tensor_parallel",
+                                              "split_context_parallel", "analyze_costs"]
