@@ -183,3 +183,14 @@ def test_explain_and_json_name_the_cores_and_the_sequence_per_rank():
         in c.explain()
     assert [p.name for p in c.passes][:4] == ["weigh_loss_by_tokens", "split_tensor_parallel",
                                               "split_context_parallel", "analyze_costs"]
+
+
+def test_the_memory_model_counts_each_ranks_share_of_the_sequence():
+    """The memory table (fake runs of each rank's program) sees S/cp positions: a cp=2 rank's
+    activations are about half of cp=1's; its parameters and optimizer state are whole."""
+    from examples.gpt import GPT
+    from tests._workers import gpt_config
+    x = torch.randint(0, 64, (2, 16))
+    one, two = (_compile(GPT(gpt_config(2)), x, cp=cp).memory[0] for cp in (1, 2))
+    assert 0.4 * one["activations"] <= two["activations"] <= 0.55 * one["activations"], (one, two)
+    assert (two["params"], two["optimizer"]) == (one["params"], one["optimizer"])
