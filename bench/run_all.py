@@ -42,6 +42,7 @@ class Bench:
     unit: str = "ratio"                              # or "s"
     rounds: Callable[[int], int] = lambda r: r       # rounds -> the rounds (or processes) it takes
     timeout: float = 900
+    optional: dict[str, str] = field(default_factory=dict)  # rows only when a run gave them
 
 
 def _per_round(a: list[float], b: list[float]) -> list[float]:
@@ -65,6 +66,14 @@ def _zero(out: dict) -> dict:
     rows = {f"zero{k} / fsdp2": _per_round(t[f"autopart_zero{k}"], t["fsdp2"]) for k in (2, 1, 0)}
     if "autopart_zero3" in t:       # runs before zero=3 had no such side
         rows["zero3 / fsdp2 reshard"] = _per_round(t["autopart_zero3"], t["fsdp2_reshard"])
+    return rows
+
+
+def _cp(out: dict) -> dict:
+    t = out["step_seconds"]
+    rows = {"cp ring / allgather": _per_round(t["ring"], t["allgather"])}
+    if "torch" in t:            # torch's context_parallel ran (it does not on CPU, torch 2.13)
+        rows["cp ring / torch context_parallel"] = _per_round(t["ring"], t["torch"])
     return rows
 
 
@@ -111,6 +120,14 @@ BENCHMARKS = [
           lambda out: {"checkpoint save": out["round_ratios"]["save"],
                        "checkpoint load": out["round_ratios"]["load"],
                        "checkpoint load (sizes only)": out["round_ratios"]["load_noverify"]}),
+    Bench("cp", "cp_attention.py", lambda r: ["--rounds", str(r)],
+          {"cp ring / allgather": "autopart cp=2 ring attention / all-gather attention step "
+                                  "(fwd+bwd+AdamW), GPT 2 layers n_embd=128 vocab 1024, "
+                                  "1 x 4096 tokens"},
+          _cp, timeout=1800,
+          optional={"cp ring / torch context_parallel":
+                    "autopart cp=2 ring / torch context_parallel step, the same (only where "
+                    "torch's runs: not on CPU in torch 2.13)"}),
     Bench("compile-1t", "compile_time.py",
           lambda r: ["--model", "megatron-1t", "--pp", "64", "--tp", "8", "--dp", "6",
                      "--repeat", str(max(1, r // 10))],
@@ -175,7 +192,8 @@ def measure(bench: Bench, rounds: int, runs: int, log=sys.stderr) -> list[dict]:
             ", ".join(f"{k} {v:.3f}" for k, v in got.items()) if got else f"FAILED {error}"),
               file=log, flush=True)
     rows = []
-    for row, what in bench.rows.items():
+    optional = {k: v for k, v in bench.optional.items() if any(k in f for f in figures)}
+    for row, what in {**bench.rows, **optional}.items():
         got = [f.get(row) for f in figures]
         v = verdict(got[0], got[1]) if runs == 2 else ("failed" if None in got else "quick")
         rows.append({"benchmark": row, "what": what, "unit": bench.unit, "runs": got,
