@@ -105,7 +105,8 @@ class Combo:
 
     def case(self) -> "CCase":
         tp = 2 if self.tp != "1" else 1
-        noise = "tp" if tp > 1 else "moe" if self.model == "hf-mixtral" else \
+        noise = "cp" if self.cp > 1 else "tp" if tp > 1 else \
+            "moe" if self.model == "hf-mixtral" else \
             "compiled" if self.compile else "kernels" if self.ep > 1 else "none"
         return CCase(name=self.name, model=f"c-{self.model}-{self.embeddings}", pp=PP, dp=self.dp,
                      tp=tp, ep=self.ep, cp=self.cp, sequence_parallel=self.tp == "2+sp",

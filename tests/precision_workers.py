@@ -48,7 +48,11 @@ from tests._workers import Case, build, held_view
 # runs in fp32 and top-2 choices can flip on one rounding). "moe": 1e-2, which like "tp" and
 # "compiled" cannot tell bf16 from fp32; it still catches a missing microbatch or replica.
 BOUNDS = {"none": 1e-6, "kernels": 1e-3, "tp": 2e-2, "compiled": 2e-3,      # "grad", "step1"
-          "moe": 1e-2}
+          "moe": 1e-2,
+          # context parallelism's attention takes the bf16 q, k, v and computes scores, softmax
+          # and the merge in fp32 where the recipe's SDPA runs in bf16: measured 0.003-0.005
+          # from the recipe, beside the recipe's own 0.004-0.006 from fp32
+          "cp": 2e-2}
 UPDATE_BOUND, LOSS_BOUND = 2e-2, 1e-4
 
 
@@ -58,7 +62,7 @@ class BCase(Case):
     zero: int = 0
     clip: float | None = None
     round_cuts: bool = True     # the reference rounds at the pipeline cuts (False: to measure it)
-    noise: str = "none"         # which BOUNDS: none | kernels (ep) | tp | compiled
+    noise: str = "none"         # which BOUNDS: none | kernels (ep) | tp | compiled | moe | cp
     compile: bool = False       # parallelize(compile=True): the chunks run through Inductor
 
 
@@ -228,7 +232,8 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
         if not err <= bounds[what]:
             problems.append(f"{what}: relative error {err:.3g} > {bounds[what]} "
                             f"(fp32 vs bf16 plain: {gap[what]:.3g})")
-    if case.noise not in ("tp", "compiled", "moe") and not gap["step1"] > 10 * bounds["step1"]:
+    if case.noise not in ("tp", "compiled", "moe", "cp") and \
+            not gap["step1"] > 10 * bounds["step1"]:
         problems.append(f"test setup: fp32 differs from the bf16 reference by {gap['step1']:.3g}, "
                         f"not > 10x the bound {bounds['step1']}: the check cannot tell them apart")
     return {"case": case.name, "rank": rank, "problems": problems, "errors": errors, "gap": gap,

@@ -44,6 +44,10 @@ FULL_2 = [
 FULL_4 = [
     Case("gpt-cp4-allgather", cp=4, cp_attention="allgather", **GPT),
     Case("hand-cp4-ring", model="cp-hand", cp=4, **SEQ),
+    Case("gpt-cp4-ring", cp=4, optim="adam", **GPT),
+    Case("llama-cp4-allgather-ignored", model="cp-llama", cp=4, cp_attention="allgather",
+         ignored="empty", **SEQ),
+    Case("hand-cp4-allgather", model="cp-hand", cp=4, cp_attention="allgather", **SEQ),
     Case("llama-cp2xtp2-allgather", model="cp-llama", cp=2, tp=2, cp_attention="allgather", **SEQ),
     Case("llama-cp2xpp2-interleaved", model="cp-llama", cp=2, pp=2, schedule="interleaved-1f1b",
          virtual_stages=1, microbatches=2, **SEQ),

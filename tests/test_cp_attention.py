@@ -252,3 +252,21 @@ def test_shape_only_gives_shapes_without_a_process_group(op, fake):
 def test_unbound_comm_of_two_is_refused():
     with pytest.raises(RuntimeError, match="context-parallel program is not bound"):
         ring_attention(*_qkv(4), CPComm(2, 0), True)
+
+
+@pytest.mark.parametrize("lq, lk, causal", [(8, 8, True), (8, 24, True), (8, 16, False)])
+def test_fused_cpu_blocks_equal_the_portable_ones(lq, lk, causal):
+    """On CPU a block runs as torch's fused flash kernel; on other devices as matmuls (the
+    ring and all-gather logic around them is the same): both give the same output, log-sum-exp
+    and gradients, for square and wide (bottom-right causal) blocks."""
+    from autopart.ops import cp
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for n in (lq, lk, lk))
+    scale = 8 ** -0.5
+    out, lse = cp._block_forward(q, k, v, scale, causal)
+    ref_out, ref_lse = cp._matmul_block_forward(q, k, v, scale, causal)
+    torch.testing.assert_close((out, lse), (ref_out, ref_lse))
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    delta = (dout * out).sum(-1)
+    torch.testing.assert_close(cp._block_backward(q, k, v, dout, lse, delta, scale, causal, out),
+                               cp._matmul_block_backward(q, k, v, dout, lse, delta, scale, causal))

@@ -44,7 +44,8 @@ def split_context_parallel(program: Program, *, cp: int, attention: str = "ring"
     if program.ep is not None or moe_matmuls(program):
         raise AutopartError(
             f"context parallelism (cp={cp}) with mixture-of-experts layers is not supported: "
-            "token routing groups and capacities are counted over the whole sequence.\n  "
+            "token routing (top-k, capacities, the sort that groups tokens by expert) runs over "
+            "all of a batch's tokens, and the pass does not prove it position by position.\n  "
             "remedy: drop the cp axis for this model (ep and tp shard its memory)")
     seq = check_sequence_length(program, cp, tp, sequence_parallel)
     check_loss(program, cp)

@@ -21,7 +21,7 @@ ALONG_DIM = {aten.softmax.int: 1, aten._softmax.default: 1, aten.log_softmax.int
              aten._log_softmax.default: 1, aten.cumsum.default: 1, aten.cumprod.default: 1,
              aten.sum.dim_IntList: 1, aten.mean.dim: 1, aten.amax.default: 1,
              aten.amin.default: 1, aten.max.dim: 1, aten.min.dim: 1, aten.var.correction: 1,
-             aten.logsumexp.default: 1, aten.sort.default: 1, aten.topk.default: 3,
+             aten.logsumexp.default: 1, aten.sort.default: 1, aten.topk.default: 2,
              aten.roll.default: 2, aten.flip.default: 1, aten.argmax.default: 1,
              aten.sum.default: None, aten.mean.default: None, aten.prod.default: None,
              aten.max.default: None, aten.min.default: None, aten.std.correction: 1}
@@ -92,8 +92,9 @@ def _mixed_dims(node: fx.Node) -> list[int] | None:
         i = ALONG_DIM[node.target]
         val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         rank = val.dim() if val is not None and hasattr(val, "dim") else 0
+        default = -1 if node.target in (aten.sort.default, aten.topk.default) else None
         dim = None if i is None else (node.args[i] if len(node.args) > i else
-                                      node.kwargs.get("dim", None))
+                                      node.kwargs.get("dim", default))
         if dim is None:
             return list(range(rank))
         return list(dim) if isinstance(dim, (list, tuple)) else [dim]
@@ -125,7 +126,7 @@ def _joined(node: fx.Node) -> list[int] | None:
     parts = [p.meta.get("val") for p in node.args[0]]
     if any(p is None for p in parts):
         return None
-    if sum(1 for p in parts if p.dim() > 0 and p.shape[dim] != 0) <= 1:
+    if sum(1 for p in parts if p.numel() > 0) <= 1:          # legacy empty (0,) parts too
         return None
     return [dim]
 

@@ -49,6 +49,35 @@ class Core:
 
 
 def find_cores(program: Program) -> list[Core]:
+    cores = _find(program)
+    for core in cores:          # GQA: the ring passes each K/V head once, not repeated
+        core.k, core.v = _unrepeated(core.k), _unrepeated(core.v)
+    return cores
+
+
+def _unrepeated(node: fx.Node) -> fx.Node:
+    """x when `node` is Hugging Face's repeat_kv of x: reshape(expand(x[:, :, None], (b, kv,
+    rep, s, d)), (b, kv * rep, s, d)), which repeats each K/V head rep times in a row, as the
+    context-parallel kernels read a K/V head for rep query heads; else `node`."""
+    if node.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        return node
+    expand = node.args[0]
+    if not isinstance(expand, fx.Node) or expand.target != aten.expand.default:
+        return node
+    unsq = expand.args[0]
+    if not isinstance(unsq, fx.Node) or unsq.target != aten.unsqueeze.default or \
+            unsq.args[1] not in (2, -3) or len(expand.users) != 1:
+        return node
+    x, big, out = _val(unsq.args[0]), _val(expand), _val(node)
+    if x is None or big is None or out is None or x.dim() != 4 or big.dim() != 5:
+        return node
+    b, kv, s, d = x.shape
+    if tuple(out.shape) != (b, kv * big.shape[2], s, d) or tuple(big.shape[:2]) != (b, kv):
+        return node
+    return unsq.args[0]
+
+
+def _find(program: Program) -> list[Core]:
     cores = []
     for node in program.gm.graph.nodes:
         if node.op != "call_function":
