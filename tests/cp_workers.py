@@ -117,3 +117,45 @@ def saved_activation_bytes(rank: int, world: int, seq: int) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         pm.train_step(x, target=x)
     return {"rank": rank, "bytes": sum(saved.values())}
+
+
+class PaddedLM(nn.Module):
+    """Right-padded batches: the model takes (ids, keep) with keep 0 on padding, and its
+    attention hides the padded keys, causally: SDPA with a boolean mask (`hand=False`) or a
+    hand-written core with masked_fill (`hand=True`). Padding labels are -100."""
+
+    def __init__(self, hand: bool, vocab: int = 96, d: int = 32, block: int = 64):
+        super().__init__()
+        self.hand, self.tok = hand, nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, keep):
+        b, t = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        q, k, v = (z.view(b, t, 4, -1).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        causal = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+        mask = causal[None, None] & keep.bool()[:, None, None, :]
+        if self.hand:
+            att = (q @ k.transpose(-2, -1)) / (q.shape[-1] ** 0.5)
+            y = att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+def _padded(hand: bool):
+    def build(case, seed, device):
+        torch.manual_seed(seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randint(1, 96, (case.batch, case.seq), generator=g)
+        lengths = [case.seq, case.seq - 5, case.seq // 2 + 1, 3][: case.batch]
+        keep = torch.stack([(torch.arange(case.seq) < n).long() for n in lengths])
+        y = torch.randint(0, 96, (case.batch, case.seq), generator=g).masked_fill(keep == 0, -100)
+        return PaddedLM(hand).to(device), _lm_loss, (x.to(device), keep.to(device)), y.to(device)
+    return build
+
+
+FAMILIES.setdefault("cp-pad-sdpa", _padded(False))
+FAMILIES.setdefault("cp-pad-hand", _padded(True))

@@ -38,6 +38,7 @@ class Case:
     dtype: torch.dtype = torch.float64
     scale: float | None = None
     groups: tuple = ()             # context-parallel groups (sorted global ranks); (): the world
+    padded: bool = False           # a key padding mask (_keep): whole chunks, a rank's block
 
 
 def _grid(world: int, seq: int) -> list[Case]:
@@ -51,6 +52,10 @@ TWO = _grid(2, 16) + [
          dtype=torch.float32, scale=0.3),
     Case("allgather-causal-mqa-fp32-vdim", "allgather", True, kv_heads=1, v_dim=6,
          dtype=torch.float32),
+    Case("ring-causal-gqa-padded", "ring", True, kv_heads=2, padded=True),
+    Case("allgather-causal-gqa-padded", "allgather", True, kv_heads=2, padded=True),
+    Case("ring-full-mha-padded-fp32", "ring", False, padded=True, dtype=torch.float32),
+    Case("allgather-full-mha-padded", "allgather", False, padded=True),
 ]
 # four ranks: the whole world as one ring of 4, and two rings of 2 whose group ranks are not
 # their global ranks ({0, 2} and {1, 3}); NCCL's batch_isend_irecv contract kept over Gloo
@@ -61,7 +66,21 @@ FOUR = [
     Case("ring-causal-gqa-subgroups", "ring", True, 4, kv_heads=2, groups=((0, 2), (1, 3))),
     Case("allgather-full-gqa-subgroups", "allgather", False, 4, kv_heads=2,
          groups=((0, 2), (1, 3))),
+    Case("ring-causal-gqa-padded-cp4", "ring", True, 4, kv_heads=2, seq=32, padded=True),
+    Case("allgather-causal-mha-padded-cp4", "allgather", True, 4, seq=32, padded=True),
 ]
+
+
+def _keep(case: Case) -> torch.Tensor | None:
+    """(batch 2, seq) keys that may be attended to: row 0 right-padded over its last 3/8 (whole
+    chunks of some ranks hold only padding), row 1 with a padded run in the middle; key 0 is
+    always kept, so every query sees a key (a row seeing none is NaN in SDPA too)."""
+    if not case.padded:
+        return None
+    keep = torch.ones(2, case.seq, dtype=torch.bool)
+    keep[0, case.seq - 3 * case.seq // 8:] = False
+    keep[1, case.seq // 4: case.seq // 2 + 1] = False
+    return keep
 
 
 def _inputs(case: Case):
@@ -100,7 +119,9 @@ def _run_cases(rank: int, world: int, cases: list, nccl_contract: bool) -> dict:
         comm = CPComm(cp, cp_rank).bind(group, cp_rank)
         q, k, v, dout = (shard_sequence(t, 2, cp, cp_rank) for t in _inputs(case))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = OPS[case.op](q, k, v, comm, case.causal, scale=case.scale)
+        keep = _keep(case)
+        keep = shard_sequence(keep, 1, cp, cp_rank) if keep is not None else None
+        out = OPS[case.op](q, k, v, comm, case.causal, scale=case.scale, key_mask=keep)
         out.backward(dout)
         results[case.name] = dict(members=members, cp_rank=cp_rank, out=out.detach(),
                                   dq=q.grad, dk=k.grad, dv=v.grad)
@@ -127,7 +148,13 @@ def _spawned(cache: dict, cases: list[Case], nccl_contract: bool) -> list[dict]:
 def _reference(case: Case) -> dict:
     """Plain SDPA over the whole sequence, in float64, and its gradients."""
     q, k, v, dout = (t.double().requires_grad_() for t in _inputs(case))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, scale=case.scale,
+    mask, keep = None, _keep(case)
+    if keep is not None:
+        n = case.seq
+        mask = keep[:, None, None, :] & (torch.ones(n, n, dtype=torch.bool).tril()
+                                         if case.causal else torch.ones(n, n, dtype=torch.bool))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                         is_causal=case.causal and mask is None, scale=case.scale,
                                          enable_gqa=case.kv_heads != case.heads)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.detach())
     return dict(out=out.detach(), dq=dq, dk=dk, dv=dv)

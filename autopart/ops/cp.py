@@ -117,8 +117,10 @@ def _fold_heads(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, n, d).sum(2)
 
 
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+def _scores(q, k, scale: float, causal: bool, bias=None) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if bias is not None:            # (batch, 1, 1, keys): 0 or -inf, the padding of the keys
+        s = s + bias
     if causal:
         # bottom-right aligned: the last query sees the last key. A diagonal ring block has
         # lq == lk; all-gather's chunk a has the keys of chunks 0..a, its own last.
@@ -139,47 +141,59 @@ def _fused(q, k, v) -> bool:
     return q.device.type == "cpu" and k.shape[-1] == v.shape[-1]
 
 
-def _flash_mask(q, k, causal: bool):
+def _flash_mask(q, k, causal: bool, bias=None):
     """(is_causal, attn_mask) for the fused kernel: its causal mask is top-left aligned, ours
-    bottom-right (the same on a square block); a wider block gets an additive mask."""
+    bottom-right (the same on a square block); a wider block, or keys with padding (`bias`),
+    get an additive mask."""
     lq, lk = q.shape[-2], k.shape[-2]
-    if not causal or lq == lk:
+    if bias is None and (not causal or lq == lk):
         return causal, None
-    hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
-    return False, torch.zeros(lq, lk, dtype=q.dtype, device=q.device).masked_fill(
-        hidden, float("-inf"))
+    mask = torch.zeros(lq, lk, dtype=q.dtype, device=q.device)
+    if causal:
+        hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
+        mask = mask.masked_fill(hidden, float("-inf"))
+    return False, mask if bias is None else (mask + bias.to(q.dtype)).contiguous()
 
 
-def _block_forward(q, k, v, scale: float, causal: bool):
-    """(out, lse) of one block; every query row sees at least one key (lk >= lq when causal)."""
+def _block_forward(q, k, v, scale: float, causal: bool, bias=None):
+    """(out, lse) of one block. Without `bias` every query row sees at least one key (lk >= lq
+    when causal); with it (padded keys) a row may see none: lse -inf, out 0, which _merge
+    weighs 0."""
     if _fused(q, k, v):
-        is_causal, mask = _flash_mask(q, k, causal)
+        is_causal, mask = _flash_mask(q, k, causal, bias)
         out, lse = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-        return out, lse.view(q.shape[:-1])
-    return _matmul_block_forward(q, k, v, scale, causal)
+        lse = lse.view(q.shape[:-1])
+        if mask is not None and bias is not None:   # the kernel gives a row seeing no key lse 0
+            lse = lse.masked_fill(torch.isneginf(mask).all(-1), float("-inf"))
+    else:
+        out, lse = _matmul_block_forward(q, k, v, scale, causal, bias)
+    if bias is not None:
+        out = torch.where(torch.isfinite(lse).unsqueeze(-1), out, 0.0)
+    return out, lse
 
 
-def _matmul_block_forward(q, k, v, scale: float, causal: bool):
+def _matmul_block_forward(q, k, v, scale: float, causal: bool, bias=None):
     """_block_forward by matmuls, any device (the fused kernel is CPU only)."""
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, bias)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, out=None):
+def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, out=None,
+                    bias=None):
     """(dq, dk, dv) of one block, its probabilities recomputed from the final lse: the block's
     share of the whole softmax, so the blocks' gradients simply add up (FlashAttention-2).
     `out` (the final output of these queries) lets the fused kernel compute delta itself."""
     if out is not None and _fused(q, k, v):
-        is_causal, mask = _flash_mask(q, k, causal)
+        is_causal, mask = _flash_mask(q, k, causal, bias)
         return _FLASH_CPU_BACKWARD(dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask,
                                    scale=scale)
-    return _matmul_block_backward(q, k, v, dout, lse, delta, scale, causal)
+    return _matmul_block_backward(q, k, v, dout, lse, delta, scale, causal, bias)
 
 
-def _matmul_block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
+def _matmul_block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, bias=None):
     """_block_backward by matmuls, any device."""
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, scale, causal, bias) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-2, -1), dout)
     ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1))
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-2, -1), q) * scale, dv
@@ -191,8 +205,11 @@ def _merge(acc, blk):
         return blk
     (out, lse), (b_out, b_lse) = acc, blk
     new = torch.logaddexp(lse, b_lse)
-    return (out * torch.exp(lse - new).unsqueeze(-1)
-            + b_out * torch.exp(b_lse - new).unsqueeze(-1)), new
+    seen = torch.isfinite(new)      # a row no key of either part was visible to (padding) stays 0
+
+    def weight(x):
+        return torch.where(seen, torch.exp(x - new), 0.0).unsqueeze(-1)
+    return out * weight(lse) + b_out * weight(b_lse), new
 
 
 def _visibility(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
@@ -203,8 +220,11 @@ def _visibility(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
     return "causal" if k_chunk == q_chunk else None
 
 
-def _check_inputs(q, k, v, comm, scale) -> float:
+def _check_inputs(q, k, v, comm, scale, key_mask=None) -> float:
     """The softmax scale; ValueError for what these ops do not support."""
+    if key_mask is not None and tuple(key_mask.shape) != (q.shape[0], k.shape[2]):
+        raise ValueError(f"key_mask must be (batch, local_seq) = {(q.shape[0], k.shape[2])}, "
+                         f"got {tuple(key_mask.shape)}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("context-parallel attention takes q, k, v of shape (batch, heads, "
                          f"local_seq, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -248,14 +268,23 @@ class _Shift:
 _KV_TAG, _GRAD_TAG = 0, 1      # two kinds of hop in flight at once in the backward
 
 
-def _pack(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """k and v (or dk and dv) as one flat buffer: one message per hop instead of two."""
-    return torch.cat([a.reshape(-1), b.reshape(-1)])
+def _pack(*parts: torch.Tensor) -> torch.Tensor:
+    """k and v (and the keys' padding), or dk and dv, as one flat buffer: one message per hop."""
+    return torch.cat([t.reshape(-1).to(parts[0].dtype) for t in parts])
 
 
-def _unpack(buf: torch.Tensor, a_shape, b_shape):
-    n = a_shape.numel()
-    return buf[:n].view(a_shape), buf[n:].view(b_shape)
+def _unpack(buf: torch.Tensor, *shapes):
+    out, at = [], 0
+    for shape in shapes:
+        out.append(buf[at:at + shape.numel()].view(shape))
+        at += shape.numel()
+    return out
+
+
+def _key_bias(keep: torch.Tensor, dtype) -> torch.Tensor:
+    """(batch, 1, 1, keys) additive: 0 where a key is kept, -inf where it is padding."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
+        keep == 0, float("-inf"))[:, None, None, :]
 
 
 def _ring_steps(comm: CPComm) -> int:
@@ -263,30 +292,40 @@ def _ring_steps(comm: CPComm) -> int:
     return comm.size if comm.moves_data else 1
 
 
-def _held_kv(kv, k, v, heads: int, dtype):
-    """The K/V block this step holds, heads expanded, cut into its two chunks."""
-    k_s, v_s = _unpack(kv, k.shape, v.shape)
+def _held_kv(kv, k, v, heads: int, dtype, keep=None):
+    """The K/V block this step holds, heads expanded, cut into its two chunks, and each
+    chunk's key bias (None without padding)."""
+    if keep is None:
+        k_s, v_s = _unpack(kv, k.shape, v.shape)
+        biases = (None, None)
+    else:
+        k_s, v_s, keep_s = _unpack(kv, k.shape, v.shape, keep.shape)
+        biases = _key_bias(keep_s, dtype).chunk(2, 3)
     return (_expand_heads(k_s.to(dtype), heads).chunk(2, 2),
-            _expand_heads(v_s.to(dtype), heads).chunk(2, 2))
+            _expand_heads(v_s.to(dtype), heads).chunk(2, 2), biases)
 
 
-def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float):
+def _kv(k, v, keep):
+    return _pack(k, v) if keep is None else _pack(k, v, keep)
+
+
+def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float, keep=None):
     cp, rank, heads = comm.size, comm.rank, q.shape[1]
     dtype = _compute_dtype(q.dtype)
     qs = q.to(dtype).chunk(2, 2)
     state = [None, None]                      # (out, lse) so far, per local query chunk
-    kv = _pack(k, v)
+    kv = _kv(k, v, keep)
     steps = _ring_steps(comm)
     for step in range(steps):
         # post the next hop first: the transfer runs while this block is computed
         hop = _Shift(kv, comm, _KV_TAG) if step < steps - 1 else None
-        ks, vs = _held_kv(kv, k, v, heads, dtype)
+        ks, vs, bs = _held_kv(kv, k, v, heads, dtype, keep)
         src = (rank - step) % cp               # whose K/V this rank holds at this step
         for i, qa in enumerate(_chunk_ids(rank, cp)):
             for j, kb in enumerate(_chunk_ids(src, cp)):
                 seen = _visibility(qa, kb, causal)
                 if seen is not None:
-                    blk = _block_forward(qs[i], ks[j], vs[j], scale, seen == "causal")
+                    blk = _block_forward(qs[i], ks[j], vs[j], scale, seen == "causal", bs[j])
                     state[i] = _merge(state[i], blk)
         if hop is not None:
             kv = hop.wait()
@@ -294,7 +333,7 @@ def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float):
     return out, torch.cat([state[0][1], state[1][1]], 2)
 
 
-def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp, causal, scale, outs):
+def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp, causal, scale, outs, bs):
     """One step of the backward ring: this step's dq (per local query chunk), and the dk, dv
     that this rank's queries give the K/V it holds (rank src's)."""
     dq = []
@@ -306,13 +345,14 @@ def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp, causal, scal
             seen = _visibility(qa, kb, causal)
             if seen is not None:
                 g = _block_backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i], scale,
-                                    seen == "causal", outs[i])
+                                    seen == "causal", outs[i], bs[j])
                 dq_i, dk[j], dv[j] = dq_i + g[0], dk[j] + g[1], dv[j] + g[2]
         dq.append(dq_i)
     return dq, torch.cat(dk, 2), torch.cat(dv, 2)
 
 
-def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: float):
+def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: float,
+                   keep=None):
     cp, rank, heads = comm.size, comm.rank, q.shape[1]
     dtype = _compute_dtype(q.dtype)
     dout = dout.to(dtype)
@@ -320,13 +360,13 @@ def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: f
     qs, dos = q.to(dtype).chunk(2, 2), dout.chunk(2, 2)
     lses, deltas, outs = lse.chunk(2, 2), delta.chunk(2, 2), out.to(dtype).chunk(2, 2)
     dq = [torch.zeros_like(t) for t in qs]
-    kv, sums, steps = _pack(k, v), None, _ring_steps(comm)
+    kv, sums, steps = _kv(k, v, keep), None, _ring_steps(comm)
     for step in range(steps):
         hop = _Shift(kv, comm, _KV_TAG) if step < steps - 1 else None
-        ks, vs = _held_kv(kv, k, v, heads, dtype)
+        ks, vs, bs = _held_kv(kv, k, v, heads, dtype, keep)
         src = (rank - step) % cp
         dq_s, dk, dv = _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp,
-                                         causal, scale, outs)
+                                         causal, scale, outs, bs)
         dq = [a + b for a, b in zip(dq, dq_s)]
         grads = _pack(_fold_heads(dk, k.shape[1]), _fold_heads(dv, v.shape[1]))
         if sums is not None:                   # the sums of the ranks this K/V passed before
@@ -342,19 +382,20 @@ def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: f
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale):
+    def forward(ctx, q, k, v, comm, causal, scale, keep):
         comm._check()
-        out, lse = _ring_forward(q, k, v, comm, causal, scale)
+        out, lse = _ring_forward(q, k, v, comm, causal, scale, keep)
         out = out.to(q.dtype)
-        ctx.comm, ctx.causal, ctx.scale = comm, causal, scale
+        ctx.comm, ctx.causal, ctx.scale, ctx.keep = comm, causal, scale, keep
         ctx.save_for_backward(q, k, v, out, lse)   # lse: (batch, heads, local_seq), fp32
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.comm, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.comm, ctx.causal, ctx.scale,
+                                    ctx.keep)
+        return dq, dk, dv, None, None, None, None
 
 
 # -- the all-gather form ------------------------------------------------------------------------
@@ -365,6 +406,16 @@ def _gather_kv(k, v, comm: CPComm):
     if comm.size > 1:
         both = _rank_major_to_global(_all_gather(both, 2, comm), 2, comm.size)
     return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
+
+
+def _gather_keep(keep, comm: CPComm):
+    """The whole sequence's key padding (batch, seq), in global order, or None."""
+    if keep is None:
+        return None
+    x = keep.to(torch.float32)[:, None, :, None]
+    if comm.size > 1:
+        x = _rank_major_to_global(_all_gather(x, 2, comm), 2, comm.size)
+    return x[:, 0, :, 0]
 
 
 def _scatter_kv_grads(dk, dv, comm: CPComm):
@@ -382,19 +433,22 @@ def _visible_keys(chunk: int, c: int, seq: int, causal: bool) -> int:
 
 class _AllGatherKVAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale):
+    def forward(ctx, q, k, v, comm, causal, scale, keep):
         comm._check()
         dtype, heads = _compute_dtype(q.dtype), q.shape[1]
         kf, vf = (_expand_heads(t.to(dtype), heads) for t in _gather_kv(k, v, comm))
         c, seq = q.shape[2] // 2, kf.shape[2]
+        keep = _gather_keep(keep, comm)
+        bias = _key_bias(keep, dtype) if keep is not None else None
         outs, lses = [], []
         for qa, q_chunk in zip(_chunk_ids(comm.rank, comm.size), q.to(dtype).chunk(2, 2)):
             n = _visible_keys(qa, c, seq, causal)
-            out, lse = _block_forward(q_chunk, kf[:, :, :n], vf[:, :, :n], scale, causal)
+            out, lse = _block_forward(q_chunk, kf[:, :, :n], vf[:, :, :n], scale, causal,
+                                      None if bias is None else bias[..., :n])
             outs.append(out)
             lses.append(lse)
         out = torch.cat(outs, 2).to(q.dtype)
-        ctx.comm, ctx.causal, ctx.scale = comm, causal, scale
+        ctx.comm, ctx.causal, ctx.scale, ctx.bias = comm, causal, scale, bias
         # only the local K/V are kept: the backward gathers them again (as gather_linear_sp)
         ctx.save_for_backward(q, k, v, out, torch.cat(lses, 2))
         return out
@@ -414,32 +468,36 @@ class _AllGatherKVAttention(torch.autograd.Function):
         for qa, q_chunk, do, ls, dl, o in parts:
             n = _visible_keys(qa, c, seq, ctx.causal)
             g = _block_backward(q_chunk, kf[:, :, :n], vf[:, :, :n], do, ls, dl, ctx.scale,
-                                ctx.causal, o)
+                                ctx.causal, o, None if ctx.bias is None else ctx.bias[..., :n])
             dq.append(g[0])
             dkf[:, :, :n] += g[1]
             dvf[:, :, :n] += g[2]
         dk, dv = _scatter_kv_grads(_fold_heads(dkf, k.shape[1]), _fold_heads(dvf, v.shape[1]),
                                    comm)
-        return torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return (torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None,
+                None)
 
 
 # -- the ops ------------------------------------------------------------------------------------
 
-def ring_attention(q, k, v, comm, causal: bool, scale=None):
+def ring_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None):
     """Attention of this rank's query chunks against the whole sequence, K/V passed around the
     ring of `comm`'s ranks; q, k, v: (batch, heads, local_seq, head_dim) in the load-balanced
-    layout. The same result as SDPA over the whole sequence, in this rank's chunks."""
+    layout. The same result as SDPA over the whole sequence, in this rank's chunks.
+    `key_mask` (batch, local_seq), this rank's chunks of a padding mask (non-zero: a key that
+    may be attended to), travels with the K/V: SDPA's mask causal & key_mask[:, None, None, :]."""
     q, k, v = _autocast(q, k, v)
-    scale = _check_inputs(q, k, v, comm, scale)
-    return _sdpa_layout(_RingAttention.apply(q, k, v, comm, bool(causal), scale))
+    scale = _check_inputs(q, k, v, comm, scale, key_mask)
+    return _sdpa_layout(_RingAttention.apply(q, k, v, comm, bool(causal), scale, key_mask))
 
 
-def allgather_kv_attention(q, k, v, comm, causal: bool, scale=None):
+def allgather_kv_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None):
     """ring_attention's result by one all-gather of K/V (and one reduce-scatter of dK/dV):
     fewer, larger messages, and the whole sequence's K/V held at once."""
     q, k, v = _autocast(q, k, v)
-    scale = _check_inputs(q, k, v, comm, scale)
-    return _sdpa_layout(_AllGatherKVAttention.apply(q, k, v, comm, bool(causal), scale))
+    scale = _check_inputs(q, k, v, comm, scale, key_mask)
+    return _sdpa_layout(_AllGatherKVAttention.apply(q, k, v, comm, bool(causal), scale,
+                                                    key_mask))
 
 
 def _autocast(q, k, v):

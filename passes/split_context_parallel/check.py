@@ -71,7 +71,7 @@ def check_position_wise(program: Program, replaced: set[fx.Node], allowed: set[f
     for node in program.gm.graph.nodes:
         if node.op != "call_function" or node in replaced or node in allowed:
             continue
-        dims = _mixed_dims(node)
+        dims = _mixed_dims(node, program.symbols)
         if dims is None:
             continue
         src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
@@ -87,7 +87,7 @@ def check_position_wise(program: Program, replaced: set[fx.Node], allowed: set[f
                              "the cp axis")
 
 
-def _mixed_dims(node: fx.Node) -> list[int] | None:
+def _mixed_dims(node: fx.Node, symbols: dict) -> list[int] | None:
     if node.target in ALONG_DIM:
         i = ALONG_DIM[node.target]
         val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
@@ -104,7 +104,7 @@ def _mixed_dims(node: fx.Node) -> list[int] | None:
         val = node.args[0].meta.get("val")
         return list(range(2, val.dim())) if val is not None else None
     if node.target == aten.slice.Tensor:
-        return _cut(node, node.args[1] if len(node.args) > 1 else 0)
+        return _cut(node, node.args[1] if len(node.args) > 1 else 0, symbols)
     if node.target == aten.cat.default:
         return _joined(node)
     if node.target in (aten.narrow.default, aten.select.int):
@@ -112,10 +112,12 @@ def _mixed_dims(node: fx.Node) -> list[int] | None:
     return None
 
 
-def _cut(node: fx.Node, dim: int) -> list[int] | None:
-    """A slice that keeps the whole dim is no cut."""
+def _cut(node: fx.Node, dim: int, symbols: dict) -> list[int] | None:
+    """A slice that keeps the whole dim is no cut. Sizes compared as expressions: comparing
+    the SymInts would add a guard that fixes the sequence length for the whole program."""
     src, val = node.args[0].meta.get("val"), node.meta.get("val")
-    if src is None or val is None or src.shape[dim] == val.shape[dim]:
+    if src is None or val is None or \
+            sym_shape(src, symbols)[dim] == sym_shape(val, symbols)[dim]:
         return None
     return [dim]
 

@@ -46,6 +46,7 @@ class Core:
     k_transposed: bool = False      # k is k^T (hand-written core): the rewrite transposes it
     is_causal_flag: bool = False    # SDPA's is_causal=True
     causal: bool = False            # decided by masks.py
+    key_mask: fx.Node | None = None   # a (batch, seq) input of padded keys (masks.py)
 
 
 def find_cores(program: Program) -> list[Core]:
@@ -71,10 +72,15 @@ def _unrepeated(node: fx.Node) -> fx.Node:
     x, big, out = _val(unsq.args[0]), _val(expand), _val(node)
     if x is None or big is None or out is None or x.dim() != 4 or big.dim() != 5:
         return node
-    b, kv, s, d = x.shape
-    if tuple(out.shape) != (b, kv * big.shape[2], s, d) or tuple(big.shape[:2]) != (b, kv):
+    # sizes as expressions: comparing SymInts would add guards fixing the sequence length
+    (b, kv, s, d), big, out = (tuple(_shape(t)) for t in (x, big, out))
+    if out != (b, kv * big[2], s, d) or big[:2] != (b, kv):
         return node
     return unsq.args[0]
+
+
+def _shape(val) -> tuple:
+    return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in val.shape)
 
 
 def _find(program: Program) -> list[Core]:

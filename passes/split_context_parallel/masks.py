@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from autopart.errors import node_error
+from autopart.localize import attribute
 
 aten = torch.ops.aten
 
@@ -22,52 +23,79 @@ class NotProvable(Exception):
     """The mask depends on something other than positions and sizes."""
 
 
-def visibility(mask: fx.Node, how: str, gm: fx.GraphModule, inputs: set[str], seq: int
-               ) -> torch.Tensor:
-    """The (S, S) boolean matrix of which key each query may see, as `how` applies the mask:
-    "bool" (True = visible), "fill" (masked_fill: True = hidden), "add" (additive: 0 = visible,
-    -inf = hidden; any other value is a bias, NotProvable)."""
-    value = _evaluate(mask, gm, inputs, seq)
+def visibility(mask: fx.Node, how: str, gm: fx.GraphModule, inputs: set[str], seq: int,
+               feeds: dict | None = None, batch: int = 1) -> torch.Tensor:
+    """The (batch, S, S) boolean matrices of which key each query may see, as `how` applies
+    the mask: "bool" (True = visible), "fill" (masked_fill: True = hidden), "add" (additive:
+    0 = visible, -inf = hidden; any other value is a bias, NotProvable). `feeds`: values for
+    the inputs the mask reads (input name -> tensor of `batch` rows)."""
+    value = _evaluate(mask, gm, inputs, seq, feeds or {}, batch)
     if value.device.type == "meta":
         raise NotProvable("it is built from a tensor on the meta device, whose values are unknown")
-    value = value.broadcast_to(value.shape[:-2] + (seq, seq)).reshape(-1, seq, seq)
-    if not bool((value == value[:1]).all()):
-        raise NotProvable("it differs between batch rows or heads")
-    m = value[0]
+    value = value.broadcast_to(value.shape[:-2] + (seq, seq))
+    while value.dim() < 4:                  # (batch or 1, heads or 1, ..., S, S)
+        value = value.unsqueeze(0)
+    if value.shape[0] not in (1, batch):
+        raise NotProvable(f"its shape {tuple(value.shape)} does not broadcast over the batch")
+    value = value.broadcast_to((batch,) + value.shape[1:]).reshape(batch, -1, seq, seq)
+    if not bool((value == value[:, :1]).all()):
+        raise NotProvable("it differs between heads")
+    m = value[:, 0]
     if how == "bool":
         return m.bool()
     if how == "fill":
         return ~m.bool()
-    finite = torch.isfinite(m)
-    if bool((m[finite] != 0).any()) or bool((m[~finite] > 0).any()):
+    # hidden: -inf, or the dtype's lowest value (Hugging Face's additive masks), which softmax
+    # turns into the same exact 0 wherever a row sees any key
+    finite = ~(torch.isneginf(m) | (m <= torch.finfo(m.dtype).min / 2))
+    if bool((m[finite] != 0).any()):
         raise NotProvable("it adds values other than 0 and -inf (a position bias)")
     return finite
 
 
-def _evaluate(mask: fx.Node, gm: fx.GraphModule, inputs: set[str], seq: int) -> torch.Tensor:
+def _evaluate(mask: fx.Node, gm: fx.GraphModule, inputs: set[str], seq: int, feeds: dict,
+              batch: int) -> torch.Tensor:
     needed = _ancestors(mask)
     g, env = fx.Graph(), {}
     for node in gm.graph.nodes:
         if node not in needed:
+            continue
+        if node.op == "placeholder" and node.name in feeds:
+            env[node] = g.get_attr(f"_feed_{node.name}")
             continue
         if node.op == "placeholder":
             raise NotProvable(f"it is computed from the input {node.name!r} (a padding or "
                               "document mask)" if node.name in inputs else
                               f"it reads {node.name!r}, whose value compile does not have")
         if node.target == aten.sym_size.int and node.args[0].op == "placeholder":
-            env[node] = 1 if node.args[1] == 0 else seq if node.args[1] == 1 else \
-                int(node.args[0].meta["val"].shape[node.args[1]])
+            env[node] = batch if node.args[1] == 0 else seq if node.args[1] == 1 else \
+                _static(node.args[0].meta["val"].shape[node.args[1]])
             continue
         env[node] = g.node_copy(node, lambda n: env[n])
     g.output(env[mask])
     try:
-        out = fx.GraphModule(gm, g)()
+        root = {n.target: attribute(gm, n.target) for n in g.nodes
+                if n.op == "get_attr" and not n.target.startswith("_feed_")}
+        root.update({f"_feed_{name}": value for name, value in feeds.items()})
+        out = fx.GraphModule(root, g)()
     except Exception as e:  # noqa: BLE001  (any failure: not provable, say which)
         raise NotProvable(f"computing it at the full sequence failed ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]})") from e
     if not isinstance(out, torch.Tensor):
         raise NotProvable("it is not a tensor")
     return out
+
+
+def _static(size) -> int:
+    if isinstance(size, torch.SymInt):      # int() would fix it for the whole program
+        raise NotProvable("it depends on a symbolic size other than the batch and sequence")
+    return int(size)
+
+
+def input_reads(node: fx.Node, inputs: set[str]) -> list[fx.Node]:
+    """The user inputs `node` is computed from (their values, not only their sizes)."""
+    return sorted((n for n in _ancestors(node) if n.op == "placeholder" and n.name in inputs),
+                  key=lambda n: n.name)
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -84,14 +112,18 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
-    """Whether `core` is causal; an error naming the core when its mask is neither causal nor
-    absent (or cannot be proved either)."""
+    """Whether `core` is causal, setting core.key_mask when a mask also hides padded keys; an
+    error naming the core when its mask is neither (or cannot be proved either)."""
     visible = torch.ones(seq, seq, dtype=torch.bool)
     if core.is_causal_flag:
         visible = visible.tril()
     for mask, how in core.masks:
         try:
-            visible = visible & visibility(mask, how, gm, inputs, seq)
+            reads = input_reads(mask, inputs)
+            if not reads:
+                visible = visible & visibility(mask, how, gm, inputs, seq)[0]
+                continue
+            visible = visible & _key_padding(core, mask, how, reads, gm, inputs, seq)
         except NotProvable as e:
             raise node_error(core.last, f"context parallelism replaces this attention, but its "
                              f"mask ({mask.name}) cannot be proved causal or absent: {e}",
@@ -107,6 +139,42 @@ def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
                      "sliding window, a prefix or a block mask)", _REMEDY)
 
 
-_REMEDY = ("context parallelism supports causal and unmasked attention only: drop the cp axis "
-           "for this model (tp/sp and recompute also cut activation memory), or use a causal "
-           "mask (no padding mask: pack documents and set ignored labels to -100)")
+def _key_padding(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int):
+    """The mask's visibility apart from padding, when it is that visibility & keep[b, key] for
+    an input `keep` of shape (batch, seq) (a padding mask from the data); core.key_mask set to
+    that input. Checked by computing the mask for an all-kept input and for patterns of
+    padding: it must hide exactly the padded keys of each row, in every query row."""
+    val = reads[0].meta.get("val")
+    # dim 1 symbolic: the sequence (only the batch and the sequence are captured symbolic)
+    if len(reads) > 1 or val is None or val.dim() != 2 or \
+            not isinstance(val.shape[1], torch.SymInt):
+        names = ", ".join(repr(r.name) for r in reads)
+        raise NotProvable(f"it is computed from the input(s) {names}, not as a (batch, "
+                          "sequence) mask of the keys (a padding mask)")
+    name, dtype = reads[0].name, val.dtype
+    patterns = _padding_patterns(seq)
+    base = visibility(mask, how, gm, inputs, seq, {name: torch.ones(2, seq, dtype=dtype)}, 2)
+    if not bool((base == base[:1]).all()):
+        raise NotProvable(f"with no padding in {name!r} it differs between batch rows")
+    for keep in patterns:
+        got = visibility(mask, how, gm, inputs, seq, {name: keep.to(dtype)}, 2)
+        if not bool((got == (base & keep[:, None, :])).all()):
+            raise NotProvable(f"it depends on the input {name!r} other than by hiding the keys "
+                              "it marks as padding (0)")
+    core.key_mask = reads[0]
+    return base[0]
+
+
+def _padding_patterns(seq: int) -> list[torch.Tensor]:
+    """Rows of kept (True) and padded keys: right padding, left padding, a padded run, random."""
+    g = torch.Generator().manual_seed(0)
+    right = torch.arange(seq) < seq - seq // 3
+    run = (torch.arange(seq) < seq // 4) | (torch.arange(seq) > seq // 2)
+    rand = torch.rand(2, seq, generator=g) < 0.6
+    return [torch.stack([right, right.flip(0)]), torch.stack([run, ~run]), rand]
+
+
+_REMEDY = ("context parallelism computes causal or unmasked attention, each optionally with "
+           "padded keys (a (batch, sequence) input, 0 = padding): write the mask as one of "
+           "those, or drop the cp axis for this model (tp/sp and recompute also cut activation "
+           "memory)")

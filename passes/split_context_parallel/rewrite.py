@@ -65,7 +65,10 @@ def _core(g: fx.Graph, core, env: dict, comm: fx.Node, attention: str, old: fx.N
     flat = core.q.meta["val"].dim() == 3       # (batch*heads, s, d): a heads dim of one
     if flat:
         q, k, v = (g.call_function(aten.unsqueeze.default, (t, 1)) for t in (q, k, v))
-    out = g.call_function(KERNELS[attention], (q, k, v, comm, core.causal, core.scale))
+    args = (q, k, v, comm, core.causal, core.scale)
+    if core.key_mask is not None:
+        args += (env[core.key_mask],)
+    out = g.call_function(KERNELS[attention], args)
     if flat:
         out = g.call_function(aten.squeeze.dim, (out, 1))
     return _meta(out, old)
