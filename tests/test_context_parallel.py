@@ -40,13 +40,13 @@ FAST_4 = [
     Case("gpt-cp2xdp2-ring", cp=2, dp=2, optim="adam", **GPT),
     Case("gpt-cp2xtp2-sp-ring", cp=2, tp=2, sequence_parallel=True, **GPT),
     Case("gpt-cp2xpp2-1f1b", cp=2, pp=2, microbatches=2, **GPT),
-    Case("llama-cp4-ring", model="cp-llama", cp=4, ignored="uneven", **SEQ),
 ]
 FULL_2 = [
     Case("llama-cp2-allgather", model="cp-llama", cp=2, cp_attention="allgather", **SEQ),
     Case("hand-cp2-ring-ignored", model="cp-hand", cp=2, ignored="empty", **SEQ),
 ]
 FULL_4 = [
+    Case("llama-cp4-ring", model="cp-llama", cp=4, ignored="uneven", **SEQ),
     Case("gpt-cp4-allgather", cp=4, cp_attention="allgather", **GPT),
     Case("hand-cp4-ring", model="cp-hand", cp=4, **SEQ),
     Case("gpt-cp4-ring", cp=4, optim="adam", **GPT),
