@@ -84,6 +84,9 @@ FAST_2 = [
     Case("contract-gpt4-tp2", model="gpt4", tp=2, microbatches=2),
     Case("contract-switch-dp2-ep2", model="switch", dp=2, ep=2, microbatches=2),
     CCase("contract-gpt4-dp2-zero1", model="gpt4", dp=2, zero=1, microbatches=2),
+    # context parallelism: the ring passes K/V and dK/dV by batch_isend_irecv, two batches in
+    # flight at once in the backward
+    Case("contract-gpt4-cp2-ring", model="gpt4", cp=2, batch=4, seq=16),
 ]
 
 

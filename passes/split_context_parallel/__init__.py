@@ -27,7 +27,7 @@ from autopart.errors import AutopartError
 from autopart.ir import ContextParallelPlan, Program
 
 from .check import check_loss, check_position_wise, check_sequence_length
-from .find import find_cores, position_sources
+from .find import find_cores, position_sources, upstream
 from .masks import decide_causal
 from .rewrite import KERNELS, rewrite
 
@@ -92,13 +92,9 @@ def _core_nodes(program: Program, cores) -> set[fx.Node]:
                 if u not in after and order[u] <= end:
                     after.add(u)
                     todo.append(u)
-        before, todo = set(), [core.last]       # upstream of the output, back to q, k, v
-        while todo:
-            n = todo.pop()
-            if n in before or order[n] < start:
-                continue
-            before.add(n)
-            todo.extend(n.all_input_nodes)
+        before = upstream([core.last],           # upstream of the output, back to q, k, v
+                          lambda n, start=start: [a for a in n.all_input_nodes
+                                                  if order[a] >= start])
         out |= (after & before) - stop
     return out
 
@@ -108,32 +104,17 @@ def _live_after_rewrite(program: Program, cores) -> set[fx.Node]:
     build masks (checked by value in masks.py) are not among them."""
     by_last = {c.last: c for c in cores}
     out = next(n for n in program.gm.graph.nodes if n.op == "output")
-    seen, todo = set(), [out]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend((by_last[n].q, by_last[n].k, by_last[n].v) if n in by_last
+    return upstream([out], lambda n: (by_last[n].q, by_last[n].k, by_last[n].v) if n in by_last
                     else n.all_input_nodes)
-    return seen
 
 
 def _loss_nodes(program: Program) -> set[fx.Node]:
     """The reductions that make the loss a scalar: 0-dim nodes the loss output depends on."""
     out = next(n for n in program.gm.graph.nodes if n.op == "output").args[0]
     loss = out[0] if isinstance(out, (tuple, list)) else out
-    seen, todo = set(), [loss]
-    while todo:
-        n = todo.pop()
-        if n in seen or not isinstance(n, fx.Node):
-            continue
-        val = n.meta.get("val")
-        if getattr(val, "dim", lambda: 1)() != 0:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
-
+    def scalar(n) -> bool:
+        return isinstance(n, fx.Node) and getattr(n.meta.get("val"), "dim", lambda: 1)() == 0
+    return upstream([loss] if scalar(loss) else [],
+                    lambda n: [a for a in n.all_input_nodes if scalar(a)])
 
 __all__ = ["ATTENTIONS", "split_context_parallel"]

@@ -219,6 +219,19 @@ def _has_seq(node, dim: int, program: Program) -> bool:
     return getattr(size, "has", lambda s: False)(SEQ)
 
 
+def upstream(starts, inputs_of=lambda n: n.all_input_nodes) -> set[fx.Node]:
+    """The nodes reached from `starts` through `inputs_of` (each node's, once), the starts
+    included: the one walk the pass's analyses share."""
+    seen, todo = set(), list(starts)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(inputs_of(n))
+    return seen
+
+
 # -- positions ----------------------------------------------------------------------------------
 
 ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}

@@ -16,6 +16,8 @@ import torch.fx as fx
 from autopart.errors import node_error
 from autopart.localize import attribute
 
+from .find import upstream
+
 aten = torch.ops.aten
 
 
@@ -99,16 +101,8 @@ def input_reads(node: fx.Node, inputs: set[str]) -> list[fx.Node]:
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.target == aten.sym_size.int:
-            continue            # a size of an input: set to its value, the input not needed
-        todo.extend(n.all_input_nodes)
-    return seen
+    # a size of an input is set to its value: the input itself is not needed
+    return upstream([node], lambda n: () if n.target == aten.sym_size.int else n.all_input_nodes)
 
 
 def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
