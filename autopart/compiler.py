@@ -32,7 +32,7 @@ from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.gather_parameters import gather_parameters
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_context_parallel import ATTENTIONS as CP_ATTENTIONS
-from autopart.passes.split_context_parallel import split_context_parallel
+from autopart.passes.split_context_parallel import prove_token_islands, split_context_parallel
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 from autopart.passes.split_backward import split_backward
 from autopart.passes.weigh_loss_by_tokens import weigh_loss_by_tokens
@@ -54,16 +54,20 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
     `splits` = microbatches * dp * cp, the pieces the global batch is cut into."""
     experts = [Pass("shard_experts", shard_experts, requires=(), provides=("ep",),
                     options=dict(ep=mesh.ep, microbatch_size=microbatch_size, dp=mesh.dp))]
+    cp_options = dict(cp=mesh.cp, tp=mesh.tp, sequence_parallel=sequence_parallel)
     return [
         Pass("weigh_loss_by_tokens", weigh_loss_by_tokens, requires=(), provides=("loss_rule",),
              options=dict(splits=splits)),
+        # on the plain model: shard_experts' all-to-alls and tp's splits cannot run in one process
+        *([Pass("prove_token_islands", prove_token_islands, requires=(),
+                provides=("cp_islands",), options=cp_options)] if mesh.cp > 1 else []),
         *(experts if mesh.ep > 1 else []),
         Pass("split_tensor_parallel", split_tensor_parallel, requires=(), provides=("tp",),
              options=dict(tp=mesh.tp, sequence_parallel=sequence_parallel),
              after=("shard_experts", "weigh_loss_by_tokens")),
-        *([Pass("split_context_parallel", split_context_parallel, requires=("tp", "loss_rule"),
-                provides=("cp",), options=dict(cp=mesh.cp, attention=cp_attention, tp=mesh.tp,
-                                               sequence_parallel=sequence_parallel))]
+        *([Pass("split_context_parallel", split_context_parallel,
+                requires=("tp", "loss_rule", "cp_islands"), provides=("cp",),
+                options=dict(cp_options, attention=cp_attention))]
           if mesh.cp > 1 else []),
         Pass("analyze_costs", analyze_costs, requires=("tp",), provides=("costs",),
              after=("split_context_parallel",)),

@@ -320,13 +320,15 @@ def _params_per_pp_rank(rows, pp) -> list[int]:
 
 def cp_rows(compiled) -> dict | None:
     """Context parallelism as JSON (None without a cp axis): the attention kernel, each
-    replaced core with its mask, the rewritten position sources, the sequence per rank."""
+    replaced core with its mask, the rewritten position sources, the sequence per rank, and the
+    position-mixing ops of the regions proved per-token by running them (token islands)."""
     cp = compiled.program.cp
     if cp is None or cp.cp == 1:
         return None
     return {"cp": cp.cp, "attention": cp.attention, "seq_len": cp.seq_len,
             "local_seq_len": cp.local_seq_len,
-            "cores": [{"node": n, "mask": m} for n, m in cp.cores], "positions": list(cp.positions)}
+            "cores": [{"node": n, "mask": m} for n, m in cp.cores], "positions": list(cp.positions),
+            "islands": list(cp.islands)}
 
 
 def _cp_lines(compiled) -> list[str]:
@@ -339,7 +341,10 @@ def _cp_lines(compiled) -> list[str]:
             f"{row['local_seq_len']} of {row['seq_len']} positions (chunks i and "
             f"{2 * row['cp'] - 1}-i); positions from {len(row['positions'])} source(s) "
             f"({', '.join(row['positions'][:4])}) are the rank's own; gradients reduced over "
-            f"dp x cp = {compiled.plan.mesh.replicas} replicas"]
+            f"dp x cp = {compiled.plan.mesh.replicas} replicas"] + \
+        ([f"  proved per-token by running them on each rank's chunks: {len(row['islands'])} "
+          f"position-mixing op(s) outside attention ({', '.join(row['islands'][:6])}"
+          f"{', ...' if len(row['islands']) > 6 else ''})"] if row["islands"] else [])
 
 
 def explain_json(compiled) -> dict:

@@ -104,6 +104,7 @@ class ContextParallelPlan:
     positions: tuple = ()           # node names of the aranges and table slices rewritten
     seq_len: int | None = None      # the whole sequence, S
     local_seq_len: int | None = None   # each rank's share, S / cp
+    islands: tuple = ()             # names of the first mixing op of each proved token island
 
 
 @dataclass
@@ -303,6 +304,8 @@ class Program:
     stats: tuple[str, ...] = ()              # capture: names of the statistics outputs
     ep: ExpertPlan | None = None             # shard_experts
     tp: TensorParallelPlan | None = None     # split_tensor_parallel
+    cp_islands: tuple | None = None          # prove_token_islands: names of the nodes of regions
+                                             # proved position-wise (cp > 1)
     cp: ContextParallelPlan | None = None    # split_context_parallel
     costs: dict[str, NodeCost] | None = None  # analyze_costs: node name -> cost
     stages: StagePlan | None = None          # cut_pipeline_stages

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from autopart.capture import capture
 from autopart.errors import AutopartError
-from autopart.passes.split_context_parallel import split_context_parallel
+from autopart.ir import sym_shape
+from autopart.passes.split_context_parallel import prove_token_islands, split_context_parallel
 from autopart.passes.split_context_parallel.find import find_cores, position_sources
 from autopart.passes.split_context_parallel.masks import decide_causal
 from autopart.passes.weigh_loss_by_tokens import weigh_loss_by_tokens
@@ -96,3 +97,69 @@ def test_cp1_leaves_the_program_as_it_is():
 def test_a_sequence_not_cut_into_2cp_chunks_is_refused():
     with pytest.raises(AutopartError, match=r"2\*cp = 8 equal chunks(.|\n)*20 tokens"):
         split_context_parallel(_program("hand", seq=20), cp=4)
+
+
+# -- token islands: layers that mix positions inside and are per-token as a whole ----------------
+
+class SortedExperts(nn.Module):
+    """Top-1 experts behind a token dispatcher in Megatron-LM's style: the batch's tokens sorted
+    by expert, each row multiplied by its expert's weight, the rows put back in token order.
+    `rank_scale`: each row is also scaled by its place in the sorted order, which depends on
+    every other token (not per-token: context parallelism must refuse it)."""
+
+    def __init__(self, rank_scale: bool = False, d: int = 16, experts: int = 4):
+        super().__init__()
+        self.rank_scale = rank_scale
+        self.emb, self.head = nn.Embedding(64, d), nn.Linear(d, 64)
+        self.router = nn.Linear(d, experts)
+        self.w = nn.Parameter(torch.randn(experts, d, d) * 0.1)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q = x.view(b, t, 2, 8).transpose(1, 2)
+        x = x + F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2) \
+            .reshape(b, t, 16)
+        flat = x.flatten(0, 1)
+        expert = self.router(flat).argmax(-1)
+        order = expert.argsort()
+        rows = torch.bmm(flat[order][:, None, :], self.w[expert[order]]).squeeze(1)
+        if self.rank_scale:
+            rows = rows * torch.arange(rows.shape[0])[:, None] / rows.shape[0]
+        out = torch.zeros_like(flat).index_add(0, order, rows)
+        return self.head(x + out.view(b, t, 16))
+
+
+def _moe_program(rank_scale: bool = False):
+    x = torch.randint(0, 64, (2, 32))
+    program = capture(SortedExperts(rank_scale), (x,), loss_fn=_loss, target=x)
+    return weigh_loss_by_tokens(program, splits=2)[0]
+
+
+def test_a_sort_gather_scatter_layer_is_an_island_proved_by_running_it():
+    program, report = prove_token_islands(_moe_program(), cp=2)
+    [island] = report["islands"]
+    shapes = {n.name: str(sym_shape(n.meta["val"], program.symbols))
+              for n in program.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    # the layer's input, and the ids whose sizes its reshape reads
+    assert sorted(shapes[n] for n in island["entries"]) == ["(b, s)", "(b, s, 16)"]
+    assert shapes[island["exits"][0]] == "(b, s, 16)" and len(island["exits"]) == 1
+    out, report = split_context_parallel(program, cp=2)
+    assert {"argsort", "index", "index_add"} <= {n.rstrip("_0123456789") for n in
+                                                 report["islands"]}
+    assert out.cp.islands == tuple(report["islands"])
+
+
+def test_without_the_proof_the_sort_and_the_gathers_are_refused():
+    # the op-by-op check alone must refuse each of them: the island is what admits them
+    with pytest.raises(AutopartError, match="this argsort mixes positions(.|\n)*remedy"):
+        split_context_parallel(_moe_program(), cp=2)
+
+
+def test_a_layer_that_is_not_per_token_is_refused_with_the_numbers():
+    with pytest.raises(AutopartError) as err:
+        prove_token_islands(_moe_program(rank_scale=True), cp=2)
+    text = str(err.value)
+    for says in ("argsort", "not position-wise", "rank 0's chunks of a 32-token sequence (cp=2)",
+                 "max difference", "test_split_context_parallel.py", "remedy:"):
+        assert says in text, text

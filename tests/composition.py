@@ -65,9 +65,6 @@ def refusal(values: dict) -> tuple[str, ...]:
         # tp splits each expert (expert tensor parallelism), but not under sequence
         # parallelism; with ep the experts are sharded over ep and stay whole over tp
         return ("leaves the experts", "sequence parallelism", "drop sequence_parallel", "ep=2")
-    if values["cp"] == 2 and values["model"] == "hf-mixtral":
-        # routing groups and capacities are counted over the whole sequence
-        return ("context parallelism", "mixture-of-experts", "remedy")
     if values["zero"] == 3 and values["schedule"] in SPLIT_BACKWARD:
         # the I and W programs of a split backward do not re-gather freed parameters
         return ("zero=3", f"schedule={values['schedule']!r}", "zero=2", "fused-backward")

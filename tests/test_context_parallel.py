@@ -35,11 +35,15 @@ FAST_2 = [
     Case("padded-sdpa-cp2-ring", model="cp-pad-sdpa", cp=2, **SEQ),
     Case("padded-hand-cp2-allgather", model="cp-pad-hand", cp=2, cp_attention="allgather",
          **SEQ),
+    # Hugging Face Mixtral: its experts sort, gather and scatter the batch's tokens (an island
+    # proved position-wise by running it)
+    Case("mixtral-cp2-ring", model="mixtral", cp=2, optim="adamw", **SEQ),
 ]
 FAST_4 = [
     Case("gpt-cp2xdp2-ring", cp=2, dp=2, optim="adam", **GPT),
     Case("gpt-cp2xtp2-sp-ring", cp=2, tp=2, sequence_parallel=True, **GPT),
     Case("gpt-cp2xpp2-1f1b", cp=2, pp=2, microbatches=2, **GPT),
+    Case("mixtral-cp2xep2-ring", model="mixtral", cp=2, dp=2, ep=2, **SEQ),
 ]
 FULL_2 = [
     Case("llama-cp2-allgather", model="cp-llama", cp=2, cp_attention="allgather", **SEQ),
@@ -60,6 +64,10 @@ FULL_4 = [
     Case("padded-hand-cp4-ring", model="cp-pad-hand", cp=4, **SEQ),
     Case("padded-sdpa-cp2xdp2-allgather", model="cp-pad-sdpa", cp=2, dp=2,
          cp_attention="allgather", **SEQ),
+    Case("mixtral-cp2xtp2-allgather", model="mixtral", cp=2, tp=2, cp_attention="allgather",
+         **SEQ),
+    Case("mixtral-cp2xep2-allgather-ignored", model="mixtral", cp=2, dp=2, ep=2,
+         cp_attention="allgather", ignored="uneven", optim="adam", **SEQ),
 ]
 GROUPS = {("cp", 2): FAST_2, ("cp", 4): FAST_4, ("cp-full", 2): FULL_2, ("cp-full", 4): FULL_4}
 _GROUP_OF = {c.name: k for k, cases in GROUPS.items() for c in cases}

@@ -132,3 +132,28 @@ def test_mesh_takes_cp():
     from autopart.errors import AutopartError
     with pytest.raises(AutopartError, match="does not equal --gpus 1024"):
         parse_mesh("tp=8,pp=4,dp=8,cp=2", 1024)
+
+
+LLAMA = str(ROOT / "examples" / "llama_meta.py") + ":Llama"
+# Llama-2-70B's shape: 80 layers, dim 8192, 64 heads over 8 K/V heads, a SwiGLU of 24576
+LLAMA_70B = "llama-7b,dim=8192,n_layers=80,n_heads=64,n_kv_heads=8,multiple_of=4096"
+
+
+def test_llama_70b_at_128k_chooses_cp_and_tensor_parallelism_within_the_peak():
+    model = CostModel(load_profile(LLAMA, LLAMA_70B, LONG), SELENE, BATCH)
+    ranked = search(model, GPUS)
+    best = next(e for e in ranked if e.fits)
+    assert best.layout.cp > 1 and best.layout.tp >= 4     # its vocabulary split over tp too
+    assert "ring's K/V exchange" in cp_choice(model, best, ranked)
+    # a device never beats its peak: the rate the costs give is model FLOPs over time
+    assert all(0 < e.tflops_per_device * 1e12 < SELENE.peak_flops for e in ranked if e.fits)
+
+
+def test_profile_costs_grow_with_the_microbatch_at_every_tp():
+    # int() of a SymInt in the profile once fixed the batch for every tp after the first
+    profile = load_profile(LLAMA, "tiny,n_kv_heads=2,dim=256,n_heads=8", 128)
+    assert {tp for tp, _ in profile.parts} >= {1, 2, 4}
+    for key, parts in profile.parts.items():
+        layer = parts["layer"]
+        assert layer.gemms[0][0](2) == 2 * layer.gemms[0][0](1), key
+        assert layer.kv_bytes(2) == 2 * layer.kv_bytes(1) > 0, key

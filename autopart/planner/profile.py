@@ -8,11 +8,12 @@ embeddings), ``layer`` and ``last`` (after it: final norm, head, loss). Every qu
 the microbatch size b at the model's sequence length, so it is stored at b=1 and b=2.
 
 The result is plain numbers (JSON), cached under ~/.cache/autopart/layers keyed by the model file's
-text, the class/function name and the config, so a second plan of the same model skips the capture.
+text, the class/function name, the config and a digest of autopart's sources, so a second plan of the same model skips the capture.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import operator
@@ -24,7 +25,21 @@ from autopart.planner.cluster import LOCAL_PATH
 
 CACHE = LOCAL_PATH.parent / "layers"
 TP_CANDIDATES = (1, 2, 4, 8, 16)
-_VERSION = 14          # bump when the profile's contents change
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """A digest of autopart's own sources (capture, passes, planner): a profile cached by an
+    older autopart is not reused, with no version number to remember to bump."""
+    import autopart.errors
+    import autopart.passes
+    roots = [Path(autopart.errors.__file__).parent, Path(autopart.passes.__path__[0])]
+    h = hashlib.sha256()
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            if not f.name.startswith("test_"):
+                h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -80,7 +95,7 @@ def load_profile(target: str, spec: str | None, seq: int | None = None) -> Profi
     import time
     file = Path(target.rpartition(":")[0])
     module, name = _load(target)
-    text = f"{_VERSION}\n{file.read_text() if file.is_file() else ''}\n{name}\n{spec}" + (f"\n{seq}" if seq else "")
+    text = f"{_code_digest()}\n{file.read_text() if file.is_file() else ''}\n{name}\n{spec}" + (f"\n{seq}" if seq else "")
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     path = CACHE / f"{file.stem}-{name}-{key}.json"
     if path.is_file():
@@ -340,11 +355,18 @@ def _kv_bytes(nodes, costs, lin, nbytes) -> list:
 
 
 def _numel_hint(node) -> int:
+    """The element count at the captured sizes, read from the SymInts' hints: int() of a SymInt
+    adds a guard that fixes the batch and sequence for the whole shared ShapeEnv, after which
+    every later tp's costs were constants (a step time that did not grow with the microbatch)."""
+    import torch
     v = node.meta.get("val")
-    try:
-        return int(v.numel())
-    except (TypeError, ValueError, AttributeError, RuntimeError):
+    if not isinstance(v, torch.Tensor):
         return 0
+    total = 1
+    for d in v.shape:
+        hint = d.node.hint if isinstance(d, torch.SymInt) else int(d)
+        total *= hint if hint is not None else 0
+    return total
 
 
 def _core_output(nodes, costs, lin) -> list:

@@ -12,7 +12,12 @@ dataflow:
   positions         aranges over the sequence become the global positions of the rank's chunks,
                     and tables sliced to the sequence length (RoPE caches) are indexed at them
   everything else   must work position by position: an op that mixes positions outside the
-                    cores is refused, naming it (check.py)
+                    cores is refused, naming it (check.py), unless it lies in a *token island*
+                    (a mixture-of-experts layer's sort, gathers and scatters) that the pass
+                    `prove_token_islands` proved position-wise by running it (islands.py)
+
+prove_token_islands runs first, on the plain model (before shard_experts adds all-to-alls and
+tensor parallelism splits it), and records the islands' node names in `Program.cp_islands`.
 
 The loss must be a token mean (weigh_loss_by_tokens rewrites it into a sum over counted tokens
 scaled by the global count), so the ranks' sums add up to the plain model's loss. The runtime
@@ -26,12 +31,29 @@ import torch.fx as fx
 from autopart.errors import AutopartError
 from autopart.ir import ContextParallelPlan, Program
 
-from .check import check_loss, check_position_wise, check_sequence_length
+from .check import check_loss, check_position_wise, check_sequence_length, mixing_nodes
 from .find import find_cores, position_sources, upstream
+from .islands import prove_islands
 from .masks import decide_causal
 from .rewrite import KERNELS, rewrite
 
 ATTENTIONS = tuple(KERNELS)
+
+
+def prove_token_islands(program: Program, *, cp: int, tp: int = 1,
+                        sequence_parallel: bool = False):
+    """Return (program with `cp_islands` set, report): the regions that mix positions outside
+    the attention cores, each proved position-wise by running it (islands.py)."""
+    if cp == 1:
+        return program.replace(cp_islands=()), {"islands": []}
+    check_sequence_length(program, cp, tp, sequence_parallel)
+    cores = find_cores(program)
+    islands = prove_islands(program, _outside_checks(program, cores), cp)
+    names = tuple(sorted(n.name for island in islands for n in island.body))
+    report = {"islands": [{"first": i.first.name, "entries": [n.name for n in i.entries],
+                           "exits": [n.name for n in i.exits], "ops": len(i.body)}
+                          for i in islands]}
+    return program.replace(cp_islands=names), report
 
 
 def split_context_parallel(program: Program, *, cp: int, attention: str = "ring",
@@ -39,12 +61,6 @@ def split_context_parallel(program: Program, *, cp: int, attention: str = "ring"
     """Return (program rewritten for one context-parallel rank, report)."""
     if cp == 1:
         return program.replace(cp=ContextParallelPlan(1, attention)), {"cp": 1}
-    if program.ep is not None or _stacked_experts(program):
-        raise AutopartError(
-            f"context parallelism (cp={cp}) with mixture-of-experts layers is not supported: "
-            "token routing (top-k, capacities, the sort that groups tokens by expert) runs over "
-            "all of a batch's tokens, and the pass does not prove it position by position.\n  "
-            "remedy: drop the cp axis for this model (ep and tp shard its memory)")
     seq = check_sequence_length(program, cp, tp, sequence_parallel)
     check_loss(program, cp)
     cores = find_cores(program)
@@ -57,24 +73,32 @@ def split_context_parallel(program: Program, *, cp: int, attention: str = "ring"
     for core in cores:
         core.causal = decide_causal(core, program.gm, inputs, seq)
     aranges, slices = position_sources(program)
-    live = _live_after_rewrite(program, cores)
-    check_position_wise(program, _core_nodes(program, cores) | (set(program.gm.graph.nodes) - live),
-                        _loss_nodes(program))
+    proved = set(program.cp_islands or ())
+    check_position_wise(program, _outside_checks(program, cores)
+                        | {n for n in program.gm.graph.nodes if n.name in proved}, set())
     gm = rewrite(program, cores, aranges, slices, cp, attention)
+    islands = _first_ops(program, proved)
     plan = ContextParallelPlan(cp, attention,
                                tuple((c.last.name, "causal" if c.causal else "full")
                                      for c in cores),
-                               tuple(n.name for n in aranges + slices), seq, seq // cp)
+                               tuple(n.name for n in aranges + slices), seq, seq // cp, islands)
     report = {"cp": cp, "attention": attention, "cores": [list(c) for c in plan.cores],
-              "positions": list(plan.positions), "local_seq_len": seq // cp}
+              "positions": list(plan.positions), "local_seq_len": seq // cp,
+              "islands": list(islands)}
     return program.replace(gm=gm, cp=plan, seq_len=seq // cp), report
 
 
-def _stacked_experts(program: Program) -> list[str]:
-    """Trainable 3-D parameters: experts' weights stacked on a leading expert dim (a pass does
-    not import another, so not shard_experts' full search: a stacked weight is the sign)."""
-    return [n for n, info in program.params.items()
-            if info.requires_grad and len(info.shape) == 3 and info.shape[0] != 1]
+def _outside_checks(program: Program, cores) -> set[fx.Node]:
+    """What the position check skips: the cores (replaced), the nodes the outputs no longer
+    need once they are (mask ops, proved by value) and the loss's reductions (weighed)."""
+    live = _live_after_rewrite(program, cores)
+    return _core_nodes(program, cores) | (set(program.gm.graph.nodes) - live) | \
+        _loss_nodes(program)
+
+
+def _first_ops(program: Program, proved: set[str]) -> tuple[str, ...]:
+    """The mixing ops of the proved islands, as the graph still holds them (explain())."""
+    return tuple(n.name for n in mixing_nodes(program, set()) if n.name in proved)
 
 
 def _core_nodes(program: Program, cores) -> set[fx.Node]:
@@ -117,4 +141,4 @@ def _loss_nodes(program: Program) -> set[fx.Node]:
     return upstream([loss] if scalar(loss) else [],
                     lambda n: [a for a in n.all_input_nodes if scalar(a)])
 
-__all__ = ["ATTENTIONS", "split_context_parallel"]
+__all__ = ["ATTENTIONS", "prove_token_islands", "split_context_parallel"]

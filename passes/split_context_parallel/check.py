@@ -25,6 +25,18 @@ ALONG_DIM = {aten.softmax.int: 1, aten._softmax.default: 1, aten.log_softmax.int
              aten.roll.default: 2, aten.flip.default: 1, aten.argmax.default: 1,
              aten.sum.default: None, aten.mean.default: None, aten.prod.default: None,
              aten.max.default: None, aten.min.default: None, aten.std.correction: 1}
+# op -> index of its dim argument; moving rows along that dim by an index tensor (a gather, a
+# scatter): values from other positions, or into them
+INDEXED_AT = {aten.index_select.default: 1, aten.gather.default: 1, aten.scatter.src: 1,
+              aten.scatter.value: 1, aten.scatter_add.default: 1, aten.scatter_reduce.two: 1,
+              aten.index_add.default: 1, aten.index_copy.default: 1, aten.index_fill.int_Scalar: 1,
+              aten.argsort.default: 1, aten.argsort.stable: 1}
+# op -> index of its list of per-dim index tensors (None entries: dims taken whole)
+INDEXED_BY_LIST = {aten.index.Tensor: 1, aten.index_put.default: 1, aten.index_put_.default: 1,
+                   aten._unsafe_index.Tensor: 1, aten._unsafe_index_put.default: 1}
+# counts over every element (a histogram of the batch's tokens)
+COUNTS = {aten.histc.default, aten.bincount.default, aten.nonzero.default,
+          aten.unique_consecutive.default, aten._unique2.default}
 MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 CONVS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default}
 
@@ -67,9 +79,21 @@ def check_loss(program: Program, cp: int) -> None:
 
 
 def check_position_wise(program: Program, replaced: set[fx.Node], allowed: set[fx.Node]) -> None:
-    """Refuse any op outside the replaced cores (and the loss, `allowed`) that mixes positions."""
+    """Refuse any op outside the replaced cores (and the loss and the proved islands,
+    `allowed`) that mixes positions."""
+    for node in mixing_nodes(program, replaced | allowed):
+        raise node_error(node, f"context parallelism runs each rank on its own sequence "
+                         f"chunks, and this {_name(node)} mixes positions along the "
+                         "sequence outside an attention core the pass replaces (it would "
+                         "see only the rank's chunks)", "keep ops across positions inside "
+                         "attention (shift labels outside the model, for example), or drop "
+                         "the cp axis")
+
+
+def mixing_nodes(program: Program, skip: set[fx.Node]):
+    """The ops not in `skip` that mix positions along the sequence, in graph order."""
     for node in program.gm.graph.nodes:
-        if node.op != "call_function" or node in replaced or node in allowed:
+        if node.op != "call_function" or node in skip:
             continue
         dims = _mixed_dims(node, program.symbols)
         if dims is None:
@@ -79,12 +103,7 @@ def check_position_wise(program: Program, replaced: set[fx.Node], allowed: set[f
             continue
         shape = sym_shape(src.meta["val"], program.symbols)
         if any(_has_seq(shape[d % len(shape)]) for d in dims if len(shape)):
-            raise node_error(node, f"context parallelism runs each rank on its own sequence "
-                             f"chunks, and this {_name(node)} mixes positions along the "
-                             "sequence outside an attention core the pass replaces (it would "
-                             "see only the rank's chunks)", "keep ops across positions inside "
-                             "attention (shift labels outside the model, for example), or drop "
-                             "the cp axis")
+            yield node
 
 
 def _mixed_dims(node: fx.Node, symbols: dict) -> list[int] | None:
@@ -98,6 +117,15 @@ def _mixed_dims(node: fx.Node, symbols: dict) -> list[int] | None:
         if dim is None:
             return list(range(rank))
         return list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    if node.target in INDEXED_AT:
+        i = INDEXED_AT[node.target]
+        return [node.args[i] if len(node.args) > i else node.kwargs.get("dim", -1)]
+    if node.target in INDEXED_BY_LIST:
+        index = node.args[INDEXED_BY_LIST[node.target]]
+        return [d for d, ix in enumerate(index) if ix is not None]
+    if node.target in COUNTS:
+        return None if node.args[0].meta.get("val") is None else \
+            list(range(node.args[0].meta["val"].dim()))
     if node.target in MATMULS:
         return [-1]                         # the contracted dim of the first operand
     if node.target in CONVS:

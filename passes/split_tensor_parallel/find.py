@@ -446,6 +446,9 @@ def _decide_embeddings(gm, plan, program, tp) -> None:
         tied = plan.params.get(w)
         if tied is not None:
             plan.vocab_embedding.add(n.name)      # tied to a vocabulary-parallel head
-        elif rows % tp == 0 and rows * width >= 4 * width * width:
+        # a vocabulary (GPT-3 50257 x 12288, Llama-2-70B 32000 x 8192, Llama 3 128256 x 16384:
+        # 2 to 8 rows per feature) is split, as Megatron's VocabParallelEmbedding; a position
+        # table (GPT-2 1024 x 768, GPT-3 2048 x 12288) stays whole: an all-reduce it would cost
+        elif rows % tp == 0 and rows >= 2 * width:
             plan.vocab_embedding.add(n.name)
             plan.params[w] = ParamShard(0, (rows,))
