@@ -83,7 +83,19 @@ def _llama(case, seed, device):
         y.to(device)
 
 
+def _qwen2_moe(case, seed, device):
+    """Hugging Face Qwen2-MoE (4 routed experts, top-2, plus a shared expert behind a sigmoid
+    gate): its routed experts sort, gather and scatter tokens as Mixtral's do."""
+    from tests.moe_workers import hf_moe
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 128, (case.batch, case.seq), generator=g)
+    y = torch.randint(0, 128, (case.batch, case.seq), generator=g)
+    return _Logits(hf_moe("hf-qwen2-moe")).to(device), _lm_loss, (x.to(device),), y.to(device)
+
+
 FAMILIES.setdefault("cp-hand", _hand)
+FAMILIES.setdefault("cp-qwen2-moe", _qwen2_moe)
 FAMILIES.setdefault("cp-llama", _llama)
 
 

@@ -5,7 +5,9 @@ ring and all-gather attention; and what it refuses, it refuses at compile time n
 
 Models: the example GPT (SDPA, learned positions), an unmodified Hugging Face Llama from a config
 (RoPE, GQA, HF's own causal mask as a tensor), and a model with attention written by hand
-(q @ k^T, a tril buffer with masked_fill, softmax, @ v), ignored labels included.
+(q @ k^T, a tril buffer with masked_fill, softmax, @ v), ignored labels included; and
+mixture-of-experts models (Hugging Face Mixtral and Qwen2-MoE, whose experts sort, gather and
+scatter the batch's tokens) alone, with ep=2 over dp=2 and with tp=2.
 
 Fast tier: python -m pytest -m "not full" tests/test_context_parallel.py
 """
@@ -48,6 +50,8 @@ FAST_4 = [
 FULL_2 = [
     Case("llama-cp2-allgather", model="cp-llama", cp=2, cp_attention="allgather", **SEQ),
     Case("hand-cp2-ring-ignored", model="cp-hand", cp=2, ignored="empty", **SEQ),
+    Case("qwen2-moe-cp2-allgather", model="cp-qwen2-moe", cp=2, cp_attention="allgather",
+         **SEQ),
 ]
 FULL_4 = [
     Case("llama-cp4-ring", model="cp-llama", cp=4, ignored="uneven", **SEQ),
@@ -219,8 +223,9 @@ def test_explain_and_json_name_the_cores_and_the_sequence_per_rank():
     assert c.to_json()["mesh"]["cp"] == 4 and c.plan.mesh.world_size == 4
     assert "context parallelism over cp=4: ring attention replaces 2 attention core(s) (causal)" \
         in c.explain()
-    assert [p.name for p in c.passes][:4] == ["weigh_loss_by_tokens", "split_tensor_parallel",
-                                              "split_context_parallel", "analyze_costs"]
+    assert [p.name for p in c.passes][:5] == ["weigh_loss_by_tokens", "prove_token_islands",
+                                              "split_tensor_parallel", "split_context_parallel",
+                                              "analyze_costs"]
 
 
 def test_the_memory_model_counts_each_ranks_share_of_the_sequence():

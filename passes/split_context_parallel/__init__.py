@@ -47,6 +47,7 @@ def prove_token_islands(program: Program, *, cp: int, tp: int = 1,
     if cp == 1:
         return program.replace(cp_islands=()), {"islands": []}
     check_sequence_length(program, cp, tp, sequence_parallel)
+    check_loss(program, cp)         # before the islands: a loss's reductions are no island
     cores = find_cores(program)
     islands = prove_islands(program, _outside_checks(program, cores), cp)
     names = tuple(sorted(n.name for island in islands for n in island.body))

@@ -110,10 +110,10 @@ def _island(node: fx.Node, program: Program) -> Island:
 
 def _prove(island: Island, program: Program, cp: int) -> None:
     seq = program.seq_len
-    run = _runner(island, program.gm)
+    run, device = _runner(island, program.gm)
     g = torch.Generator().manual_seed(0)
     for _ in range(TRIALS):
-        feeds = [_random(e, program.symbols, seq, g) for e in island.entries]
+        feeds = [_random(e, program.symbols, seq, g).to(device) for e in island.entries]
         whole = run(feeds)
         for rank in range(cp):
             part = run([shard_sequence(v, 1, cp, rank) for v in feeds])
@@ -142,6 +142,8 @@ def _runner(island: Island, gm: fx.GraphModule):
         raise NotProvable("its weights are on the meta device, whose values are unknown "
                           "(materialize the model before compiling with cp)")
     module = fx.GraphModule(root, g)
+    device = next((v.device for v in root.values() if isinstance(v, torch.Tensor)),
+                  torch.device("cpu"))     # the weights' (a model compiled on its GPU)
 
     def run(feeds):
         try:
@@ -150,7 +152,7 @@ def _runner(island: Island, gm: fx.GraphModule):
         except Exception as e:  # noqa: BLE001  (any failure: not provable, say which)
             raise NotProvable(f"running it failed ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]})") from e
-    return run
+    return run, device
 
 
 def _random(node: fx.Node, symbols: dict, seq: int, g: torch.Generator) -> torch.Tensor:
