@@ -39,15 +39,18 @@ from tests._workers import Case, build, held_view
 # check tells bf16 compute from fp32; for tp, the test checks the dtypes on the wire instead.
 #
 # compile=True ("compiled"): Inductor's bf16 kernels round at other points than eager's (a fused
-# run of ops is rounded once; its attention and matmul epilogues are its own): 2e-3 (measured on
-# gpt4 pp=2: grad 9.3e-4 and 5.1e-4, loss 6.7e-6). That is within 2x of the fp32-vs-bf16 gap, so
-# as for tp the tests check the dtypes on the wire, and that artifacts ran, instead.
+# run of ops is rounded once; its attention and matmul epilogues are its own): measured on gpt4
+# pp=2 grad 9.3e-4 and 5.1e-4, loss 6.7e-6; on HF GPT-2 (gelu_new: eight pointwise ops eager
+# rounds one by one) step1 3.8e-3 at zb-v dp=2 zero=2, where torch.compile of the plain model
+# alone differs from eager bf16 by 3.2e-3 (one process, no autopart: /tmp-free repro in
+# docs/composition.md). 1e-2: like "tp" it cannot tell bf16 from fp32, so the tests check the
+# dtypes on the wire, and that artifacts ran, instead.
 #
 # HF Mixtral in bf16 (composition matrix): even at pp=2 1F1B without ep its gradients differ from
 # the recipe by 2.3e-3-3.9e-3 (about half the fp32 gap; measured, cause not found: its router
 # runs in fp32 and top-2 choices can flip on one rounding). "moe": 1e-2, which like "tp" and
 # "compiled" cannot tell bf16 from fp32; it still catches a missing microbatch or replica.
-BOUNDS = {"none": 1e-6, "kernels": 1e-3, "tp": 2e-2, "compiled": 2e-3,      # "grad", "step1"
+BOUNDS = {"none": 1e-6, "kernels": 1e-3, "tp": 2e-2, "compiled": 1e-2,      # "grad", "step1"
           "moe": 1e-2,
           # context parallelism's attention takes the bf16 q, k, v and computes scores, softmax
           # and the merge in fp32 where the recipe's SDPA runs in bf16: measured 0.003-0.005
