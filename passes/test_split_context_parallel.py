@@ -163,3 +163,20 @@ def test_a_layer_that_is_not_per_token_is_refused_with_the_numbers():
     for says in ("argsort", "not position-wise", "rank 0's chunks of a 32-token sequence (cp=2)",
                  "max difference", "test_split_context_parallel.py", "remedy:"):
         assert says in text, text
+
+
+def test_an_op_reordering_the_sequence_is_refused_with_the_numbers():
+    class Shifted(SortedExperts):           # each position reads its left neighbour's value
+        def forward(self, idx):
+            t = idx.shape[1]
+            x = self.emb(idx)
+            q = x.view(x.shape[0], t, 2, 8).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2)
+            x = x + y.reshape(x.shape)
+            return self.head(x.roll(1, 1))
+    x = torch.randint(0, 64, (2, 32))
+    program = weigh_loss_by_tokens(capture(Shifted(), (x,), loss_fn=_loss, target=x),
+                                   splits=2)[0]
+    with pytest.raises(AutopartError, match="this roll mixes(.|\n)*differs from the "
+                                            "whole sequence's(.|\n)*remedy"):
+        prove_token_islands(program, cp=2)

@@ -82,7 +82,9 @@ def _seq_layout(node: fx.Node, symbols: dict) -> bool:
 
 def _island(node: fx.Node, program: Program) -> Island:
     symbols = program.symbols
-    exits, seen, todo = [], set(), [node]
+    # an op whose own output is (batch, sequence, ...) (a flip or a gather along the sequence)
+    # is its island's exit
+    exits, seen, todo = ([node], set(), []) if _seq_layout(node, symbols) else ([], set(), [node])
     while todo:                            # down to the (batch, sequence) tensors it makes
         n = todo.pop()
         for u in n.users:
