@@ -104,7 +104,7 @@ class ContextParallelPlan:
     positions: tuple = ()           # node names of the aranges and table slices rewritten
     seq_len: int | None = None      # the whole sequence, S
     local_seq_len: int | None = None   # each rank's share, S / cp
-    islands: tuple = ()             # names of the first mixing op of each proved token island
+    islands: tuple = ()             # names of the mixing ops inside proved token islands
 
 
 @dataclass

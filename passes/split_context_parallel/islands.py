@@ -29,7 +29,7 @@ from autopart.ir import BATCH, SEQ, Program, sym_shape
 from autopart.localize import attribute
 from autopart.ops.cp import shard_sequence
 
-from .check import mixing_nodes
+from .check import _name, mixing_nodes
 from .find import position_sources, upstream
 from .masks import NotProvable
 
@@ -49,13 +49,14 @@ def prove_islands(program: Program, skip: set[fx.Node], cp: int) -> list[Island]
     """The islands around the mixing ops not in `skip`, each proved position-wise for every
     cp rank; an error naming the op of the first island that is not."""
     aranges, slices = position_sources(program)
+    order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
     islands: list[Island] = []
     covered: set[fx.Node] = set()
     for node in mixing_nodes(program, skip):
         if node in covered:
             continue
         try:
-            island = _island(node, program)
+            island = _island(node, program, order)
             if island.body & set(aranges + slices):
                 raise NotProvable("it computes sequence positions, which the pass rewrites")
             _prove(island, program, cp)
@@ -80,7 +81,7 @@ def _seq_layout(node: fx.Node, symbols: dict) -> bool:
     return shape[1] == SEQ and SEQ not in getattr(shape[0], "free_symbols", ())
 
 
-def _island(node: fx.Node, program: Program) -> Island:
+def _island(node: fx.Node, program: Program, order: dict) -> Island:
     symbols = program.symbols
     # an op whose own output is (batch, sequence, ...) (a flip or a gather along the sequence)
     # is its island's exit
@@ -106,7 +107,6 @@ def _island(node: fx.Node, program: Program) -> Island:
                               "sequence, ...)")
         return n.all_input_nodes
     body = upstream(exits, inputs_of) - entries
-    order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
     return Island(node, sorted(entries, key=order.get), sorted(exits, key=order.get), body)
 
 
@@ -170,6 +170,3 @@ def _random(node: fx.Node, symbols: dict, seq: int, g: torch.Generator) -> torch
         return torch.rand(shape, generator=g) < 0.5
     return torch.randint(0, 2, shape, generator=g).to(val.dtype)
 
-
-def _name(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
