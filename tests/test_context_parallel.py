@@ -252,3 +252,14 @@ def test_proving_a_padding_mask_leaves_the_sequence_symbolic():
     assert c.program.cp.positions == ("arange",)
     assert c.program.cp.cores == (("matmul_1", "causal"),)
     assert "cp_comm, True, 0.35355339059327373, keep)" in c.programs[0].code   # 1 / sqrt(8)
+
+
+def test_explain_and_json_name_the_proved_islands():
+    from tests.moe_workers import hf_loss, hf_moe
+    x = torch.randint(0, 128, (2, 32))
+    c = autopart.compile(hf_moe("hf-mixtral"), autopart.Mesh(cp=2), (x,), loss_fn=hf_loss,
+                         target=x)
+    islands = c.to_json()["context_parallel"]["islands"]
+    assert "sort" in islands and any(n.startswith("index") for n in islands)
+    assert "proved per-token by running them on each rank's chunks" in c.explain()
+    assert "prove_token_islands" in [p.name for p in c.passes]
