@@ -52,14 +52,16 @@ for _name, _v, _cls in ROWS:     # torch_pipeline looks its class up in this tab
         pvt.SCHEDULES.setdefault(f"torch:{_cls}", (_v, _cls))
 
 
-def measured_costs(pm, trace_path: str) -> dict:
-    """One traced step of `pm`: per (chunk, kind) the median duration in ms, on every rank."""
+def measured_costs(pm, trace_path: str, steps: int = 1) -> dict:
+    """`steps` traced steps of `pm`: per (chunk, kind) the median duration in ms, on every rank."""
     from autopart.runtime.trace import Recorder
     rec = Recorder(trace_path, dist.get_rank(), dist.get_world_size())
-    pm._step.trace = rec          # trace this step only: tracing costs a gather per step
-    pm.train_step(pm._bench_batch[0], target=pm._bench_batch[1])
-    pm._step.trace = None
-    rec.end_step()
+    for _ in range(steps):
+        pvt._zero(pm.parameters())
+        pm._step.trace = rec      # these steps only: tracing costs a gather per step
+        pm.train_step(pm._bench_batch[0], target=pm._bench_batch[1])
+        pm._step.trace = None
+        rec.end_step()
     rows = [None]
     if dist.get_rank() == 0:
         per: dict = {}
@@ -171,6 +173,7 @@ def paired_main(rank: int, world: int, opts: dict) -> dict:
         dist.all_reduce(errs, op=dist.ReduceOp.MAX)
         if not (float(errs[1]) <= opts["tol"] and float(errs[0]) <= opts["tol"] * 10):
             raise AssertionError(f"{name} v={v}: autopart differs from the plain model: {errs.tolist()}")
+        pm._bench_batch = (tokens, targets)
         pms[name + (f" v={v}" if v > 1 else "")] = pm
     wall: dict = {k: [] for k in pms}
     for it in range(opts["warmup"] + opts["steps"]):
@@ -183,7 +186,14 @@ def paired_main(rank: int, world: int, opts: dict) -> dict:
         t = torch.tensor(xs, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)          # a step lasts as long as its slowest rank
         wall[k] = [1e3 * x for x in t.tolist()]
-    return {"paired": wall}
+    # the simulator fed each schedule's measured action costs (5 traced steps after the rounds),
+    # to set beside its measured step
+    predicted = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, pm in pms.items():
+            costs = measured_costs(pm, str(Path(tmp) / "trace.json"), steps=5)
+            predicted[k] = predicted_ms(pm.compiled.schedule, costs)[0]
+    return {"paired": wall, "predicted": predicted}
 
 
 def table(opts: dict, results: list[dict]) -> str:
@@ -243,16 +253,19 @@ def main(argv=None) -> int:
     from autopart.runtime.launch import spawn
     if a.paired:
         opts["paired"] = [(n, int(v or 1)) for n, _, v in (x.partition(":") for x in a.paired.split(","))]
-        wall = spawn(paired_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]["paired"]
+        out = spawn(paired_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]
+        wall, predicted = out["paired"], out["predicted"]
         ratios = {k: statistics.median(x / y for x, y in zip(xs, wall["1f1b"]))
                   for k, xs in wall.items() if k != "1f1b"}
-        print("\n".join(f"{k}: median step {statistics.median(wall[k]):.0f} ms, vs 1f1b "
-                        f"({statistics.median(wall['1f1b']):.0f} ms) {r:.3f} (median of {a.steps} "
-                        f"per-round ratios)" for k, r in ratios.items()),
-              file=sys.stderr if a.json else sys.stdout)
+        lines = [f"{k}: median step {statistics.median(wall[k]):.0f} ms, vs 1f1b "
+                 f"({statistics.median(wall['1f1b']):.0f} ms) {r:.3f} (median of {a.steps} "
+                 f"per-round ratios)" for k, r in ratios.items()]
+        lines += [f"{k}: simulated from measured action costs {predicted[k]:.0f} ms, "
+                  f"/ measured {predicted[k] / statistics.median(wall[k]):.3f}" for k in wall]
+        print("\n".join(lines), file=sys.stderr if a.json else sys.stdout)
         if a.json:
             print(json.dumps({"bench": "zero_bubble", "options": opts, "paired_ms": wall,
-                              "ratio_to_1f1b": ratios}))
+                              "ratio_to_1f1b": ratios, "predicted_ms": predicted}))
         return 0
     out = spawn(rank_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]
     text = table(opts, out["results"])
