@@ -58,7 +58,10 @@ def _pipeline(out: dict) -> dict:
 
 def _zero_bubble(out: dict) -> dict:
     base = out["paired_ms"]["1f1b"]
-    return {f"{k} / 1f1b": _per_round(v, base) for k, v in out["paired_ms"].items() if k != "1f1b"}
+    rows = {f"{k} / 1f1b": _per_round(v, base) for k, v in out["paired_ms"].items() if k != "1f1b"}
+    for k, ms in out.get("predicted_ms", {}).items():   # one figure a run, not per round
+        rows[f"sim / measured {k}"] = [ms / statistics.median(out["paired_ms"][k])]
+    return rows
 
 
 def _zero(out: dict) -> dict:
@@ -88,11 +91,23 @@ BENCHMARKS = [
                    "h=256, batch 8x128"},
           lambda out: {"tp=2": _per_round(out["step_seconds"]["autopart"],
                                           out["step_seconds"]["dtensor"])}),
-    Bench("zero-bubble", "zero_bubble.py", lambda r: ["--paired", "zb-h1,zb-v:2", "--steps", str(r)],
+    Bench("zero-bubble", "zero_bubble.py",
+          lambda r: ["--microbatches", "8", "--paired", "zb-h1,zb-v:2,interleaved-1f1b:2,zb-h1:2",
+                     "--steps", str(r)],
           {"zb-h1 / 1f1b": "autopart ZB-H1 / autopart 1F1B step, pp=2, GPT 8 layers n_embd=256, "
-                           "4 microbatches of 8",
-           "zb-v v=2 / 1f1b": "autopart ZB-V (v=2) / autopart 1F1B step, the same"},
-          _zero_bubble),
+                           "8 microbatches of 8 (4 before 2026-11-28 04:00)",
+           "zb-v v=2 / 1f1b": "autopart ZB-V (v=2) / autopart 1F1B step, the same",
+           "interleaved-1f1b v=2 / 1f1b": "autopart interleaved 1F1B (v=2) / autopart 1F1B, the same",
+           "zb-h1 v=2 / 1f1b": "autopart interleaved ZB-H1 (v=2) / autopart 1F1B, the same",
+           **{f"sim / measured {k}": f"the C++ simulator's step from {k}'s measured action costs "
+                                     "(5 traced steps) / its measured median step"
+              for k in ("1f1b", "zb-h1", "zb-v v=2", "interleaved-1f1b v=2", "zb-h1 v=2")}},
+          _zero_bubble, timeout=1800),
+    Bench("split-cost", "split_cost.py", lambda r: ["--rounds", str(r)],
+          {f"(I+W)/B chunk {c}": f"one process, zb-h1 pp=2 chunk {c} of the same GPT, microbatch "
+                                 "of 8: its I and W programs / autograd's fused backward B "
+                                 "(issue 34's bound 1.05)" for c in (0, 1)},
+          lambda out: {f"(I+W)/B chunk {r['chunk']}": r["i_plus_w_over_b"] for r in out["chunks"]}),
     Bench("zero", "zero_vs_fsdp.py", lambda r: ["--steps", str(r)],
           {"zero2 / fsdp2": "autopart zero=2 / FSDP2 fully_shard (reshard_after_forward=False) "
                             "step (fwd+bwd+AdamW), dp=2, GPT 4 layers n_embd=256 vocab 8192, "

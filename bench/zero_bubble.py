@@ -68,6 +68,8 @@ def measured_costs(pm, trace_path: str, steps: int = 1) -> dict:
         for e in json.loads(Path(trace_path).read_text())["traceEvents"]:
             if e["ph"] == "X" and e["args"]["kind"] in ("F", "B", "I", "W"):
                 per.setdefault((e["args"]["chunk"], e["args"]["kind"]), []).append(e["dur"] / 1e3)
+            elif e["ph"] == "X" and e["args"]["kind"] in ("SEND_F", "SEND_B"):
+                per.setdefault((-1, "SEND"), []).append(e["dur"] / 1e3)
         rows = [[(c, k, statistics.median(v)) for (c, k), v in per.items()]]
     dist.broadcast_object_list(rows, src=0)
     return {(c, k): ms for c, k, ms in rows[0]}
@@ -78,12 +80,16 @@ def predicted_ms(schedule, costs: dict) -> tuple[float, float]:
     from autopart import schedule as sched
     n = schedule.num_chunks
     f = [costs[(c, "F")] for c in range(n)]
+    # a message costs what posting one took (Gloo: the sending rank's own time), when measured
+    latency = costs.get((-1, "SEND"), 0.0)
     if (0, "I") in costs:
         i = [costs[(c, "I")] for c in range(n)]
         w = [costs[(c, "W")] for c in range(n)]
-        sim = sched.simulate(schedule, forward_cost=f, input_grad_cost=i, weight_grad_cost=w)
+        sim = sched.simulate(schedule, forward_cost=f, latency=latency, input_grad_cost=i,
+                             weight_grad_cost=w)
     else:
-        sim = sched.simulate(schedule, forward_cost=f, backward_cost=[costs[(c, "B")] for c in range(n)])
+        sim = sched.simulate(schedule, forward_cost=f, latency=latency,
+                             backward_cost=[costs[(c, "B")] for c in range(n)])
     unit = sched.simulate(schedule, forward_cost=1.0, input_grad_cost=1.0, weight_grad_cost=1.0)
     return sim.makespan, unit.bubble
 
