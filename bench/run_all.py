@@ -64,6 +64,15 @@ def _zero_bubble(out: dict) -> dict:
     return rows
 
 
+def _health(out: dict) -> dict:
+    rows = {}
+    for r in out["results"]:
+        rows[f"health {r['mesh']}"] = _per_round(r["raise_ms_all"], r["ignore_ms_all"])
+        if "raise_cpu_ms_all" in r:
+            rows[f"health {r['mesh']} cpu"] = _per_round(r["raise_cpu_ms_all"], r["ignore_cpu_ms_all"])
+    return rows
+
+
 def _zero(out: dict) -> dict:
     t = out["step_seconds"]
     rows = {f"zero{k} / fsdp2": _per_round(t[f"autopart_zero{k}"], t["fsdp2"]) for k in (2, 1, 0)}
@@ -121,9 +130,10 @@ BENCHMARKS = [
     Bench("health", "health_check.py", lambda r: ["--steps", str(3 * r)],
           {"health pp=2": "nonfinite='raise' / 'ignore' step, pp=2, tiny GPT (overhead-bound), "
                           "3x the rounds",
-           "health tp=2": "the same, tp=2"},
-          lambda out: {f"health {r['mesh']}": _per_round(r["raise_ms_all"], r["ignore_ms_all"])
-                       for r in out["results"]},
+           "health tp=2": "the same, tp=2",
+           "health pp=2 cpu": "the same, pp=2, the main thread's CPU time (slowest rank)",
+           "health tp=2 cpu": "the same, tp=2, CPU time"},
+          _health,
           rounds=lambda r: 3 * r),
     Bench("checkpoint", "checkpoint_vs_torch.py",
           lambda r: ["--paired", "--config", "tiny,n_layer=4,n_embd=256,vocab_size=8192", "--repeat", str(r)],
