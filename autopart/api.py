@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopart.arguments import check_arguments, check_options
+from autopart.arguments import check_arguments
 from autopart.compiler import compile as compile_model
+from autopart.config import Config, from_options
 from autopart.errors import AutopartError
 from autopart.materialize import RankWeights, is_meta
 from autopart.mesh import Mesh
@@ -26,20 +27,25 @@ from autopart.runtime.trace import trace_path
 
 def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                 loss_fn: Callable | None = None, target: torch.Tensor | None = None,
-                microbatches: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
-                sequence_parallel: bool = False, recompute: str = "none",
-                memory_budget: str | int | None = None, optimizer: str = "adam",
+                config: Config | None = None, microbatches: int | None = None,
+                schedule: str | None = None, virtual_stages: int | None = None,
+                sequence_parallel: bool | None = None, recompute: str | None = None,
+                memory_budget: str | int | None = None, optimizer: str | None = None,
                 timeout: timedelta = DEFAULT_TIMEOUT, seed: int | None = None,
                 init_fn: Callable | None = None, trace: str | None = None,
-                zero: int = 0, nonfinite: str = "raise",
-                precision: str = "fp32", compile: bool | str = False,
+                zero: int | None = None, nonfinite: str | None = None,
+                precision: str | None = None, compile: bool | str | None = None,
                 zero_bucket_size: int | None = None,
-                cp_attention: str = "ring") -> ParallelModel:
+                cp_attention: str | None = None) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
+    The options are `autopart.Config`'s fields (autopart/config.py: their values, defaults and
+    meaning): pass `config=Config(...)`, or any of them as keywords, which override the config's.
+
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
-    train_step will get. `mesh="auto"`: the planner chooses the mesh, microbatches, schedule and
-    recomputation for the world size on the `local` cluster (`autopart calibrate`) and says which.
+    train_step will get. `mesh="auto"`: the planner chooses the mesh and, of microbatches,
+    schedule, virtual_stages and recompute, those the user left unset, for the world size on the
+    `local` cluster (`autopart calibrate`), and says what it chose and what it kept.
 
         mesh = autopart.Mesh(pp=2, dp=2)
         pm = autopart.parallelize(model, mesh, (tokens,), loss_fn=lm_loss, target=targets,
@@ -68,21 +74,22 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     40M, Megatron-LM's bucket size); a rank's transient memory for them is one bucket
     (autopart/runtime/optimizer.py).
     """
-    from autopart.runtime.optimizer import check_bucket_size
-    # option values first, before any process-group call (autopart/arguments.py)
-    check_options(sequence_parallel=sequence_parallel, schedule=schedule, recompute=recompute,
-                  memory_budget=memory_budget, optimizer=optimizer, precision=precision,
-                  zero=zero, nonfinite=nonfinite, compile=compile, cp_attention=cp_attention)
-    zero_bucket_size = check_bucket_size(zero_bucket_size, zero)
+    given = dict(microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                 sequence_parallel=sequence_parallel, recompute=recompute,
+                 memory_budget=memory_budget, optimizer=optimizer, precision=precision,
+                 zero=zero, nonfinite=nonfinite, compile=compile,
+                 zero_bucket_size=zero_bucket_size, cp_attention=cp_attention)
+    # option values first, before any process-group call (autopart/config.py)
+    cfg = from_options(config, given)
     if not dist.is_initialized():
         raise AutopartError("autopart.parallelize needs torch.distributed.init_process_group "
                             "first (or use autopart.compile to inspect without processes)")
     if isinstance(mesh, str) and mesh == "auto":   # the planner chooses (autopart/planner/auto.py)
         from autopart.planner.auto import choose
-        chosen = choose(model, example_inputs, loss_fn, target, dist.get_world_size(), rank=dist.get_rank(),
-                        broadcast=lambda objs: dist.broadcast_object_list(objs, src=0), zero=zero)
-        mesh, microbatches, schedule = chosen["mesh"], chosen["microbatches"], chosen["schedule"]
-        virtual_stages, recompute = chosen["virtual_stages"], chosen["recompute"]
+        fixed = {**cfg.changed(), **{k: v for k, v in given.items() if v is not None}}
+        mesh, cfg = choose(model, example_inputs, loss_fn, target, dist.get_world_size(), cfg,
+                           fixed=fixed, rank=dist.get_rank(),
+                           broadcast=lambda objs: dist.broadcast_object_list(objs, src=0))
     # before compiling: a rank outside a smaller mesh would otherwise fail on its own, differently
     meta = is_meta(model)
     if meta:   # a meta-device model compiles on meta inputs; each rank allocates only its shards
@@ -94,11 +101,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     example_inputs = tuple(t.to(to) for t in example_inputs)
     target = target.to(to) if target is not None else None
     compiled = compile_model(model, mesh, example_inputs, loss_fn=loss_fn, target=target,
-                             microbatches=microbatches, schedule=schedule,
-                             virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
-                             recompute=recompute, memory_budget=memory_budget,
-                             optimizer=optimizer, precision=precision, zero=zero,
-                             cp_attention=cp_attention, agree_order=rank0_order,
+                             config=cfg, agree_order=rank0_order,
                              trace_device=torch.device(device.type) if meta else None)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
@@ -115,8 +118,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
         extra = {k: v.detach().cpu() for k, v in state.items() if k in extra_keys}
         weights = None
     pm = ParallelModel(compiled, dist.get_rank(), device, timeout, keys, extra, weights,
-                       trace=trace_path(trace), zero=zero,
-                       nonfinite=nonfinite, compile=compile, zero_bucket_size=zero_bucket_size)
+                       trace=trace_path(trace))
     if meta and (seed is not None or init_fn is not None):
         pm.init_weights(seed=0 if seed is None else seed, init_fn=init_fn)
     return pm

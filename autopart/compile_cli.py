@@ -26,7 +26,7 @@ from pathlib import Path
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
 from autopart.mesh import Mesh
-from autopart.memory.units import ZERO_LEVELS
+from autopart.config import Config, choices
 # Loading FILE.py:NAME and building the model, its inputs and loss is library code, shared with
 # the planner and `autopart verify` (autopart/model_files.py); the command keeps its short names.
 from autopart.model_files import META_THRESHOLD  # noqa: F401  (autopart verify imports it here)
@@ -34,6 +34,9 @@ from autopart.model_files import ModelFileError as _UsageError
 from autopart.model_files import build as _build
 from autopart.model_files import load_target as _load
 from autopart.schedule import SCHEDULES, ScheduleError
+
+
+_DEFAULT = Config()     # the flags' defaults are the API's
 
 
 def add_compile_command(subparsers) -> argparse.ArgumentParser:
@@ -45,7 +48,7 @@ def add_compile_command(subparsers) -> argparse.ArgumentParser:
         epilog="examples:\n" + "\n".join(
             line for line in __doc__.splitlines() if line.startswith("    autopart compile")))
     add_layout_arguments(p)
-    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"),
+    p.add_argument("--optimizer", default=_DEFAULT.optimizer, choices=choices("optimizer"),
                    help="the optimizer whose state the memory model counts (default adam)")
     p.add_argument("--emit", metavar="DIR", default=None,
                    help="write each distinct rank program to DIR/rank{pp_rank}.py")
@@ -71,7 +74,7 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
                    help="config name and/or overrides, e.g. gpt3-175b,n_layer=30")
     p.add_argument("--mesh", default="pp=1", help="parallel sizes, e.g. dp=2,pp=4 or cp=2,tp=2 "
                    "(axes pp, dp, cp, tp, ep; default pp=1)")
-    p.add_argument("--cp-attention", default="ring", choices=("ring", "allgather"),
+    p.add_argument("--cp-attention", default=_DEFAULT.cp_attention, choices=choices("cp_attention"),
                    help="context parallelism's attention (cp > 1): ring (K/V passed peer to "
                         "peer) or allgather (K/V all-gathered); default ring")
     p.add_argument("--batch", type=int, default=None,
@@ -81,18 +84,18 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
                    help="microbatches per replica per step (default: pp, which fills the pipeline)")
     p.add_argument("--schedule", default=None, choices=SCHEDULES,
                    help="pipeline schedule (default: 1f1b; interleaved-1f1b when --virtual-stages > 1)")
-    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
+    p.add_argument("--virtual-stages", type=int, default=_DEFAULT.virtual_stages, help="model chunks per pipeline rank")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="run norms and residuals on sequence shards over the tp axis")
-    p.add_argument("--recompute", default="none", choices=("none", "selective", "full", "auto"),
+    p.add_argument("--recompute", default=_DEFAULT.recompute, choices=choices("recompute"),
                    help="activation recomputation per layer (auto: cheapest that fits "
                         "--memory-budget)")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="bytes per rank, e.g. 20GB or 512MiB (checked; auto chooses under it)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+    p.add_argument("--precision", default=_DEFAULT.precision, choices=choices("precision"),
                    help="bf16: compute, pipeline transfers and tp collectives in bf16, fp32 master "
                         "weights and gradients (default fp32)")
-    p.add_argument("--zero", type=int, default=0, choices=ZERO_LEVELS,
+    p.add_argument("--zero", type=int, default=_DEFAULT.zero, choices=choices("zero"),
                    help="1: ZeRO-1, optimizer state and fp32 master slice sharded over dp; 2: "
                         "ZeRO-2, the gradients too; as the memory lines count it (default 0)")
     p.add_argument("--loss-fn", default=None, metavar="NAME",
@@ -126,12 +129,8 @@ def _run(args: argparse.Namespace) -> int:
     module, name = _load(args.target)
     built = _build(module, name, args.config, batch, args.meta, args.loss_fn)
     compiled = autopart_compile(built.model, mesh, built.inputs, loss_fn=built.loss_fn,
-                                target=built.target, microbatches=microbatches,
-                                schedule=schedule, virtual_stages=args.virtual_stages,
-                                sequence_parallel=args.sequence_parallel,
-                                recompute=args.recompute, memory_budget=args.memory_budget,
-                                optimizer=args.optimizer, precision=args.precision,
-                                zero=args.zero, cp_attention=args.cp_attention)
+                                target=built.target,
+                                config=options(args, microbatches, schedule))
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
     files = _emit(compiled, Path(args.emit)) if args.emit else []
@@ -177,6 +176,15 @@ def layout(args: argparse.Namespace) -> tuple[Mesh, int, str, int]:
     if batch < 1:
         raise _UsageError(f"--batch {batch} must be positive")
     return mesh, microbatches, schedule, batch
+
+
+def options(args: argparse.Namespace, microbatches: int, schedule: str) -> Config:
+    """The Config the layout flags name (autopart/config.py checks every value)."""
+    return Config(microbatches=microbatches, schedule=schedule,
+                  virtual_stages=args.virtual_stages, sequence_parallel=args.sequence_parallel,
+                  recompute=args.recompute, memory_budget=args.memory_budget,
+                  optimizer=getattr(args, "optimizer", _DEFAULT.optimizer),
+                  precision=args.precision, zero=args.zero, cp_attention=args.cp_attention)
 
 
 def _peak_rss_bytes() -> int:

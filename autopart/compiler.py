@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from autopart import schedule as sched
-from autopart.arguments import check_arguments, check_choice, check_options
+from autopart.arguments import check_arguments
+from autopart.config import Config, check_choice, choices, from_options
 from autopart.capture import capture, check_on_example, input_specs
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
@@ -31,18 +32,14 @@ from autopart.passes.emit_rank_programs import emit_rank_programs
 from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.gather_parameters import gather_parameters
 from autopart.passes.shard_experts import shard_experts
-from autopart.passes.split_context_parallel import ATTENTIONS as CP_ATTENTIONS
 from autopart.passes.split_context_parallel import prove_token_islands, split_context_parallel
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 from autopart.passes.split_backward import split_backward
 from autopart.passes.weigh_loss_by_tokens import weigh_loss_by_tokens
 
 
-def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
-              sequence_parallel: bool, recompute: str = "none", memory_budget: int | None = None,
-              optimizer: str = "adam", schedule: sched.Schedule | None = None,
-              zero: int = 0, precision: str = "fp32", splits: int = 1,
-              cp_attention: str = "ring") -> list[Pass]:
+def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
+              chunk_ranks: tuple[int, ...], schedule: sched.Schedule | None = None) -> list[Pass]:
     """The compiler's passes in order, with the Program fields each reads and fills.
 
     shard_experts runs first (ep > 1 only), so that split_tensor_parallel counts each expert
@@ -51,7 +48,12 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
     runs before them all: it rewrites the loss the tensor-parallel pass then splits.
     split_context_parallel runs after tensor parallelism (it replaces attention on each rank's
     heads) and before the costs, which it makes per rank: each rank's sequence is S / cp.
-    `splits` = microbatches * dp * cp, the pieces the global batch is cut into."""
+    Each pass is handed the options it reads, by name, from `config` (autopart/config.py)."""
+    c = config
+    budget = c.memory_budget        # bytes per rank (Config parses '20GB')
+    sequence_parallel, recompute, optimizer, zero, precision = \
+        c.sequence_parallel, c.recompute, c.optimizer, c.zero, c.precision
+    splits = c.microbatches * mesh.dp * mesh.cp     # the pieces the global batch is cut into
     experts = [Pass("shard_experts", shard_experts, requires=(), provides=("ep",),
                     options=dict(ep=mesh.ep, microbatch_size=microbatch_size, dp=mesh.dp))]
     cp_options = dict(cp=mesh.cp, tp=mesh.tp, sequence_parallel=sequence_parallel)
@@ -67,14 +69,14 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
              after=("shard_experts", "weigh_loss_by_tokens")),
         *([Pass("split_context_parallel", split_context_parallel,
                 requires=("tp", "loss_rule", "cp_islands"), provides=("cp",),
-                options=dict(cp_options, attention=cp_attention))]
+                options=dict(cp_options, attention=c.cp_attention))]
           if mesh.cp > 1 else []),
         Pass("analyze_costs", analyze_costs, requires=("tp",), provides=("costs",),
              after=("split_context_parallel",)),
         Pass("cut_pipeline_stages", cut_pipeline_stages, requires=("costs",), provides=("stages",),
              options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size,
                           schedule=schedule, optimizer=optimizer, zero=zero, dp=mesh.dp,
-                          recompute=recompute, memory_budget=memory_budget,
+                          recompute=recompute, memory_budget=budget,
                           precision=precision)),
         Pass("emit_rank_programs", emit_rank_programs, requires=("stages", "tp"),
              provides=("chunks",)),
@@ -82,18 +84,18 @@ def pass_list(mesh: Mesh, *, microbatch_size: int, chunk_ranks: tuple[int, ...],
         # costs; only when asked (a recompute mode, or a budget to check)
         *([Pass("recompute_activations", recompute_activations,
                 requires=("chunks", "costs", "stages"), provides=("recompute",),
-                options=dict(mode=recompute, budget=memory_budget, optimizer=optimizer, mesh=mesh,
+                options=dict(mode=recompute, budget=budget, optimizer=optimizer, mesh=mesh,
                              schedule=schedule, microbatch_size=microbatch_size, zero=zero,
                              precision=precision))]
-          if recompute != "none" or memory_budget is not None else []),
+          if recompute != "none" or budget is not None else []),
         # zero=3: where each layer's parameters are all-gathered and freed; after recompute,
         # whose regions then read gathered parameters in their replay too
         # (under a budget it weighs which groups stay gathered with the memory model, which
         # reads the cut and the costs)
         *([Pass("gather_parameters", gather_parameters,
-                requires=("chunks",) + (("costs", "stages") if memory_budget is not None else ()),
+                requires=("chunks",) + (("costs", "stages") if budget is not None else ()),
                 provides=("param_groups",),
-                options=dict(zero=zero, budget=memory_budget, mesh=mesh, schedule=schedule,
+                options=dict(zero=zero, budget=budget, mesh=mesh, schedule=schedule,
                              microbatch_size=microbatch_size,
                              microbatches=schedule.microbatches if schedule else 1,
                              optimizer=optimizer, precision=precision),
@@ -157,6 +159,8 @@ class Compiled:
     traced: str = field(repr=False, default="")
     # the program check's report: {"checked": distinct programs run, "skipped": [...]}
     check: dict = field(repr=False, default_factory=dict)
+    # the options it was compiled with (and the runtime's: nonfinite, compile, bucket size)
+    config: Config = field(default_factory=Config)
 
     @functools.cached_property
     def memory(self):
@@ -193,14 +197,19 @@ class Compiled:
 
 @gc_paused
 def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Callable | None = None,
-            target: torch.Tensor | None = None, microbatches: int = 1, schedule: str = "1f1b",
-            virtual_stages: int = 1, sequence_parallel: bool = False,
-            dump_dir: str | None = None, recompute: str = "none",
-            memory_budget: str | int | None = None, optimizer: str = "adam",
-            precision: str = "fp32", zero: int = 0, cp_attention: str = "ring",
+            target: torch.Tensor | None = None, config: Config | None = None,
+            microbatches: int | None = None, schedule: str | None = None,
+            virtual_stages: int | None = None, sequence_parallel: bool | None = None,
+            dump_dir: str | None = None, recompute: str | None = None,
+            memory_budget: str | int | None = None, optimizer: str | None = None,
+            precision: str | None = None, zero: int | None = None, cp_attention: str | None = None,
             agree_order: Callable[[list], list] | None = None,
             trace_device: torch.device | str | None = None) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
+
+    The options are `autopart.Config`'s fields (autopart/config.py, where their values and
+    defaults are written): pass `config=Config(...)`, or any of them as keywords, which override
+    the config's. A wrong value fails here, before anything is traced.
 
     `agree_order` (parallelize passes one): given the structure of the captured graph (each
     node's key and inputs), returns the structure every rank must use (rank 0's), so that a
@@ -219,19 +228,18 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     (2, True)
     """
     start = time.perf_counter()
-    check_options(sequence_parallel=sequence_parallel, schedule=schedule, recompute=recompute,
-                  memory_budget=memory_budget, optimizer=optimizer, precision=precision, zero=zero,
-                  cp_attention=cp_attention)
+    cfg = from_options(config, dict(
+        microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+        sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
+        optimizer=optimizer, precision=precision, zero=zero, cp_attention=cp_attention))
     example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
-    mbs = _microbatch_size(example_inputs, mesh, microbatches)
-    if sequence_parallel and mesh.tp == 1:
+    mbs = _microbatch_size(example_inputs, mesh, cfg.microbatches)
+    if cfg.sequence_parallel and mesh.tp == 1:
         raise AutopartError("sequence_parallel=True shards the sequence over the tp axis, but the "
                             f"mesh has tp=1 ({mesh}).\n  remedy: use a mesh with tp > 1, or drop "
                             "sequence_parallel")
-    the_schedule = sched.make_schedule(schedule, mesh.pp, microbatches, virtual_stages)
-    _check_zero(zero, mesh, the_schedule)
-    from autopart.memory import parse_bytes
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    the_schedule = sched.make_schedule(cfg.schedule, mesh.pp, cfg.microbatches, cfg.virtual_stages)
+    _check_zero(cfg.zero, mesh, the_schedule)
     program = _capture(model, example_inputs, loss_fn, target, mbs, trace_device)
     traced = ""
     if agree_order is not None:
@@ -244,32 +252,29 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
         traced = hashlib.sha1(repr(agreed if changed else mine).encode()).hexdigest()[:16]
     # what train_step must be given; before the passes rewrite the embeddings
     specs = input_specs(program, example_inputs + ((target,) if target is not None else ()))
-    passes = pass_list(mesh, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
-                       sequence_parallel=sequence_parallel, recompute=recompute,
-                       memory_budget=budget, optimizer=optimizer, schedule=the_schedule,
-                       zero=zero, precision=precision, splits=microbatches * mesh.dp * mesh.cp,
-                       cp_attention=cp_attention)
+    passes = pass_list(mesh, cfg, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
+                       schedule=the_schedule)
     program, results = run_passes(program, passes, dump_dir)
     stages = program.stages
     if stages.num_chunks != the_schedule.num_chunks:
         raise AutopartError(f"internal: the stage plan has {stages.num_chunks} chunks but the "
                             f"{the_schedule.name} schedule runs {the_schedule.num_chunks}")
-    plan = Plan(mesh, the_schedule.name, microbatches, virtual_stages,
+    plan = Plan(mesh, the_schedule.name, cfg.microbatches, cfg.virtual_stages,
                 int(example_inputs[0].shape[0]), mbs, stages.chunk_ranks,
-                stages.chunk_layers, stages.shared_params, sequence_parallel,
+                stages.chunk_layers, stages.shared_params, cfg.sequence_parallel,
                 dict(program.tp.params) if mesh.tp > 1 else {},
                 dict(program.ep.params) if mesh.ep > 1 else {},
-                frozenset(program.tp.sp_grad_reduce), program.stats, optimizer, precision,
-                program.loss_rule, cp_attention)
+                frozenset(program.tp.sp_grad_reduce), program.stats, cfg.optimizer,
+                cfg.precision, program.loss_rule, cfg.cp_attention)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
-                        results, time.perf_counter() - start, program.costs, zero,
-                        input_specs=specs, traced=traced)
+                        results, time.perf_counter() - start, program.costs, cfg.zero,
+                        input_specs=specs, traced=traced, config=cfg)
     # every distinct rank program runs forward and backward on fake tensors before it is handed
     # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)
     from autopart.check_programs import check_rank_programs
     from autopart.memory import ActivationCache
-    compiled.activation_runs = ActivationCache(REDUCED_DTYPES[precision])
+    compiled.activation_runs = ActivationCache(REDUCED_DTYPES[cfg.precision])
     compiled.check = check_rank_programs(compiled, compiled.activation_runs)
     from autopart.memory import check_budget
     check_budget(compiled)      # after the check: its fake runs count the activations
@@ -277,11 +282,12 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     return compiled
 
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = choices("precision")          # written once, in autopart/config.py
+CP_ATTENTIONS = choices("cp_attention")
 
 
 def check_precision(precision: str) -> None:
-    check_choice("precision", precision)    # autopart/arguments.py: the one check of options
+    check_choice("precision", precision)    # autopart/config.py: the one check of options
 
 
 class RankPrograms(Mapping):

@@ -1,6 +1,8 @@
 """The explain table and JSON: stages, layers, parameters, FLOPs, memory, transfers, bubble."""
 from __future__ import annotations
 
+import dataclasses
+
 import sympy
 
 from autopart.analysis import evaluate
@@ -233,6 +235,7 @@ def explain_table(compiled) -> str:
                  f"flight per rank: {list(sim.peak_in_flight)}")
     lines += _memory_lines(compiled)
     lines += _gather_lines(compiled)
+    lines.append(f"options: {compiled.config} (autopart.Config; the rest at their defaults)")
     lines.append("passes: " + ", ".join(f"{p.name} {p.seconds:.2f}s" for p in compiled.passes)
                  + f"; compile {compiled.seconds:.2f}s")
     return "\n".join(lines)
@@ -369,6 +372,8 @@ def explain_json(compiled) -> dict:
         "param_groups": gather_rows(compiled),
         "passes": [{"name": p.name, "seconds": p.seconds} for p in compiled.passes],
         "compile_seconds": compiled.seconds,
+        # every option of the run, defaults included (autopart/config.py)
+        "options": dataclasses.asdict(compiled.config),
     }
 
 

@@ -22,9 +22,11 @@ import json
 import sys
 import time
 
+from autopart.config import Config, choices
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
-from autopart.planner.search import RECOMPUTE, ZERO_LEVELS
+from autopart.planner.cost import PRECISIONS     # what the cost model prices (fp16 too)
+from autopart.planner.search import RECOMPUTE, SCHEDULE_NAMES, ZERO_LEVELS
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
@@ -46,15 +48,15 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                         "block_size / max_seq_len / ... field; cp is searched from 8192 tokens")
     p.add_argument("--microbatch-size", type=int, default=None)
     p.add_argument("--virtual-stages", type=int, default=None)
-    p.add_argument("--schedule", default=None, choices=("1f1b", "interleaved-1f1b"))
+    p.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES)
     p.add_argument("--recompute", default=None, choices=RECOMPUTE,
                    help="fix activation recomputation (default: search full, selective, none; "
                         "selective reruns only each layer's attention core)")
     p.add_argument("--zero", type=int, default=None, choices=ZERO_LEVELS,
                    help="fix the ZeRO level (default: search 0, 1 and 2 where dp > 1)")
-    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
+    p.add_argument("--precision", default=None, choices=tuple(PRECISIONS),
                    help="default bf16 mixed precision (fp32 on the local cluster)")
-    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "sgd-momentum"))
+    p.add_argument("--optimizer", default=Config().optimizer, choices=choices("optimizer"))
     p.add_argument("--top", type=int, default=12, help="rows of the printed table (default 12)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--explain-cost", action="store_true",

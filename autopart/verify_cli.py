@@ -26,6 +26,7 @@ from autopart.compile_cli import (META_THRESHOLD, _build, _load, _UsageError, ad
                                   layout)
 from autopart.errors import AutopartError
 from autopart.schedule import ScheduleError
+from autopart import rehearsal_config as RC
 from autopart import verification as V
 
 BATCH_SEED = 1234
@@ -191,8 +192,8 @@ def _prepare(job: dict, check_memory: bool = True) -> dict:
                                   f"object with fields to scale; give the file a config(spec) "
                                   f"function returning a dataclass or Hugging Face config")
             return config
-        changes = V.config_changes(config, job["mesh"], job["virtual_stages"], job["shrink"])
-        cfg = V.apply_changes(config, changes) if changes else config
+        changes = RC.config_changes(config, job["mesh"], job["virtual_stages"], job["shrink"])
+        cfg = RC.apply_changes(config, changes) if changes else config
         return cfg
 
     # count on the meta device first: a model too large for this machine is refused before
@@ -222,12 +223,12 @@ def _prepare(job: dict, check_memory: bool = True) -> dict:
     notes = []
     shrunk = {k: new for k, (old, new) in changes.items() if k not in _dropout_fields(changes)}
     if shrunk:
-        notes.append(f"shrunk (--shrink): {V.describe_changes({k: changes[k] for k in shrunk})}"
+        notes.append(f"shrunk (--shrink): {RC.describe_changes({k: changes[k] for k in shrunk})}"
                      f" -> {built.n_params:,} parameters")
     dropped = _dropout_fields(changes)
     if dropped:
         notes.append(f"dropout set to 0 (random masks differ between layouts): "
-                     f"{V.describe_changes({k: changes[k] for k in dropped})}")
+                     f"{RC.describe_changes({k: changes[k] for k in dropped})}")
     return {"model": model, "inputs": inputs, "target": target, "loss_fn": built.loss_fn,
             "n_params": built.n_params, "notes": notes,
             "shrunk": {k: changes[k][1] for k in shrunk} if shrunk else None}
@@ -246,7 +247,7 @@ def _available_memory() -> int | None:
 
 
 def _dropout_fields(changes: dict) -> list[str]:
-    return [k for k in changes if V.DROPOUT.search(k)]
+    return [k for k in changes if RC.DROPOUT.search(k)]
 
 
 def _vocab(cfg, model: nn.Module) -> int | None:

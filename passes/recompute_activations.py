@@ -31,12 +31,13 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from autopart.analysis import layer_of
+from autopart.config import choices
 from autopart.errors import AutopartError
 from autopart.ir import ChunkProgram, Program, RecomputePlan, graph_module
 from autopart.ops import op_info
 
 aten = torch.ops.aten
-MODES = ("none", "selective", "full", "auto")
+MODES = choices("recompute")           # written once, in autopart/config.py
 CHOICES = ("none", "selective", "full")      # cheapest first (recomputed FLOPs)
 
 _SDPA = {aten.scaled_dot_product_attention.default,

@@ -14,15 +14,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from autopart.config import choices
 from autopart.errors import AutopartError
 
-MODES = ("raise", "skip", "ignore")
-
-
-def check_mode(mode: str) -> str:
-    from autopart.arguments import check_choice     # the one check of option values
-    check_choice("nonfinite", mode)
-    return mode
+MODES = choices("nonfinite")       # written once, in autopart/config.py
 
 
 def local_problems(losses: list[torch.Tensor], grads: dict, pp_rank: int) -> list[str]:

@@ -38,21 +38,6 @@ from autopart.errors import AutopartError
 from autopart.runtime.sharding import DEFAULT_BUCKET_SIZE, ShardLayout
 
 
-def check_bucket_size(bucket_size, zero: int) -> int:
-    """`zero_bucket_size` as given to parallelize, or the default; a clear error otherwise."""
-    if bucket_size is None:
-        return DEFAULT_BUCKET_SIZE
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-        raise AutopartError(f"zero_bucket_size={bucket_size!r}: expected a positive number of "
-                            "gradient elements per reduce-scatter / all-gather.\n  remedy: an "
-                            f"int such as {DEFAULT_BUCKET_SIZE} (the default), or leave it out")
-    if not zero:
-        raise AutopartError(f"zero_bucket_size={bucket_size} sizes the buckets of zero=1's "
-                            "reduce-scatter and all-gather, but zero=0 has none.\n  remedy: "
-                            "pass zero=1, or leave zero_bucket_size out")
-    return bucket_size
-
-
 # A parameter whose .grad holds a slice only carries this attribute: a torch optimizer stepping
 # it directly would be wrong. (An attribute, not a WeakSet: tensors compare element-wise.)
 _MARK = "_autopart_zero_slice"
@@ -247,4 +232,4 @@ def _bucket_of(v, s: int, e: int, shard: int, buckets: int):
     return v.clone() if torch.is_tensor(v) and buckets > 1 else v
 
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "ShardLayout", "ZeroOptimizer", "check_bucket_size", "manage"]
+__all__ = ["DEFAULT_BUCKET_SIZE", "ShardLayout", "ZeroOptimizer", "manage"]

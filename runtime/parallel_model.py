@@ -23,7 +23,6 @@ from autopart.runtime.param_shards import shard_parameters
 from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check_same_batch,
                                      check_same_program)
 from autopart.runtime import nonfinite
-from autopart.runtime.nonfinite import check_mode as check_nonfinite_mode
 from autopart.runtime.state import StateGatherer
 from autopart.schedule import hoist_receives
 from autopart.runtime.step import StepDriver, step_loss_scale
@@ -41,11 +40,11 @@ class ParallelModel:
 
     def __init__(self, compiled: Compiled, rank: int, device: torch.device, timeout: timedelta,
                  key_order: list[str], extra_state: dict[str, torch.Tensor],
-                 weights: RankWeights | None = None, trace: str | None = None, zero: int = 0,
-                 nonfinite: str = "raise", compile: bool | str = False,
-                 zero_bucket_size: int | None = None):
+                 weights: RankWeights | None = None, trace: str | None = None):
         self.compiled = compiled
-        self.nonfinite = check_nonfinite_mode(nonfinite)
+        config = compiled.config    # the run's options, checked (autopart/config.py)
+        zero, compile = config.zero, config.compile
+        self.nonfinite = config.nonfinite
         self.steps = 0                  # train_steps run: errors name the step
         self.skipped_steps: list[int] = []
         plan = compiled.plan
@@ -87,7 +86,7 @@ class ParallelModel:
         self.zero = zero
         if zero:   # ZeRO-1/2: gradients reduce-scattered, optimizer state 1/dp (runtime/optimizer.py)
             from autopart.runtime.optimizer import DEFAULT_BUCKET_SIZE
-            self._grads.shard(zero, zero_bucket_size or DEFAULT_BUCKET_SIZE, actions,
+            self._grads.shard(zero, config.zero_bucket_size or DEFAULT_BUCKET_SIZE, actions,
                               self._step.chunks)
         self._sharded = None    # zero=3: the parameters held as slices (runtime/param_shards.py)
         if zero == 3:

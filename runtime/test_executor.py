@@ -22,6 +22,7 @@ import autopart
 from autopart.runtime import executor
 from autopart.runtime.step import step_loss_scale
 from autopart.runtime.executor import StepContext, run_actions
+from autopart.runtime.executable import executable
 from tests._workers import ATOL, RTOL, Case, build
 
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -315,8 +316,8 @@ def test_executable_matches_program(case: Case):
     carried = []
     chunks = sorted((c for p in compiled.programs.values() for c in p.chunks), key=lambda c: c.chunk)
     for chunk in dict((c.chunk, c) for c in chunks).values():
-        fast = executor.executable(chunk.gm)
-        assert fast is executor.executable(chunk.gm), "built once"
+        fast = executable(chunk.gm)
+        assert fast is executable(chunk.gm), "built once"
         results = []
         for fn in (chunk.gm, fast):
             chunk.gm.zero_grad(set_to_none=True)
@@ -388,7 +389,7 @@ def test_split_programs_are_boxed_and_w_accumulates_like_autograd():
             assert torch.equal(fused_p[n], split_p[n]), f"chunk {chunk.chunk}: {n}"
         for a, b in zip(sum(fused_in, []), sum(split_in, [])):
             assert torch.equal(a, b), f"chunk {chunk.chunk}: an input gradient"
-        w = executor.executable(chunk.backward.weight_grad, chunk.gm,
+        w = executable(chunk.backward.weight_grad, chunk.gm,
                                 accumulate=chunk.backward.params)
         assert "args.clear()" in w.code and "_accumulate_grad" in w.code and \
             "return None" in w.code

@@ -527,7 +527,7 @@ def die_mid_step(rank: int, world: int, how: str, victim: int, timeout_s: float,
                               target=target, microbatches=4, timeout=timedelta(seconds=timeout_s))
     step = 0
     if rank == victim:
-        from autopart.runtime.executor import executable
+        from autopart.runtime.executable import executable
         runs = executable(pm.program.chunks[0].gm)   # the copy of the program the executor calls
         forward = runs.forward
 

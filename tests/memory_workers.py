@@ -207,7 +207,7 @@ class _CountRerun(nn.Module):
 
 
 def _instrument_reruns(pm, live: _Live) -> None:
-    from autopart.runtime.executor import executable
+    from autopart.runtime.executable import executable
     for c in pm.program.chunks:
         fast = executable(c.gm)
         for name, sub in list(fast.named_children()):

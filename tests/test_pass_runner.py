@@ -26,14 +26,13 @@ def _names(passes):
 
 def test_the_pass_list_is_in_order_for_every_axis():
     for mesh in (Mesh(pp=2), Mesh(tp=2, pp=2), Mesh(dp=2, ep=2)):
-        passes = pass_list(mesh, microbatch_size=1, chunk_ranks=(0, 1),
-                           sequence_parallel=False)
+        passes = pass_list(mesh, microbatch_size=1, chunk_ranks=(0, 1))
         check_order(passes)       # raises if out of order
         assert ("shard_experts" in _names(passes)) == (mesh.ep > 1)
 
 
 def test_a_pass_before_what_it_requires_is_a_clear_error():
-    passes = pass_list(Mesh(pp=2), microbatch_size=1, chunk_ranks=(0, 1), sequence_parallel=False)
+    passes = pass_list(Mesh(pp=2), microbatch_size=1, chunk_ranks=(0, 1))
     by_name = {p.name: p for p in passes}
     wrong = [by_name["cut_pipeline_stages"], by_name["split_tensor_parallel"],
              by_name["analyze_costs"], by_name["emit_rank_programs"]]
@@ -45,8 +44,7 @@ def test_a_pass_before_what_it_requires_is_a_clear_error():
 
 
 def test_a_pass_listed_before_one_it_must_follow_is_an_error():
-    passes = pass_list(Mesh(dp=2, ep=2), microbatch_size=1, chunk_ranks=(0,),
-                       sequence_parallel=False)
+    passes = pass_list(Mesh(dp=2, ep=2), microbatch_size=1, chunk_ranks=(0,))
     i = _names(passes).index("shard_experts")
     swapped = [*passes[:i], passes[i + 1], passes[i], *passes[i + 2:]]
     assert _names(swapped)[i:i + 2] == ["split_tensor_parallel", "shard_experts"]

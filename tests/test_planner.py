@@ -248,6 +248,26 @@ def test_local_profile_against_real_processes(local_cluster):
     assert not bad, f"(mesh, predicted, wall, CPU) beyond a factor {LOCAL_FACTOR}: {bad}"
 
 
+def test_auto_fills_only_what_the_user_left_unset(local_cluster, capsys):
+    """mesh="auto" (parallelize's planner step, autopart/planner/auto.py): options the user set
+    are kept and held fixed in the search, the rest are the planner's; the note says which."""
+    from autopart.config import Config
+    from autopart.planner.auto import choose
+    import torch
+    from autopart.planner.validate_local import BATCH, CONFIG
+    from examples.gpt import GPT, lm_loss
+    model = GPT(CONFIG)
+    tokens = torch.randint(0, model.config.vocab_size, (BATCH, model.config.block_size))
+    _, free = choose(model, (tokens,), lm_loss, tokens, 2, Config())
+    mine = {"microbatches": 1 if free.microbatches != 1 else 2, "recompute": "selective"}
+    mesh, kept = choose(model, (tokens,), lm_loss, tokens, 2, Config(**mine), fixed=mine)
+    assert (kept.microbatches, kept.recompute) == (mine["microbatches"], "selective"), kept
+    assert BATCH % (mesh.dp * kept.microbatches) == 0
+    note = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"microbatches={mine['microbatches']} kept (yours)" in note, note
+    assert "recompute='selective' kept (yours)" in note and f"chose {'tp='}" in note, note
+
+
 @pytest.mark.full
 def test_parallelize_auto_chooses_a_mesh_and_trains(local_cluster):
     """Two ranks agree on the chosen mesh and train as the plain model does: the loss of two SGD

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import autopart
+from autopart import rehearsal_config as RC
 from autopart import verification as V
 from autopart.cli import main
 from autopart.mesh import Mesh
@@ -125,7 +126,7 @@ def test_tolerances_are_the_stated_ones():
 # -- --shrink on configs (no processes) -----------------------------------------------------------
 
 def _shrunk(cfg, mesh, v=1):
-    return V.apply_changes(cfg, V.config_changes(cfg, mesh, v))
+    return RC.apply_changes(cfg, RC.config_changes(cfg, mesh, v))
 
 
 @pytest.mark.parametrize("tp,pp,v", [(2, 2, 2), (8, 4, 2), (4, 1, 1)])
@@ -167,9 +168,9 @@ def test_shrink_mixtral_experts_divisible_by_ep():
 def test_shrink_refuses_what_the_full_layout_cannot_take():
     from examples.gpt import config
     with pytest.raises(autopart.AutopartError, match="n_head=96 is not divisible by tp=5"):
-        V.config_changes(config("gpt3-175b"), Mesh(tp=5))
+        RC.config_changes(config("gpt3-175b"), Mesh(tp=5))
     with pytest.raises(autopart.AutopartError, match="fewer than pp"):
-        V.config_changes(config("tiny"), Mesh(pp=4), 2)
+        RC.config_changes(config("tiny"), Mesh(pp=4), 2)
 
 
 def test_shrink_through_the_command_line_builds_a_small_switch_model():

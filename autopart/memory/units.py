@@ -3,23 +3,25 @@ from __future__ import annotations
 
 import math
 import re
+from autopart.config import choices
 from autopart.errors import AutopartError
 
 
 KEYS = ("params", "grads", "master", "optimizer", "activations", "buffers", "total")
 OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}   # param-sized tensors per parameter
-ZERO_LEVELS = (0, 1, 2, 3)  # 1: optimizer state and fp32 master slice sharded over dp (ZeRO-1);
-                            # 2: the gradients too (ZeRO-2); 3: the parameters too (ZeRO-3)
+# written once, in autopart/config.py. 1: optimizer state and fp32 master slice sharded over dp
+# (ZeRO-1); 2: the gradients too (ZeRO-2); 3: the parameters too (ZeRO-3)
+ZERO_LEVELS = choices("zero")
 ADAM_STEP = 4               # torch.optim.Adam's `step`: one fp32 scalar per tensor it steps
 
 
 def check_optimizer(optimizer: str) -> None:
-    from autopart.arguments import check_choice     # the one check of option values
+    from autopart.config import check_choice     # the one check of option values
     check_choice("optimizer", optimizer)
 
 
 def check_zero(zero: int) -> None:
-    from autopart.arguments import check_choice
+    from autopart.config import check_choice
     check_choice("zero", zero)
 
 

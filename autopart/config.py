@@ -1,0 +1,158 @@
+"""The options of a parallel run, as one validated value (torchtitan's JobConfig, in small).
+
+`Config` is what `compile`, `parallelize`, the pass list, the runtime, the command lines and the
+planner's choice all read: one frozen dataclass whose field types spell the allowed values, so
+each option's values are written once (here) and checked once (on construction, where the user
+wrote them). Values that live elsewhere by nature are read from there: the schedule names from
+the C++ core.
+
+    cfg = autopart.Config(microbatches=4, schedule="interleaved-1f1b", virtual_stages=2)
+    compiled = autopart.compile(model, mesh, inputs, config=cfg)
+    pm = autopart.parallelize(model, mesh, inputs, config=cfg.replace(nonfinite="skip"))
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from autopart.errors import AutopartError
+from autopart.schedule import SCHEDULES
+
+Schedule = Literal[SCHEDULES]                       # the C++ core's names (autopart/schedule.py)
+Recompute = Literal["none", "selective", "full", "auto"]
+Optimizer = Literal["sgd", "sgd-momentum", "adam"]  # what the memory lines count
+Precision = Literal["fp32", "bf16"]
+Zero = Literal[0, 1, 2, 3]
+Nonfinite = Literal["raise", "skip", "ignore"]
+CompileMode = Literal[False, True, "cudagraphs"]
+CpAttention = Literal["ring", "allgather"]
+
+REMEDIES = {
+    "schedule": "a schedule named in autopart.schedule.SCHEDULES (--schedule on the command line)",
+    "recompute": "none, selective (attention's inner ops), full (whole layers) or auto (the "
+                 "cheapest that fits memory_budget)",
+    "optimizer": "the optimizer the memory lines count: 'adam' (Adam and AdamW), 'sgd-momentum' "
+                 "or 'sgd'",
+    "precision": "precision=\"bf16\" (bf16 compute and transfers, fp32 master weights and "
+                 "gradients) or \"fp32\"; fp16 would need loss scaling, which autopart does not do",
+    "zero": "zero=0, 1, 2 or 3 (ZeRO stage 1: optimizer state and fp32 master slice sharded "
+            "over data-parallel replicas; stage 2: the gradients too; stage 3: the parameters "
+            "too, gathered a layer at a time)",
+    "nonfinite": "raise (stop with the step, stage and microbatch), skip (drop the step's "
+                 "gradients) or ignore",
+    "compile": "False, True (Inductor) or 'cudagraphs'",
+    "cp_attention": "'ring' (K/V passed peer to peer around the context-parallel ranks, "
+                    "overlapped with compute) or 'allgather' (K/V all-gathered at once)",
+    "microbatches": "a positive integer that divides the global batch per data-parallel replica",
+    "virtual_stages": "a positive integer: model chunks per pipeline rank (2 or more for the "
+                      "interleaved and V schedules)",
+    "zero_bucket_size": "an int such as 40000000 (gradient elements per reduce-scatter and "
+                        "all-gather, Megatron-LM's 40M, the default), or leave it out",
+    "memory_budget": "bytes per rank as an int, or a size such as '20GB' or '512MiB'",
+}
+
+# the options the planner chooses under mesh="auto" when the user leaves them unset
+PLANNED = ("microbatches", "schedule", "virtual_stages", "recompute")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every option of compile and parallelize; a wrong value fails here, naming the option, the
+    value, the allowed values and a remedy."""
+    microbatches: int = 1
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: Recompute = "none"
+    memory_budget: Union[int, None] = None   # bytes per rank; '20GB' is parsed on construction
+    optimizer: Optimizer = "adam"
+    precision: Precision = "fp32"
+    zero: Zero = 0
+    cp_attention: CpAttention = "ring"
+    # runtime-only: read by parallelize's ParallelModel, not by the compiler
+    nonfinite: Nonfinite = "raise"
+    compile: CompileMode = False
+    zero_bucket_size: Union[int, None] = None
+
+    def __post_init__(self):
+        if self.memory_budget is not None:     # '20GB', 20e9 -> bytes, or a clear error
+            from autopart.memory.units import parse_bytes
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            _check(f.name, getattr(self, f.name), hints[f.name])
+        if self.zero_bucket_size is not None and not self.zero:
+            raise AutopartError(f"zero_bucket_size={self.zero_bucket_size} sizes the buckets of "
+                                "zero=1's reduce-scatter and all-gather, but zero=0 has none.\n"
+                                "  remedy: pass zero=1, or leave zero_bucket_size out")
+
+    def replace(self, **changes) -> "Config":
+        """A copy with `changes` (checked like the constructor's)."""
+        unknown = set(changes) - set(names())
+        if unknown:
+            raise AutopartError(f"Config has no option {', '.join(sorted(unknown))}: the options "
+                                f"are {', '.join(names())}")
+        return dataclasses.replace(self, **changes)
+
+    def changed(self) -> dict:
+        """The options that differ from their defaults, in field order (what explain() prints)."""
+        default = Config()
+        return {n: getattr(self, n) for n in names() if getattr(self, n) != getattr(default, n)}
+
+    def __str__(self) -> str:
+        set_ = self.changed()
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in set_.items()) + ")"
+
+
+def names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Config))
+
+
+def choices(name: str) -> tuple:
+    """The allowed values of a choice option (what the command lines offer)."""
+    args = typing.get_args(typing.get_type_hints(Config)[name])
+    if not args or not all(isinstance(a, (str, bool, int)) for a in args):
+        raise KeyError(f"{name} is not a choice option")
+    return args
+
+
+def from_options(config: Config | None, options: dict) -> Config:
+    """The Config of a call that may pass `config=` and/or options as keywords: keywords given
+    (not None) override the config's fields; a name that is no option is refused."""
+    given = {k: v for k, v in options.items() if v is not None}
+    return (config or Config()).replace(**given)
+
+
+def check_choice(name: str, value):
+    """Raise unless `value` is allowed for option `name` (for code handed one option alone: the
+    memory model's optimizer, the runtime's nonfinite mode); return it."""
+    _check(name, value, typing.get_type_hints(Config)[name])
+    return value
+
+
+def _check(name: str, value, kind) -> None:
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        allowed = typing.get_args(kind)
+        # same type too: zero=True or compile=1 would compare equal to 1 / True
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise AutopartError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}."
+                                f"\n  remedy: {REMEDIES[name]}")
+    elif kind is bool:
+        if not isinstance(value, bool):
+            raise AutopartError(
+                f"{name}={value!r} is a {type(value).__name__}, not a bool (any non-empty string "
+                f"or non-zero number would switch it on).\n  remedy: pass {name}=True or "
+                f"{name}=False (on the command line: the flag --{name.replace('_', '-')}, or "
+                "leave it out)")
+    elif kind is int or (origin is Union and value is not None):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise AutopartError(f"{name}={value!r} must be >= 1 (an integer).\n  remedy: "
+                                f"{REMEDIES[name]}")
+
+
+__all__ = ["Config", "PLANNED", "REMEDIES", "check_choice", "choices", "from_options", "names", "Schedule",
+           "Recompute", "Optimizer", "Precision", "Zero", "Nonfinite", "CompileMode",
+           "CpAttention"]
