@@ -17,16 +17,14 @@ from autopart.errors import _clean_path
 from autopart.ir import BATCH, META_TP, SEQ, NodeCost, Program, sym_shape
 from autopart.ops import op_info
 from autopart.placement import Partial, Shard
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
 
 # Ops that only re-view memory: no FLOPs, no new activation.
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-          aten.permute.default, aten.t.default, aten.expand.default, aten.split.Tensor,
-          aten.split_with_sizes.default, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor,
-          aten.select.int, aten.unbind.int, aten.chunk.default, aten.alias.default,
-          aten.detach.default, aten.contiguous.default, aten.flatten.using_ints,
-          aten.sym_size.int, aten.dropout.default}
+_VIEWS = (G.RESHAPES | G.TRANSPOSES | G.BROADCASTS | G.SPLITS | G.UNSQUEEZES | G.SLICES
+          | G.ALIASES | {aten.unbind.int, aten.contiguous.default, aten.flatten.using_ints,
+                         aten.sym_size.int, aten.dropout.default})
 # FLOPs per output element of the common non-matmul ops (forward).
 _PER_ELEMENT = {aten.layer_norm.default: 8, aten.native_layer_norm.default: 8,
                 aten.rms_norm.default: 4, aten._softmax.default: 5, aten.softmax.int: 5,
@@ -63,7 +61,7 @@ def _nbytes(node, symbols) -> sympy.Expr:
 
 def _matmul_flops(node, symbols) -> sympy.Expr | None:
     t = node.target
-    if t in (aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default):
+    if t in G.MATMULS or t is aten.linear.default:
         k = _shape(node.args[0], symbols)[-1]
         return 2 * _numel(_shape(node, symbols)) * k
     if t in (aten.addmm.default, aten.baddbmm.default):

@@ -8,7 +8,8 @@ import sympy
 from autopart.analysis import evaluate
 from autopart.errors import module_path
 from autopart.ir import sym_shape
-from autopart.ops import is_autopart_op
+from autopart.ops import aten_groups as G
+from autopart.ops import is_autopart_op, op_info
 
 
 def _fmt(n: float, unit: str = "") -> str:
@@ -126,7 +127,7 @@ def tp_rows(compiled) -> list[dict]:
         size = 1.0
         for d in shape:
             size *= evaluate(d, b, s)
-        size *= _wire_itemsize(tensor, op, plan.precision)
+        size *= _wire_itemsize(tensor, node.target, plan.precision)
         linear = next(iter(node.users)) if op == "copy_to_tp" else node if op == "gather_linear_sp" \
             else tensor
         split = "column" if linear.name in tp_plan.column else "row" if linear.name in tp_plan.row \
@@ -171,29 +172,19 @@ def _bytes(boundary, b, s, precision: str = "fp32") -> float:
 
 # Under precision="bf16" (autocast), what a tensor-parallel collective carries is bf16 when its
 # tensor comes out of an op autocast runs in bf16, or when the runtime casts its input first (the
-# ops that feed a linear: runtime/executor.py _COMM_BEFORE_LINEAR); collectives on the fp32
-# residual stream (the vocabulary-parallel embedding's reduce, the sequence-parallel scatter of
-# the embedding) stay fp32.
-_LOWERED = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "scaled_dot_product_attention"}
-_VIEWS = {"view", "reshape", "_unsafe_view"}
-_CAST_BEFORE = {"copy_to_tp", "gather_linear_sp"}
-
-
-def _wire_itemsize(tensor, op: str, precision: str) -> int:
+# ops that feed a linear: the registry's `before_linear`, runtime/executable.py); collectives on
+# the fp32 residual stream (the vocabulary-parallel embedding's reduce, the sequence-parallel
+# scatter of the embedding) stay fp32.
+def _wire_itemsize(tensor, collective, precision: str) -> int:
     val = tensor.meta["val"]
     if precision != "bf16" or not val.dtype.is_floating_point:
         return val.element_size()
-    if op in _CAST_BEFORE:
+    if op_info(collective).before_linear:
         return 2
     node = tensor
-    while _aten_name(node) in _VIEWS:
+    while getattr(node, "target", None) in G.RESHAPES:
         node = node.args[0]
-    return 2 if _aten_name(node) in _LOWERED else val.element_size()
-
-
-def _aten_name(node) -> str:
-    packet = getattr(getattr(node, "target", None), "overloadpacket", None)
-    return getattr(packet, "__name__", "")
+    return 2 if getattr(node, "target", None) in G.AUTOCAST_REDUCED else val.element_size()
 
 
 def _layer_span(layers) -> str:

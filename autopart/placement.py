@@ -15,6 +15,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from autopart.ops import aten_groups as G
+
 aten = torch.ops.aten
 
 
@@ -63,26 +65,10 @@ class NoRule(Exception):
     """No sharding rule lets this op run on a sharded input."""
 
 
-# Ops that act on each element independently: a Shard passes through unchanged.
-ELEMENTWISE = {
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.pow.Tensor_Scalar,
-    aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar,
-    aten.tanh.default, aten.gelu.default, aten.silu.default, aten.relu.default,
-    aten.sigmoid.default, aten.neg.default, aten.exp.default, aten.erf.default,
-    aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten.detach.default, aten._to_copy.default, aten.to.dtype, aten.type_as.default,
-    aten.masked_fill.Scalar, aten.where.self, aten.sqrt.default, aten.rsqrt.default,
-    aten.abs.default, aten.log.default, aten.pow.Tensor_Tensor, aten.maximum.default,
-    aten.minimum.default, aten.clamp.default, aten.square.default, aten.reciprocal.default,
-    aten.lift_fresh_copy.default, aten.to.dtype_layout, aten.to.device, aten.cos.default,
-    aten.sin.default, aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
-    aten.log1p.default, aten.expm1.default, aten.leaky_relu.default, aten.hardtanh.default,
-    aten.mish.default, aten.softplus.default, aten.clamp_min.default, aten.clamp_max.default,
-    aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar,
-    aten.logical_not.default, aten.bitwise_not.default, aten.sigmoid.default,
-}
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-NORMS_LAST = {aten.layer_norm.default, aten.rms_norm.default}
+# the op groups (autopart/ops/aten.py): elementwise ops pass a Shard through unchanged
+ELEMENTWISE = G.ELEMENTWISE
+VIEWS = G.RESHAPES
+NORMS_LAST = G.NORMS
 
 
 def shape_of(node) -> tuple:
@@ -194,11 +180,8 @@ def _elementwise_rule(node, x, s, pl, tp):
 # In-place arithmetic as export's training IR keeps it (Falcon's `scores /= sqrt(d)`,
 # `mlp_output += attention_output`): elementwise, as long as the tensor written is the shard.
 # Slicing a replicated `self` would write into a copy, not the tensor later ops read.
-INPLACE = {aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor,
-           aten.add_.Scalar, aten.sub_.Scalar, aten.mul_.Scalar, aten.div_.Scalar,
-           aten.copy_.default}
-NEW_LIKE = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
-            aten.new_full.default}
+INPLACE = G.INPLACE_ARITH
+NEW_LIKE = G.NEW_LIKE
 
 
 @rule(*INPLACE)
@@ -219,7 +202,7 @@ def _new_like(node, x, s, pl, tp):
     return Shard(s.dim, s.origin)
 
 
-@rule(aten._assert_tensor_metadata.default)
+@rule(*G.CHECKS)
 def _assert_metadata(node, x, s, pl, tp):
     # export's dtype/device/layout assertion before a cast: it checks no size, so a shard passes
     return s
@@ -267,7 +250,7 @@ def _unsqueeze(node, x, s, pl, tp):
     return Shard(s.dim + (1 if d <= s.dim else 0), s.origin)
 
 
-@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+@rule(*G.SPLITS)
 def _split_rule(node, x, s, pl, tp):
     return _split(node, s, tp)
 
@@ -323,7 +306,7 @@ def _expand(node, x, s, pl, tp):
     return Shard(s.dim + (ndim(node) - ndim(x)), s.origin)
 
 
-@rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+@rule(*G.SOFTMAXES, *G.LOG_SOFTMAXES)
 def _softmax(node, x, s, pl, tp):
     if norm_dim(node.args[1], ndim(x)) == s.dim:
         raise NoRule("softmax over the sharded dim")
@@ -360,7 +343,7 @@ def _sdpa_rule(node, x, s, pl, tp):
     return _sdpa(node, pl)
 
 
-@rule(aten.matmul.default, aten.bmm.default)
+@rule(*G.MATMULS_BATCHED)
 def _matmul_rule(node, x, s, pl, tp):
     return _batched_matmul(node, pl)
 

@@ -12,7 +12,7 @@ tolerance and the first parameter that differs, in the plain model's order.
 Tolerances (fp32; `tolerance=(rtol, atol)` overrides): a parallel run sums the same products in
 another order (per microbatch, then across microbatches, stages and replicas), so it agrees to
 fp32 round-off, not bits. SGD: |parallel - plain| <= 1e-6 + 1e-5 * |plain| (measured max errors
-~5e-7 on values up to ~1 in tests/_workers.py, where a missing microbatch, replica or tied-weight
+~5e-7 on values up to ~1 in tests/workers/, where a missing microbatch, replica or tied-weight
 share is a >= 12% error). Adam: atol 1e-5 for everything, since Adam divides each gradient
 element by its own running magnitude, so an element whose gradient is within a few hundred ulps
 of zero moves by a visibly different fraction of lr=1e-3 (measured up to 1.6e-6); 1e-5 is still

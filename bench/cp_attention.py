@@ -23,7 +23,7 @@ chunks i and 3-i of 4).
 
 Memory (one fresh process group per side, so each side's peak RSS is its own): 1 step, then one
 train_step under saved-tensor hooks: per rank, the peak bytes of the distinct storages autograd
-keeps saved for backward (parameters and buffers excluded; tests/memory_workers.py's counter) and
+keeps saved for backward (parameters and buffers excluded; tests/workers/memory.py's counter) and
 the total of every distinct storage saved in the step; then the optimizer step and the process's
 peak RSS (ru_maxrss). torch's side is probed here: if it raises, the reason (the error and the
 torch source line raising it) is its result and it is left out of the timing.
@@ -165,7 +165,7 @@ def why_not(e: BaseException) -> str:
 def saved_bytes(side: Side) -> dict:
     """One step under saved-tensor hooks: the peak of live saved storages and the total of every
     distinct storage saved (parameters and buffers excluded)."""
-    from tests.memory_workers import _Live, _Saved
+    from tests.workers.memory import _Live, _Saved
     live = _Live({t.untyped_storage().data_ptr() for t in side.held})
     distinct: dict[int, int] = {}
 

@@ -1,6 +1,7 @@
 """The model-families table of docs/families.md: each family compiled (with the fake-tensor program
 check) for pp, tp, tp + sequence parallelism and ep, then trained for 3 steps on 2 spawned Gloo
-ranks against the unmodified model (tests/_workers.equivalence). Prints a markdown table.
+ranks against the unmodified model (tests/workers/equivalence.equivalence). Prints a
+markdown table.
 
     python bench/families.py                  # compile and train every cell (several minutes)
     python bench/families.py --compile-only   # compile and check only (about a minute)
@@ -20,7 +21,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-# family -> (description, model name in tests/_workers.build or tests/family_workers)
+# family -> (description, model name in tests/workers/common.build or tests/workers/family)
 FAMILIES = {
     "GPT (examples/gpt.py, nanoGPT style)": "gpt4",
     "Hugging Face GPT-2 (Conv1D, fused qkv)": "hf",
@@ -38,7 +39,7 @@ COLUMNS = {"pp": dict(pp=2, microbatches=2), "tp": dict(tp=2), "sp": dict(tp=2, 
 
 
 def _case(model: str, column: str):
-    from tests._workers import Case
+    from tests.workers.common import Case
     opts = dict(COLUMNS[column])
     sp = opts.pop("sp", False)
     return Case(f"{model}-{column}", model=model, sequence_parallel=sp, **opts)
@@ -47,8 +48,8 @@ def _case(model: str, column: str):
 def compile_cell(model: str, column: str) -> str:
     """'' when the case compiles (and its programs pass the check), else the error's first line."""
     import autopart
-    from tests._workers import build
-    import tests.family_workers  # noqa: F401  (registers the families with build)
+    from tests.workers.common import build
+    import tests.workers.family  # noqa: F401  (registers the families with build)
     case = _case(model, column)
     net, loss_fn, inputs, target = build(case)
     mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep)
@@ -66,7 +67,7 @@ def compile_cell(model: str, column: str) -> str:
 
 def train_cell(model: str, column: str) -> str:
     from autopart.runtime.launch import spawn
-    from tests.family_workers import run_family_cases
+    from tests.workers.family import run_family_cases
     case = _case(model, column)
     try:
         per_rank = spawn(run_family_cases, case.world, [case], timeout=600, pg_timeout=120)

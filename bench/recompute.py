@@ -2,7 +2,7 @@
 (`tiny`: 4 layers, h=64, s=64) at pp=2, 1F1B, 4 microbatches, in the same run; printed as ratios
 to none. Peak activations are measured by the ranks themselves (saved-tensor hooks counting the
 unique storages autograd keeps, plus a recomputed region's own saved tensors while it reruns: see
-tests/memory_workers.py), beside the memory model's prediction.
+tests/workers/memory.py), beside the memory model's prediction.
 
     python bench/recompute.py [--steps 8] [--config tiny]
 """
@@ -24,7 +24,7 @@ def rank_main(rank: int, world: int, config: str, steps: int) -> dict:
     import torch
     import autopart
     from examples.gpt import GPT, config as gpt_config, lm_loss
-    from tests.memory_workers import _instrument_reruns, _Live, _Saved
+    from tests.workers.memory import _instrument_reruns, _Live, _Saved
 
     torch.set_num_threads(1)
     cfg = gpt_config(config)

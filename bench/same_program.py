@@ -22,8 +22,8 @@ def _rank(rank: int, world: int, without: bool, mesh: str):
     import autopart
     from autopart.errors import AutopartError
     import autopart.runtime.parallel_model as pm_mod
-    from tests._workers import Case
-    from tests.family_workers import build_family
+    from tests.workers.common import Case
+    from tests.workers.family import build_family
     if without:
         pm_mod.rank0_order = lambda keys: keys
     model, loss_fn, inputs, target = build_family(Case("gemma3", model="gemma3", batch=4, seq=16))

@@ -39,15 +39,13 @@ import torch.fx as fx
 from autopart.analysis import detect_layers, evaluate
 from autopart.errors import AutopartError, node_error
 from autopart.ir import EP_LOCAL, META_EP, NodeCost, Program, StagePlan, sym_shape
-from autopart.schedule import balanced_partition
+from autopart.memory.units import STEP_TEMPORARIES, state_copies
+from autopart.schedule import balanced_partition, in_flight_per_chunk
 
 _TOLERANCE = 1.01   # a cut may carry at most 1% more bytes than the smallest body crossing
 # How much a relative memory excess weighs against the same relative compute excess (1: a chunk
 # 10% over the least largest memory is as bad as one 10% over the least largest compute).
 MEMORY_WEIGHT = 1.0
-# Parameter-sized temporaries of one parameter's step: Adam's sqrt(v) and sqrt(v) / c (denom);
-# SGD's momentum update is in place. With ZeRO-1 the step runs on buckets (runtime/optimizer.py).
-_STEP_TEMPORARIES = {"sgd": 0, "sgd-momentum": 0, "adam": 2}
 
 
 def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
@@ -79,9 +77,10 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     cross_bytes = _crossing_bytes(compute, last_use, [0.0 if n in stats_only else
                                                       _bytes(n, program, b, s) for n in compute])
     layers = detect_layers(program)
-    memory = _MemoryModel(program, compute, b, s, _in_flight(schedule, k),
-                          _state_copies(optimizer, zero, dp), memory_weight,
-                          0 if zero and dp > 1 else _STEP_TEMPORARIES[optimizer], precision,
+    memory = _MemoryModel(program, compute, b, s,
+                          in_flight_per_chunk(schedule) if schedule else [1] * k,
+                          state_copies(optimizer, zero, dp), memory_weight,
+                          0 if zero and dp > 1 else STEP_TEMPORARIES[optimizer], precision,
                           memory_budget, chunk_ranks)
     if recompute == "full":
         memory.act = _layer_inputs_only(compute, memory.act, layers, cross_bytes)
@@ -334,36 +333,6 @@ def _chunk_layers(compute, bounds, layers) -> tuple[tuple[str, ...], ...]:
 
 
 # -- the memory bound ------------------------------------------------------------------------------
-
-def _state_copies(optimizer: str, zero: int, dp: int) -> float:
-    """Bytes a rank keeps per parameter byte: the parameter, its gradient, the optimizer's state
-    (with ZeRO-1 1/dp of it, plus the fp32 master slice), as autopart.memory counts them."""
-    from autopart.memory import OPTIMIZER_STATES, check_optimizer
-    check_optimizer(optimizer)
-    states = OPTIMIZER_STATES[optimizer]
-    return 2.0 + ((states + 1) / dp if zero and dp > 1 else states)
-
-
-def _in_flight(schedule, k: int) -> list[int]:
-    """Per chunk, the most microbatches whose activations it holds at once under `schedule`:
-    its rank's actions walked in order, +1 at the chunk's forward, -1 at its backward (at the
-    weight-gradient half for a split backward, which is the last to read them)."""
-    from autopart.schedule import Kind
-    if schedule is None:
-        return [1] * k
-    peak = [1] * k
-    for actions in schedule.ranks:
-        splits = any(a.kind is Kind.W for a in actions)
-        done = Kind.W if splits else Kind.B
-        live = [0] * k
-        for a in actions:
-            if a.kind is Kind.F:
-                live[a.chunk] += 1
-                peak[a.chunk] = max(peak[a.chunk], live[a.chunk])
-            elif a.kind is done:
-                live[a.chunk] -= 1
-    return peak
-
 
 class _MemoryModel:
     """Per-chunk memory of a candidate cut (module docstring), and the cut within its bound."""

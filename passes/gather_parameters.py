@@ -48,25 +48,18 @@ from autopart.analysis import layer_of
 from autopart.ir import ChunkProgram, Program, copied_graph, graph_module
 from autopart.ops.zero import (ParamShards, gather_params, regather_on_backward,
                                release_params)
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
 # ops whose output aliases their input's storage: a parameter read through them is still the
 # parameter (a linear written as x @ w.t())
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
-          aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.alias.default, aten.slice.Tensor,
-          aten.select.int, aten.split.Tensor, aten.chunk.default, aten.unbind.int,
-          aten.split_with_sizes.default, aten.detach.default, operator.getitem}
+_VIEWS = G.ALIASING
 SHARDS = "param_shards"
 # ops autocast runs in the reduced precision on CPU and CUDA alike, casting every floating input
 # (weight and bias too): a parameter read only by these may be gathered in bf16, the values
 # autocast would compute with anyway. One read by any other op (a norm, an embedding, an add)
 # is gathered in fp32, as the bf16 recipe (fp32 weights under autocast) reads it there.
-REDUCED_OPS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
-               aten.baddbmm.default, aten.addbmm.default, aten.matmul.default,
-               aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
-               aten.convolution.default, aten._convolution.default, aten.prelu.default,
-               aten.scaled_dot_product_attention.default}
+REDUCED_OPS = G.AUTOCAST_REDUCED
 
 
 def gather_parameters(program: Program, *, zero: int = 0, budget: int | None = None,

@@ -35,24 +35,21 @@ from autopart.config import choices
 from autopart.errors import AutopartError
 from autopart.ir import ChunkProgram, Program, RecomputePlan, graph_module
 from autopart.ops import op_info
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
 MODES = choices("recompute")           # written once, in autopart/config.py
 CHOICES = ("none", "selective", "full")      # cheapest first (recomputed FLOPs)
 
-_SDPA = {aten.scaled_dot_product_attention.default,
-         aten._scaled_dot_product_flash_attention_for_cpu.default,
-         aten._scaled_dot_product_flash_attention.default,
-         aten._scaled_dot_product_efficient_attention.default}
-_MATMUL = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default}
-_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+_SDPA = G.SDPAS
+_MATMUL = G.MATMULS_BATCHED | {aten.baddbmm.default}
+_SOFTMAX = G.SOFTMAXES | {aten._safe_softmax.default}
 # What may lie between the scores matmul and the softmax, and between softmax and the second
 # matmul: scaling, masking, casts and dropout (elementwise, one activation operand).
-_BETWEEN = {aten.div.Tensor, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
-            aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
-            aten.dropout.default, aten.native_dropout.default, aten.to.dtype,
-            aten._to_copy.default, aten.type_as.default, aten.clone.default,
-            aten.contiguous.default, operator.getitem}
+_BETWEEN = G.CASTS | G.COPIES | {
+    aten.div.Tensor, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.where.self, aten.dropout.default, aten.native_dropout.default,
+    operator.getitem}
 
 
 def recompute_activations(program: Program, *, mode: str = "none", budget: int | None = None,
@@ -164,7 +161,7 @@ def attention_cores(nodes: list[fx.Node]) -> list[list[fx.Node]]:
     return cores
 
 
-_CHECKS = {aten._assert_tensor_metadata.default}
+_CHECKS = G.CHECKS
 
 
 def _producer_matmul(softmax: fx.Node, mine: set) -> fx.Node | None:
@@ -200,9 +197,7 @@ def _is_weight(node: fx.Node) -> bool:
     return node.op == "get_attr"
 
 
-_VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-             aten.transpose.int, aten.permute.default, aten.t.default, aten.expand.default,
-             aten.unsqueeze.default, aten.squeeze.dim, aten.contiguous.default, aten.clone.default}
+_VIEW_OPS = G.RESHAPES | G.TRANSPOSES | G.BROADCASTS | G.UNSQUEEZES | G.COPIES
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -391,10 +391,10 @@ def test_in_flight_per_chunk_matches_the_schedule_core(name, pp, m):
     """Per chunk, the microbatches held at once: 1F1B keeps min(pp - rank, m) on rank `rank`;
     for one chunk per rank, the C++ core's per-rank count; interleaved, per rank the chunks'
     counts bound the rank's."""
-    from autopart.schedule import in_flight
+    from autopart.schedule import in_flight, in_flight_per_chunk
     v = 2 if name.startswith("interleaved") else 1
     schedule = make_schedule(name, pp, m, v)
-    got = cps._in_flight(schedule, pp * v)
+    got = in_flight_per_chunk(schedule)
     core = in_flight(schedule).peak_in_flight
     if name == "1f1b":
         assert got == [min(pp - r, m) for r in range(pp)]
@@ -409,11 +409,12 @@ def test_in_flight_per_chunk_matches_the_schedule_core(name, pp, m):
 
 
 def test_state_copies_count_adam_and_zero():
-    assert cps._state_copies("adam", 0, 4) == 4              # param, grad, exp_avg, exp_avg_sq
-    assert cps._state_copies("sgd", 0, 1) == 2
-    assert cps._state_copies("adam", 1, 2) == 2 + 3 / 2      # moments and fp32 master over dp=2
+    from autopart.memory.units import state_copies
+    assert state_copies("adam", 0, 4) == 4              # param, grad, exp_avg, exp_avg_sq
+    assert state_copies("sgd", 0, 1) == 2
+    assert state_copies("adam", 1, 2) == 2 + 3 / 2      # moments and fp32 master over dp=2
     with pytest.raises(AutopartError, match="optimizer='lion'"):
-        cps._state_copies("lion", 0, 1)
+        state_copies("lion", 0, 1)
 
 
 def test_full_recomputation_keeps_only_each_layer_input():

@@ -1,5 +1,5 @@
 """recompute_activations: the regions it finds, the program it emits, and bitwise equality with
-the run without recomputation (spawned Gloo ranks, tests/memory_workers.py).
+the run without recomputation (spawned Gloo ranks, tests/workers/memory.py).
 
 Fast tier: python -m pytest -m "not full" passes/test_recompute_activations.py
 """
@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 import autopart
 from autopart.errors import AutopartError
 from examples.gpt import GPT, GPTConfig, lm_loss
-from tests.memory_workers import MemCase
+from tests.workers.memory import MemCase
 
 CFG = GPTConfig(n_layer=4, n_head=4, n_embd=32, vocab_size=128, block_size=16)
 
@@ -60,7 +60,7 @@ def test_selective_recomputes_only_the_attention_core():
 def test_selective_finds_matmul_softmax_matmul_by_dataflow():
     """HF GPT-2 with eager attention: matmul, scale, causal where, softmax, dropout, matmul."""
     transformers = pytest.importorskip("transformers")
-    from tests._workers import hf_loss
+    from tests.workers.common import hf_loss
     transformers.logging.set_verbosity_error()
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
                                   bos_token_id=0, eos_token_id=0)
@@ -181,7 +181,7 @@ def spawn_cache() -> dict:
 
 def _run(cache, key):
     from autopart.runtime.launch import spawn
-    from tests.memory_workers import recompute_bitwise
+    from tests.workers.memory import recompute_bitwise
     if key not in cache:
         try:
             cache[key] = spawn(recompute_bitwise, key[1], GROUPS[key], timeout=600)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.moe_workers import EPCase, GatedMoE  # noqa: E402
+from tests.workers.moe import EPCase, GatedMoE  # noqa: E402
 
 
 def _switch_program(spec: str, batch: int = 2):
@@ -235,7 +235,7 @@ def test_an_expert_weight_used_whole_elsewhere_is_refused():
 
 def _hf_program(impl: str = "grouped_mm"):
     transformers = pytest.importorskip("transformers")
-    from tests.moe_workers import hf_loss
+    from tests.workers.moe import hf_loss
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -303,7 +303,7 @@ RANK_CASES = [
 @pytest.fixture(scope="module")
 def two_ranks():
     from autopart.runtime.launch import spawn
-    from tests.moe_workers import ep_cases
+    from tests.workers.moe import ep_cases
     per_rank = spawn(ep_cases, 2, RANK_CASES, timeout=240, pg_timeout=60)
     return {c.name: [r[i] for r in per_rank] for i, c in enumerate(RANK_CASES)}
 
@@ -342,7 +342,7 @@ def test_the_ep_times_too_large_expert_gradient_is_caught(two_ranks):
 @pytest.mark.full
 def test_hugging_face_olmoe_and_qwen2_moe_on_two_ranks():
     from autopart.runtime.launch import spawn
-    from tests.moe_workers import ep_cases
+    from tests.workers.moe import ep_cases
     cases = [EPCase("hf-olmoe", "hf-olmoe"), EPCase("hf-qwen2-moe", "hf-qwen2-moe")]
     for rank_results in spawn(ep_cases, 2, cases, timeout=240, pg_timeout=60):
         for r in rank_results:
@@ -352,7 +352,7 @@ def test_hugging_face_olmoe_and_qwen2_moe_on_two_ranks():
 @pytest.mark.full
 def test_four_ranks_dp4_with_ep4_ep2_and_ep1():
     from autopart.runtime.launch import spawn
-    from tests.moe_workers import ep_cases
+    from tests.workers.moe import ep_cases
     cases = [EPCase("dp4-ep4-top1-skewed", "tiny,n_layer=2", skew=True, ep=4, batch=8),
              EPCase("dp4-ep2-top2-skewed", "tiny,n_layer=2,top_k=2", skew=True, ep=2, batch=8),
              EPCase("dp4-ep1-top1", "tiny,n_layer=2", ep=1, batch=8)]

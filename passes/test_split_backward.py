@@ -115,7 +115,7 @@ def test_hf_gpt2_split_is_bitwise_the_fused_backward():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=32,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    from tests._workers import hf_loss
+    from tests.workers.common import hf_loss
     c, tokens, targets = _compile(transformers.GPT2LMHeadModel(cfg), loss_fn=hf_loss, vocab=256)
     assert set(c.program.split_backward.values()) == {"graphs"}
     for chunk in c.program.chunks:

@@ -18,7 +18,7 @@ from autopart.localize import shard_tensor, unshard_tensor
 from autopart.ir import ParamShard
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 from examples.gpt import GPT, config, lm_loss
-from tests._workers import renamed_gpt_module
+from tests.workers.common import renamed_gpt_module
 
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from autopart.capture import capture
 from autopart.passes.weigh_loss_by_tokens import weigh_loss_by_tokens
 from examples.gpt import GPT, config, lm_loss
-from tests._workers import ignore_labels
-from tests.token_loss_workers import MaskedSumLM, ce_plus_aux
+from tests.workers.common import ignore_labels
+from tests.workers.token_loss import MaskedSumLM, ce_plus_aux
 
 aten = torch.ops.aten
 

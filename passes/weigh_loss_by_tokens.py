@@ -31,16 +31,16 @@ import torch
 import torch.fx as fx
 
 from autopart.ir import Program, copied_graph, graph_module
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
 
 # op -> (index of its reduction argument, index of its ignore_index argument)
-TOKEN_MEANS = {aten.cross_entropy_loss.default: (3, 4), aten.nll_loss.default: (3, 4),
-               aten.nll_loss_nd.default: (3, 4), aten.nll_loss_forward.default: (3, 4)}
+TOKEN_MEANS = G.TOKEN_MEANS
 MEAN, SUM = 1, 2
 # ops between the mean and the model's loss output that keep it linear in the summed loss
-PASS_THROUGH = {aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.alias.default,
-                aten.mul.Scalar, aten.div.Scalar, aten.detach.default}
+PASS_THROUGH = ({aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.mul.Scalar,
+                 aten.div.Scalar} | G.ALIASES)
 
 
 @dataclass

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
+from autopart.ops import aten_groups as G
 from autopart.ops import op_info
 from autopart.runtime.executor import COMPILED
 
@@ -183,7 +184,7 @@ def build_segment(label: str, run: list) -> Segment | None:
 def _copy(g: fx.Graph, n: fx.Node, value, name: str) -> fx.Node:
     """`n` in `g` under a canonical name, so repeats of a layer print the same code."""
     kwargs = fx.map_arg(n.kwargs, value)
-    if n.target is torch.ops.aten._assert_tensor_metadata.default:
+    if n.target in G.CHECKS:
         # export's fp32 assertion: under bf16 autocast the value is bf16, and the segment is
         # traced under the step's autocast (the executor relaxes it alike for eager chunks)
         kwargs = {**kwargs, "dtype": None}

@@ -12,7 +12,8 @@ import weakref
 import torch
 import torch.fx as fx
 
-from autopart.ops import is_autopart_op
+from autopart.ops import aten_groups as G
+from autopart.ops import op_info
 
 # Calling an ATen overload from Python (torch.ops.aten.linear.default) costs a few microseconds more
 # than the Python binding of the same op, and `self.transformer.h.0.attn.c_attn.weight` is five
@@ -37,17 +38,15 @@ _BINDINGS = {   # overload -> Python binding taking the same arguments (checked 
     _aten.sym_size.int: torch.Tensor.size,
 }
 _EXECUTABLE: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
-# tensor-parallel ops whose output only feeds a linear (Megatron's f; sequence parallelism's
-# gather-then-linear): under bf16 their input is cast before them
-_COMM_BEFORE_LINEAR = ("copy_to_tp", "gather_linear_sp")
 
 
 def _cast_before(node: fx.Node) -> bool:
-    """Whether, under bf16, `node`'s input is cast before it (see _COMM_BEFORE_LINEAR): not
-    when a custom op reads it (Hugging Face's grouped matmul of an expert split over tp):
-    autocast leaves custom ops alone, so it would meet a bf16 input and fp32 weights."""
-    name = getattr(node.target, "__name__", "")
-    if name not in _COMM_BEFORE_LINEAR or not is_autopart_op(node.target, axis="tp"):
+    """Whether, under bf16, `node`'s input is cast before it: an op whose output feeds a linear
+    (the registry's `before_linear`, autopart/ops/registry.py), except when a custom op reads it
+    (Hugging Face's grouped matmul of an expert split over tp): autocast leaves custom ops
+    alone, so it would meet a bf16 input and fp32 weights."""
+    info = op_info(node.target)
+    if info is None or not info.before_linear:
         return False
     return not any(isinstance(u.target, torch._ops.OpOverload) and u.target.namespace != "aten"
                    for u in node.users)
@@ -66,7 +65,7 @@ def executable(gm: fx.GraphModule, owner: fx.GraphModule | None = None,
     very parameters. `autocast` (bf16): the copy runs under autocast to it (precision="bf16"),
     so export's dtype assertions, which hold for the traced fp32 dtypes only, check device and
     layout only, and the tensor-parallel ops that feed a linear get its input already cast
-    (_COMM_BEFORE_LINEAR), so that their collectives carry bf16 too.
+    (the registry's `before_linear`), so that their collectives carry bf16 too.
 
     A split program (one with an `owner`: split_backward's forward, I and W) is called boxed,
     with its inputs in one list that it empties (_Boxed). `accumulate` (W: the parameter names of
@@ -177,7 +176,7 @@ def _fast_copy(gm: fx.GraphModule, owner: fx.GraphModule,
                 env[node].update_kwarg("device", _device_of(owner))
             if node.op == "call_function" and node.target in _BINDINGS:
                 env[node].target = _BINDINGS[node.target]
-            if autocast is not None and node.target is _aten._assert_tensor_metadata.default:
+            if autocast is not None and node.target in G.CHECKS:
                 env[node].update_kwarg("dtype", None)
     graph.lint()
     return fx.GraphModule(root, graph, class_name=f"{type(gm).__name__}Executable")

@@ -23,7 +23,7 @@ from autopart.runtime import executor
 from autopart.runtime.step import step_loss_scale
 from autopart.runtime.executor import StepContext, run_actions
 from autopart.runtime.executable import executable
-from tests._workers import ATOL, RTOL, Case, build
+from tests.workers.common import ATOL, RTOL, Case, build
 
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 

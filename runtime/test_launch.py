@@ -11,7 +11,7 @@ import torch.distributed as dist
 import autopart
 from autopart import api
 from autopart.runtime import launch
-from tests._workers import Case, build
+from tests.workers.common import Case, build
 
 
 def test_rank_device_follows_local_rank(monkeypatch):

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 import autopart
 from autopart.runtime.launch import spawn
-from tests._workers import Case, Extras, api_checks, build, equivalence
+from tests.workers.common import Case, Extras, build
+from tests.workers.equivalence import api_checks, equivalence
 
 
 @pytest.fixture(scope="module")

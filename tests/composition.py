@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tests import _workers
+from tests.workers import common
+from tests.workers.equivalence import equivalence, run_cases
 
 AXES: dict[str, tuple] = {
     "schedule":   ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v"),
@@ -185,20 +186,20 @@ def fast_slice(rows: list[Combo]) -> list[Combo]:
 
 
 @dataclass(frozen=True)
-class CCase(_workers.Case):
-    """A composition case (tests/_workers.Case plus the axes it lacks)."""
+class CCase(common.Case):
+    """A composition case (tests/workers/common.Case plus the axes it lacks)."""
     recompute: str = "none"
     zero: int = 0
     precision: str = "fp32"
     compile: bool = False
     reuse: bool = True
-    noise: str = "none"          # bf16 only: which precision_workers.BOUNDS applies
+    noise: str = "none"          # bf16 only: which workers/precision.BOUNDS applies
     round_cuts: bool = True      # bf16 only: the reference rounds at the pipeline cuts
     refused: tuple = ()          # what parallelize's error must say (empty: it must train)
     memory_budget: str | None = None   # zero=3: lets the gather pass keep groups gathered
 
     def options(self) -> dict:
-        """parallelize's keyword arguments beyond tests/_workers.Case's."""
+        """parallelize's keyword arguments beyond tests/workers/common.Case's."""
         budget = {} if self.memory_budget is None else {"memory_budget": self.memory_budget}
         return dict(recompute=self.recompute, zero=self.zero, compile=self.compile, **budget)
 
@@ -249,7 +250,7 @@ def _register() -> None:
                 x = torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)
                 y = torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)
                 return model.to(device), loss_fn, (x.to(device),), y.to(device)
-            _workers.FAMILIES[f"c-{name}-{emb}"] = build
+            common.FAMILIES[f"c-{name}-{emb}"] = build
 
 
 _register()
@@ -258,9 +259,10 @@ _register()
 # -- the rank function ----------------------------------------------------------------------------
 
 def run_composition(rank: int, world: int, cases: list) -> list[dict]:
-    """Rank function: each case against the plain model (fp32: tests/_workers.equivalence; bf16:
-    tests/precision_workers.bf16_equivalence, against the written-out bf16 recipe)."""
-    from tests.precision_workers import run_bf16_cases
+    """Rank function: each case against the plain model (fp32:
+    tests/workers/equivalence.equivalence; bf16: tests/workers/precision.bf16_equivalence, against
+    the written-out bf16 recipe)."""
+    from tests.workers.precision import run_bf16_cases
     out = []
     for case in cases:
         os.environ["AUTOPART_LAYER_REUSE"] = "1" if case.reuse else "0"
@@ -270,7 +272,7 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
         if case.precision == "bf16":
             [result] = run_bf16_cases(rank, world, [case])
         else:
-            [result] = _workers.run_cases(rank, world, [case])
+            [result] = run_cases(rank, world, [case])
         out.append(result)
         if any(p.startswith("raised on rank") for p in result["problems"]):
             out += [{"case": c.name, "rank": rank,
@@ -286,7 +288,7 @@ def _expect_refusal(case: CCase, rank: int) -> dict:
     import autopart
     problems = []
     try:
-        _workers.equivalence(case, rank)
+        equivalence(case, rank)
         problems.append(f"trained, but autopart should refuse it saying {case.refused}")
     except autopart.AutopartError as e:
         missing = [s for s in case.refused if s not in str(e)]

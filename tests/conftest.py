@@ -1,8 +1,8 @@
-"""Shared fixtures for the multi-process tests (the rank functions are in tests/_workers.py).
+"""Shared fixtures for the multi-process tests (the rank functions are in tests/workers/).
 
 Each `spawn` of N ranks costs a few seconds of imports per rank on a small machine, so the cases
-that share a world size run in one spawn (tests._workers.run_group), cached per session in
-`spawn_cache`, and every test of that group reads its own case's per-rank results from it.
+that share a world size run in one spawn (tests.workers.equivalence.run_group), cached per session
+in `spawn_cache`, and every test of that group reads its own case's per-rank results from it.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:           # `examples` and `tests._workers` for the rank processes too
+if str(ROOT) not in sys.path:           # `examples` and `tests.workers` for the rank processes too
     sys.path.insert(0, str(ROOT))       # (spawned processes inherit sys.path)
 
 

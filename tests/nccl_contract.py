@@ -28,9 +28,10 @@ Not emulated: collectives (they keep Gloo's behaviour: blocking, raising on a de
 streams, and isend/irecv called outside a batch (the runtime never does: tests/test_nccl_contract.py
 checks that by grepping the product's sources).
 
-Use: `install()` in a rank function (`run_cases` below wraps tests._workers.run_cases), or set
-AUTOPART_TEST_NCCL_CONTRACT=1 in the environment of a test run: tests/_workers.py installs the
-contract when it is imported, which every rank process of the multi-process tests does.
+Use: `install()` in a rank function (`run_cases` below wraps tests.workers.equivalence.run_cases),
+or set AUTOPART_TEST_NCCL_CONTRACT=1 in the environment of a test run: tests/workers/common.py
+installs the contract when it is imported, which every rank process of the multi-process tests
+does.
 """
 from __future__ import annotations
 
@@ -193,16 +194,16 @@ def _watchdog(what: str, deadline: float) -> None:
 # -- rank functions ------------------------------------------------------------------------------
 
 def run_cases(rank: int, world: int, cases: list) -> list[dict]:
-    """tests._workers.run_cases under the contract."""
-    from tests import _workers
-    return under_contract(_workers.run_cases, rank, world, cases)
+    """tests.workers.equivalence.run_cases under the contract."""
+    from tests.workers import equivalence
+    return under_contract(equivalence.run_cases, rank, world, cases)
 
 
 def under_contract(fn, rank: int, world: int, *args):
     """Rank function `fn(rank, world, *args)` run under the contract (pass
     functools.partial(under_contract, fn) as a rank function). Each per-case result dict (a
-    list of them: tests._workers.run_cases's form) gets "contract": the batches this rank posted
-    through the contract and the transfers that failed."""
+    list of them: tests.workers.equivalence.run_cases's form) gets "contract": the batches this
+    rank posted through the contract and the transfers that failed."""
     install()
     out = fn(rank, world, *args)
     if isinstance(out, list):
@@ -229,7 +230,7 @@ def contract_checks(rank: int, world: int, timeout_s: float) -> dict:
     def expected(n: int, base: float):
         return [[base + 10 * peer + i] * 4 for i in range(n)]
 
-    import tests._workers  # noqa: F401  (installs the contract when the environment asks)
+    import tests.workers.common  # noqa: F401  (installs the contract when the environment asks)
     out["installed_by_env"] = installed()
     ops, recvs = batch(2, 0.0)
     works = TORCH_BATCH_ISEND_IRECV(ops)            # Gloo as it is

@@ -3,13 +3,13 @@ tests/test_tensor_parallel.py): computed from the plain model's parameter sizes 
 rank's chunk graphs read, never from the run's own parameter counts."""
 from __future__ import annotations
 
-from tests._workers import Case, build
+from tests.workers.common import Case, build
 
 
 def assert_rank_shares(case: Case, ranks: list[dict]) -> None:
     """A rank holds exactly the parameters the graphs of its chunks read (get_attr names, from
-    tests/_workers.equivalence's "read"), each at the plain model's size, 1/tp of it for a
-    tensor-parallel shard and 1/ep for experts; each untied parameter is held by one pipeline
+    tests/workers/equivalence.equivalence's "read"), each at the plain model's size, 1/tp of it for
+    a tensor-parallel shard and 1/ep for experts; each untied parameter is held by one pipeline
     stage; no rank holds every element (with pp > 1 or tp > 1); ranks hold chunks r, r+pp, ...
     (r and 2pp-1-r for a V schedule)."""
     assert all("held_numel" in r for r in ranks), "the case failed: see test_matches_plain_model"

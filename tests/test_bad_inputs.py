@@ -479,7 +479,7 @@ def test_save_called_on_one_rank_fails_within_the_timeout_naming_the_others(tmp_
     barrier on the model's group (runtime/groups.enter_together) fails within the timeout and
     names rank 1; nothing is written."""
     from autopart.runtime.launch import spawn
-    from tests.failure_workers import save_on_one_rank
+    from tests.workers.failure import save_on_one_rank
     out = spawn(save_on_one_rank, 2, 25.0, str(tmp_path / "ck"), timeout=300, pg_timeout=120)
     assert out[1] == "did not save"
     assert out[0].startswith("AutopartError after "), out[0]

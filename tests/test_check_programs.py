@@ -127,7 +127,7 @@ def test_bf16_programs_check_under_autocast_as_the_runtime_runs_them(mesh):
     from examples.switch import config as switch_config
     torch.manual_seed(0)
     x = torch.randint(0, 128, (4, 16))
-    if mesh.ep > 1:         # tests/_workers.py's Switch: forward(idx, targets) returns the loss
+    if mesh.ep > 1:     # tests/workers/common.py's Switch: forward(idx, targets) returns the loss
         model = SwitchGPT(switch_config("tiny,n_layer=4,n_embd=32,d_ff=64,vocab_size=128,"
                                         "block_size=16,group_size=16"))
         x, kw = (x, x), {}

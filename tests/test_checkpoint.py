@@ -4,7 +4,7 @@ Hugging Face model directory.
 
 Every resharding phase compares each rank's parameters and optimizer state, right after loading
 and after training on, with the unmodified model trained the same steps
-(tests/checkpoint_workers.py).
+(tests/workers/checkpoint.py).
 
 Fast tier: python -m pytest -m "not full" tests/test_checkpoint.py
 Everything: python -m pytest tests/test_checkpoint.py
@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.checkpoint_workers import Phase, optimizer, run_chain, run_phase
+from tests.workers.checkpoint import Phase, optimizer, run_chain, run_phase
 
 SPAWN_TIMEOUT = 420.0
 
@@ -100,8 +100,8 @@ def test_exact_resume_in_new_processes(tmp_path):
 def _single(model_name: str = "gpt4", optim: str = "adamw", steps: int = 1, **build_kw):
     """(pm, opt, plain model) in this process: Mesh() on a 1-rank process group, trained."""
     import autopart
-    from tests._workers import Case, build
-    from tests.checkpoint_workers import batch, _vocab
+    from tests.workers.common import Case, build
+    from tests.workers.checkpoint import batch, _vocab
 
     model, loss_fn, inputs, target = build(Case("single", model=model_name, batch=4, **build_kw))
     pm = autopart.parallelize(model, autopart.Mesh(), inputs, loss_fn=loss_fn, target=target,
@@ -290,7 +290,7 @@ def test_export_to_plain_model_safetensors(tmp_path, single_process_group):
 
     from autopart.cli import main
     from examples.gpt import GPT
-    from tests._workers import gpt_config
+    from tests.workers.common import gpt_config
 
     pm, _, _, path = _saved(tmp_path)
     full = pm.full_state_dict()
@@ -444,7 +444,7 @@ def test_hugging_face_gpt2_tp_pp_then_export(tmp_path):
 
     d = tmp_path
     # momentum SGD: Adam turns tensor-parallel round-off in near-zero gradients into ~1e-5 moves
-    # (tests/_workers.py), which is not what this test is about
+    # (tests/workers/equivalence.py), which is not what this test is about
     hf = dict(model="hf", batch=4, optim="sgd")
     out = _chain(4, [
         Phase("tp2xpp2", {"tp": 2, "pp": 2}, steps=2, save=f"{d}/a", save_model=True, **hf),
@@ -464,7 +464,7 @@ def test_killed_rank_mid_save_leaves_previous_checkpoint(tmp_path):
     """Rank 1 dies while writing the second save to the same path: the launch fails, the first
     checkpoint is still complete at the path and loads (equal to the plain model after 1 step)."""
     from autopart.runtime.launch import spawn
-    from tests.checkpoint_workers import killed_mid_save
+    from tests.workers.checkpoint import killed_mid_save
 
     path = tmp_path / "ck"
     with pytest.raises(RuntimeError, match="rank"):

@@ -1,6 +1,6 @@
-"""The comparator every equivalence, checkpoint and meta test goes through (tests/_workers._compare)
-rejects a non-finite value: `err > atol + rtol * |expected|` is False for a NaN error, so a NaN
-parameter would otherwise pass every comparison."""
+"""The comparator every equivalence, checkpoint and meta test goes through
+(tests/workers/common._compare) rejects a non-finite value: `err > atol + rtol * |expected|` is
+False for a NaN error, so a NaN parameter would otherwise pass every comparison."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests._workers import _compare
+from tests.workers.common import _compare
 
 
 def _problems(actual, expected) -> tuple[list[str], float]:
@@ -48,8 +48,9 @@ def test_nan_on_both_sides_fails_twice():
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_precision_relative_error_is_inf_on_non_finite(bad):
-    """tests/precision_workers._rel feeds `max(previous, err)`, which drops a NaN: it must say inf."""
-    from tests.precision_workers import _rel
+    """tests/workers/precision._rel feeds `max(previous, err)`, which drops a NaN: it must
+    say inf."""
+    from tests.workers.precision import _rel
     one = torch.ones(3)
     with_bad = torch.tensor([1.0, bad, 1.0])
     assert _rel([with_bad], [one]) == math.inf

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests import composition as cm
-from tests._workers import assert_all_ranks_equal_plain, run_group
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 
 ROWS = cm.combos()
 FAST = set(cm.fast_slice(ROWS))

@@ -1,6 +1,6 @@
 """Context parallelism (a cp mesh axis) trains as the plain model does: the loss of every step,
 the first step's gradients, the clipped norm and the parameters after 3 optimizer steps, fp32,
-against the unmodified model on the same global batch (tests/_workers.py equivalence), with
+against the unmodified model on the same global batch (tests/workers/equivalence.py), with
 ring and all-gather attention; and what it refuses, it refuses at compile time naming the node.
 
 Models: the example GPT (SDPA, learned positions), an unmodified Hugging Face Llama from a config
@@ -18,8 +18,9 @@ import torch
 
 import autopart
 from autopart.errors import AutopartError
-from tests._workers import Case, assert_all_ranks_equal_plain, run_group
-from tests.cp_workers import run_cp_cases
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
+from tests.workers.cp import run_cp_cases
 
 SEQ = dict(batch=4, seq=32)
 GPT = dict(model="gpt4", batch=4, seq=16)      # the test GPT's block_size is 16
@@ -92,7 +93,7 @@ def test_matches_plain_model(case: Case, spawn_cache):
 # -- what compile refuses, naming the node and a remedy ------------------------------------------
 
 def _compile(model, x, cp=2, loss=None, **kw):
-    from tests.cp_workers import _lm_loss
+    from tests.workers.cp import _lm_loss
     return autopart.compile(model, autopart.Mesh(cp=cp), (x,), loss_fn=loss or _lm_loss,
                             target=torch.zeros_like(x), **kw)
 
@@ -103,7 +104,7 @@ class _Masked(torch.nn.Module):
 
     def __init__(self, how: str):
         super().__init__()
-        from tests.cp_workers import HandLM
+        from tests.workers.cp import HandLM
         self.how, self.lm = how, HandLM(layers=1)
         att = self.lm.blocks[0]["att"]
         if how == "window":
@@ -129,13 +130,13 @@ def test_refuses_what_it_cannot_split(how, says):
 
 
 def test_refuses_a_sequence_not_divisible_by_2cp():
-    from tests.cp_workers import HandLM
+    from tests.workers.cp import HandLM
     with pytest.raises(AutopartError, match=r"2\*cp = 8 equal chunks(.|\n)*30 tokens(.|\n)*remedy"):
         _compile(HandLM(layers=1), torch.randint(0, 96, (2, 30)), cp=4)
 
 
 def test_refuses_a_loss_that_is_not_a_token_mean():
-    from tests.cp_workers import HandLM
+    from tests.workers.cp import HandLM
     with pytest.raises(AutopartError, match="mean over tokens(.|\n)*remedy"):
         _compile(HandLM(layers=1), torch.randint(0, 96, (2, 32)),
                  loss=lambda out, t: out.float().pow(2).mean(dim=(1, 2)).max())
@@ -191,7 +192,7 @@ def test_refuses_a_mask_from_the_inputs_that_is_not_key_padding():
 
 def test_the_emitted_program_shows_the_replaced_attention_and_positions():
     from examples.gpt import GPT
-    from tests._workers import gpt_config
+    from tests.workers.common import gpt_config
     c = _compile(GPT(gpt_config(2)), torch.randint(0, 64, (2, 16)), cp_attention="allgather")
     code = c.programs[1].code
     assert code.count("autopart_cp_ops_allgather_kv_attention(") == 2, code
@@ -208,14 +209,14 @@ def test_each_rank_saves_about_half_the_activations_at_cp2():
     on the same global batch (the issue's bound; the sequence-independent part keeps it above
     0.5)."""
     from autopart.runtime.launch import spawn
-    from tests.cp_workers import saved_activation_bytes
+    from tests.workers.cp import saved_activation_bytes
     one = spawn(saved_activation_bytes, 1, 256, timeout=180)[0]["bytes"]
     two = [r["bytes"] for r in spawn(saved_activation_bytes, 2, 256, timeout=180)]
     assert one > 0 and all(0 < b <= 0.55 * one for b in two), (one, two)
 
 
 def test_explain_and_json_name_the_cores_and_the_sequence_per_rank():
-    from tests.cp_workers import HandLM
+    from tests.workers.cp import HandLM
     c = _compile(HandLM(), torch.randint(0, 96, (2, 32)), cp=4)
     row = c.to_json()["context_parallel"]
     assert (row["cp"], row["attention"], row["seq_len"], row["local_seq_len"]) == (4, "ring", 32, 8)
@@ -232,7 +233,7 @@ def test_the_memory_model_counts_each_ranks_share_of_the_sequence():
     """The memory table (fake runs of each rank's program) sees S/cp positions: a cp=2 rank's
     activations are about half of cp=1's; its parameters and optimizer state are whole."""
     from examples.gpt import GPT
-    from tests._workers import gpt_config
+    from tests.workers.common import gpt_config
     x = torch.randint(0, 64, (2, 16))
     one, two = (_compile(GPT(gpt_config(2)), x, cp=cp).memory[0] for cp in (1, 2))
     assert 0.4 * one["activations"] <= two["activations"] <= 0.55 * one["activations"], (one, two)
@@ -244,7 +245,7 @@ def test_proving_a_padding_mask_leaves_the_sequence_symbolic():
     made an int adds a guard that fixes the sequence length for the whole program, and the
     position arange was then no longer seen as one (the padded model trained with rank-local
     positions, loss off by 2e-2: found by padded-sdpa-cp2-ring)."""
-    from tests.cp_workers import PaddedLM, _lm_loss
+    from tests.workers.cp import PaddedLM, _lm_loss
     x = torch.randint(1, 96, (2, 32))
     keep = torch.ones(2, 32, dtype=torch.long)
     c = autopart.compile(PaddedLM(hand=True), autopart.Mesh(cp=2), (x, keep), loss_fn=_lm_loss,
@@ -255,7 +256,7 @@ def test_proving_a_padding_mask_leaves_the_sequence_symbolic():
 
 
 def test_explain_and_json_name_the_proved_islands():
-    from tests.moe_workers import hf_loss, hf_moe
+    from tests.workers.moe import hf_loss, hf_moe
     x = torch.randint(0, 128, (2, 32))
     c = autopart.compile(hf_moe("hf-mixtral"), autopart.Mesh(cp=2), (x,), loss_fn=hf_loss,
                          target=x)

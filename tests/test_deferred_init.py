@@ -3,8 +3,8 @@ shards unfilled, and the values come from exactly one of pm.load_pretrained (saf
 torch.save file, a sharded Hugging Face directory, a torchtitan/DCP directory), pm.load, or
 pm.init_weights (the model's own initialization: reset_parameters, Hugging Face's
 _init_weights, torchtitan's root init_weights, or a warned default). Each case trains 3 steps
-equal to the plain model (fp32, tests/_workers.py's tolerances); bytes allocated are counted by
-the dispatcher (tests/meta_workers.LargestAlloc), not by autopart.
+equal to the plain model (fp32, tests/workers/common.py's tolerances); bytes allocated are counted
+by the dispatcher (tests/workers/meta.LargestAlloc), not by autopart.
 
 Fast tier: python -m pytest -m "not full" tests/test_deferred_init.py
 Full:      python -m pytest tests/test_deferred_init.py
@@ -20,7 +20,7 @@ import torch.nn as nn
 import autopart
 from autopart.errors import AutopartError
 from autopart.runtime.launch import spawn
-from tests.deferred_workers import DCase, HandGPT, batch, logits_loss, run_cases, save_checkpoint
+from tests.workers.deferred import DCase, HandGPT, batch, logits_loss, run_cases, save_checkpoint
 
 THREE_WAYS = r"pm\.load_pretrained\(path\).*pm\.load\(path\).*pm\.init_weights\(seed=0\)"
 

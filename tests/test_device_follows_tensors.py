@@ -11,7 +11,7 @@ import torch
 
 import autopart
 from autopart.ops import ep
-from tests._workers import Case, build
+from tests.workers.common import Case, build
 
 
 def _recording(names: tuple, calls: list):

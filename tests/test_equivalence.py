@@ -1,14 +1,14 @@
 """The parallel run equals the plain model: every step's loss, the first step's gradients, the
-clipped gradient norm and every parameter after 3 optimizer steps, fp32 (tests/_workers.py holds
-the tolerances and why), against a deep copy of the unmodified model taken before parallelize and
-trained on the same global batch. Also: full_state_dict() has exactly model.state_dict()'s keys
+clipped gradient norm and every parameter after 3 optimizer steps, fp32 (tests/workers/common.py
+holds the tolerances and why), against a deep copy of the unmodified model taken before parallelize
+and trained on the same global batch. Also: full_state_dict() has exactly model.state_dict()'s keys
 and full shapes, and a rank holds exactly the parameters its chunks read, at the plain model's
 size (or its tp share).
 
 Models: examples.gpt.GPT (8 layers, tied embeddings), an unmodified Hugging Face GPT2LMHeadModel
-built from a config (tied embeddings, loss on `.logits`), tests._workers.Toy (int64 and bool
+built from a config (tied embeddings, loss on `.logits`), tests.workers.common.Toy (int64 and bool
 tensors crossing pipeline cuts, a second user input needed by later chunks, loss_fn=None) and
-tests._workers.Extras (a frozen layer, buffers, a parameter forward never reads).
+tests.workers.common.Extras (a frozen layer, buffers, a parameter forward never reads).
 
 Fast tier: python -m pytest -m "not full" tests/test_equivalence.py
 Full matrix: python -m pytest tests/test_equivalence.py
@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._workers import Case, assert_all_ranks_equal_plain, equivalence, run_group
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, equivalence, run_group
 from tests.shares import assert_rank_shares
 
 M = dict(microbatches=4)

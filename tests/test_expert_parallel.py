@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import autopart
-from tests._workers import SWITCH_SPECS, Case, assert_all_ranks_equal_plain, run_group
+from tests.workers.common import SWITCH_SPECS, Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 from tests.composition import CCase
 
 FAST_2 = [
@@ -178,10 +179,10 @@ def test_dropless_dispatch_syncs_the_host_once_per_moe_layer_and_microbatch():
     """all_to_all_single takes its split sizes as Python ints, so a dropless dispatch needs the
     per-expert row counts on the host: one sync per MoE layer per microbatch in the forward;
     the combine of the same rows and both backwards reuse that plan. Counted on a real step
-    (Tensor.item/tolist/__int__... patched: tests/overlap_workers.counted_syncs), besides the
+    (Tensor.item/tolist/__int__... patched: tests/workers/overlap.counted_syncs), besides the
     step's own two input-size reads and the loss scale."""
     from autopart.runtime.launch import spawn
-    from tests.moe_workers import expert_syncs
+    from tests.workers.moe import expert_syncs
     for r in spawn(expert_syncs, 2, timeout=300):
         plans = [s for s in r["syncs"] if "(_row_plan)" in s]
         assert len(plans) == r["moe_layers"] * r["microbatches"] == 4, r["syncs"]

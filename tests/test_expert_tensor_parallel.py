@@ -3,7 +3,7 @@ split like a dense MLP (first expert matmul column-parallel, second row-parallel
 over tp before the combine), every tp rank holding all experts (no ep) or its ep share of them.
 examples/switch.py (stacked experts, bmm) and unmodified Hugging Face Mixtral / Qwen3-MoE (grouped
 matmuls of sorted rows, fused gate|up): every step's loss, the first step's gradients, the
-clipped norm and every parameter after 3 SGD steps, fp32 (tests/_workers.equivalence).
+clipped norm and every parameter after 3 SGD steps, fp32 (tests/workers/equivalence.equivalence).
 
 Fast tier: python -m pytest -m "not full" tests/test_expert_tensor_parallel.py
 Full matrix: python -m pytest tests/test_expert_tensor_parallel.py
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import autopart
-from tests._workers import SWITCH_SPECS, Case, assert_all_ranks_equal_plain, build, run_group
-from tests.moe_workers import WITHOUT_EXPERT_REDUCE, etp_cases
+from tests.workers.common import SWITCH_SPECS, Case, build
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
+from tests.workers.moe import WITHOUT_EXPERT_REDUCE, etp_cases
 
 FAST_2 = [
     Case("switch-tp2", model="switch", tp=2),
@@ -51,7 +52,7 @@ def test_matches_plain_model(case: Case, spawn_cache):
 
 def _expert_numels(case: Case) -> dict[str, int]:
     """The plain model's expert weights (stacked over experts: 3-D) and their sizes."""
-    from tests import family_workers  # noqa: F401  (registers qwen3-moe)
+    from tests.workers import family  # noqa: F401  (registers qwen3-moe)
     model = build(case)[0]
     return {n: p.numel() for n, p in model.named_parameters() if p.dim() == 3}
 

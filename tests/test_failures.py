@@ -12,8 +12,8 @@ import time
 import pytest
 
 from autopart.runtime.launch import spawn
-from tests._workers import die_mid_step, mesh_mismatch
-from tests.failure_workers import mismatched_programs, nonfinite_loss
+from tests.workers.equivalence import die_mid_step, mesh_mismatch
+from tests.workers.failure import mismatched_programs, nonfinite_loss
 
 TIMEOUT_S = 10.0     # parallelize(timeout=...): bounds every wait of the training step
 PG_TIMEOUT = 300.0   # the default group's, deliberately longer: parallelize's own must apply

@@ -3,7 +3,7 @@ GPT-NeoX/BLOOM-style decoder (parallel blocks, interleaved fused qkv, ALiBi), Hu
 (encoder-only, masked LM), BART (encoder-decoder: the encoder output rides the pipeline cuts to
 the decoder stages) and ViT (conv patch embedding, class token), each on pp=2, tp=2 and
 tp=2 x pp=2 x dp=2: 3 SGD steps in fp32, every loss, the first gradients, the clipped norm and
-every parameter against the unmodified single-process model (tests/_workers.equivalence).
+every parameter against the unmodified single-process model (tests/workers/equivalence.py).
 
 Fast tier: python -m pytest -m "not full" tests/test_families.py
 Full matrix: python -m pytest tests/test_families.py
@@ -15,8 +15,9 @@ import warnings
 import pytest
 import torch
 
-from tests._workers import Case, assert_all_ranks_equal_plain
-from tests.family_workers import FAMILIES, WITHOUT_PARTIAL_SUM, build_family, run_family_group
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain
+from tests.workers.family import FAMILIES, WITHOUT_PARTIAL_SUM, build_family, run_family_group
 
 NAMES = ["llama-meta", "neox", "bert", "bart", "vit"]
 FAST_2 = [Case(f"{n}-pp2", model=n, pp=2, microbatches=2) for n in NAMES] + \
@@ -24,7 +25,7 @@ FAST_2 = [Case(f"{n}-pp2", model=n, pp=2, microbatches=2) for n in NAMES] + \
 FULL_2 = [Case(f"{n}-tp2-sp", model=n, tp=2, sequence_parallel=True)
           for n in ["llama-meta", "llama-gqa", "neox", "bert", "bart"]]    # vit: 17 tokens
 FULL_8 = [Case(f"{n}-tp2xpp2xdp2", model=n, tp=2, pp=2, dp=2, microbatches=2) for n in NAMES]
-# The families people train in 2026 (tests/family_workers.py): per-head q/k norms (qwen3,
+# The families people train in 2026 (tests/workers/family.py): per-head q/k norms (qwen3,
 # gemma3, stablelm), set-ordered rotary tables (gemma3), `x @ w.T` linears (falcon), a fused
 # qkv cut by slices (phi3), latent attention (deepseek-v3), attention sinks and experts (gpt-oss)
 NEW = ["qwen3", "gemma3", "falcon", "phi3", "stablelm", "deepseek-v3"]
@@ -84,7 +85,7 @@ def test_no_replicated_linear_warnings_beyond_the_table(name):
     holds more than 60% of the parameters. (Not GPT-OSS, whose experts tp cannot split, see
     below, nor Qwen3-MoE, whose routers stay replicated: tests/test_expert_tensor_parallel.py.)"""
     import autopart
-    from tests._workers import build
+    from tests.workers.common import build
     model, loss_fn, inputs, target = build(Case(name, model=name))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,8 +1,8 @@
 """parallelize(compile=True): chunk programs through Inductor, one artifact per distinct layer.
 
 Equivalence: every compiled case trains 3 steps against a deep copy of the plain model on the
-same global batch (tests/_workers.equivalence: losses, first-step gradients, clipped norm,
-parameters, full state dict) with the same tolerance as eager runs, rtol 1e-5 / atol 1e-6
+same global batch (tests/workers/equivalence.equivalence: losses, first-step gradients, clipped
+norm, parameters, full state dict) with the same tolerance as eager runs, rtol 1e-5 / atol 1e-6
 (Adam parameters atol 1e-5). Inductor fuses kernels and so sums in another order than the plain
 model, but the sums here are short (width 32, a few microbatches): measured errors stay below
 5e-7, round-off of fp32 values up to ~1, the same size as the eager pipeline's own reordering.
@@ -29,8 +29,8 @@ import torch.nn as nn
 import autopart
 from autopart.errors import AutopartError
 from examples.gpt import GPT, GPTConfig, lm_loss
-from tests._workers import assert_all_ranks_equal_plain, run_group
-from tests.inductor_workers import CompiledCase, compiled_cases
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
+from tests.workers.inductor import CompiledCase, compiled_cases
 
 GPT_FILE = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 import autopart
 from autopart import layer_reuse
 from autopart.capture import capture
-from tests.family_workers import logits_loss
+from tests.workers.family import logits_loss
 
 
 def _gpt():

@@ -1,6 +1,6 @@
 """The memory model against measurement: for (model, mesh, schedule, recompute) combinations, the
 predicted peak of activations plus state per rank (`compiled.memory[rank]`) is within 10% of
-what the rank process measures during a real training step (tests/memory_workers.py says how:
+what the rank process measures during a real training step (tests/workers/memory.py says how:
 saved-tensor hooks counting the unique storages autograd keeps, and the real parameter, gradient
 and optimizer-state tensors). The whole table is printed (run with -s to see it).
 
@@ -13,7 +13,7 @@ import pytest
 
 import autopart
 from autopart.memory import KEYS, parse_bytes
-from tests.memory_workers import MemCase
+from tests.workers.memory import MemCase
 
 TOLERANCE = 0.10
 M4 = dict(microbatches=4)
@@ -49,7 +49,7 @@ def measured() -> dict:
 
 def _results(cache: dict, key) -> list[dict]:
     from autopart.runtime.launch import spawn
-    from tests.memory_workers import measure_memory
+    from tests.workers.memory import measure_memory
     if key not in cache:
         try:
             cache[key] = [r for per in spawn(measure_memory, key[1], GROUPS[key], timeout=900)
@@ -177,10 +177,10 @@ STATE_CASES = [MemCase("gpt-pp2-adam", pp=2, microbatches=2, n_layer=2),
 @pytest.mark.full
 def test_state_bytes_equal_the_tensors_the_rank_holds():
     """params, grads, master and optimizer of compiled.memory[rank] equal, byte for byte, the
-    storages the rank process holds after a step (tests/memory_workers.measure_state), for
+    storages the rank process holds after a step (tests/workers/memory.measure_state), for
     fp32 and bf16, zero 0 and 1, with Adam."""
     from autopart.runtime.launch import spawn
-    from tests.memory_workers import measure_state
+    from tests.workers.memory import measure_state
     rows = [r for per in spawn(measure_state, 2, STATE_CASES, timeout=600) for r in per]
     assert len(rows) == 2 * len(STATE_CASES)
     for r in rows:

@@ -1,9 +1,9 @@
 """Models that do not fit in one process: built on the meta device, each rank allocating only its
 share, initialized from scratch (equal to autopart.materialize of the same model and seed) or
 loaded from a checkpoint of the plain model (each rank reading its slices), then trained 3 steps
-equal to the plain model (fp32, tests/_workers.py's tolerances). Each rank's bytes are measured
-from the storages of the tensors its programs hold (tests/meta_workers.held_bytes), not from
-autopart's accounting. Bad checkpoints: a missing key, an extra key, a wrong shape, a dtype that
+equal to the plain model (fp32, tests/workers/common.py's tolerances). Each rank's bytes are
+measured from the storages of the tensors its programs hold (tests/workers/meta.held_bytes), not
+from autopart's accounting. Bad checkpoints: a missing key, an extra key, a wrong shape, a dtype that
 cannot be cast, each an AutopartError naming the key and the file.
 
 Fast tier: python -m pytest -m "not full" tests/test_memory_scale.py
@@ -17,7 +17,7 @@ import torch
 import autopart
 from autopart.errors import AutopartError
 from autopart.runtime.launch import spawn
-from tests.meta_workers import MetaCase, batch, construct, plain, run_cases, save_checkpoint
+from tests.workers.meta import MetaCase, batch, construct, plain, run_cases, save_checkpoint
 
 
 def _run(tmp_path, cases: list[MetaCase], kinds: list[str], world: int) -> list:
@@ -223,7 +223,7 @@ def test_gather_onto_one_rank_tp2_builds_no_full_sharded_tensor(tmp_path):
     """A meta-built tp=2 GPT whose weights outsize its activations, loaded from safetensors and
     trained 2 SGD-momentum steps: full_state_dict(rank=1) and full_state_dict_iter(1)
     equal the plain model's state dict on rank 1 and are empty on rank 0. The largest tensor any
-    op allocated (tests/meta_workers.LargestAlloc, counted by the dispatcher): on rank 0 while
+    op allocated (tests/workers/meta.LargestAlloc, counted by the dispatcher): on rank 0 while
     gathering, less than the smallest tp-sharded weight's full size; on rank 1, one full tensor;
     during load_pretrained + train_step + optimizer step, less than the full size of the largest
     tp-sharded weight on both ranks (no rank ever builds one). From-scratch initialization in

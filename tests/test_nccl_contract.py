@@ -16,14 +16,15 @@ import pytest
 
 from autopart.runtime.launch import spawn
 from tests import nccl_contract
-from tests._workers import Case, assert_all_ranks_equal_plain, run_group
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 from tests.composition import CCase
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_contract_over_gloo(monkeypatch):
-    monkeypatch.setenv(nccl_contract.ENV, "1")      # the ranks install it importing tests._workers
+    monkeypatch.setenv(nccl_contract.ENV, "1")  # ranks install it importing tests.workers.common
     r0, r1 = spawn(nccl_contract.contract_checks, 2, 5.0, timeout=120, pg_timeout=30)
     for r in (r0, r1):
         assert r["installed_by_env"], r
@@ -124,8 +125,8 @@ def _full_groups() -> dict:
     from tests import test_expert_parallel as tx
     from tests import test_tensor_parallel as tt
     from tests import test_zero_bubble as tz
-    from tests._workers import run_cases
-    from tests.zb_workers import zb_cases
+    from tests.workers.equivalence import run_cases
+    from tests.workers.zb import zb_cases
     suites = {
         "pipeline": ([c for cases in te.GROUPS.values() for c in cases], run_cases),
         "zero-bubble": (tz.FAST_2 + tz.FULL_2 + tz.FULL_4, zb_cases),
@@ -186,7 +187,7 @@ def test_a_dead_or_stuck_peer_is_named_under_the_contract(how, monkeypatch, capf
     prints the report (the step, the action, the peer, the other rank's report) and ends the rank
     (exit code 75) before the contract's watchdog would (134, nothing named)."""
     from autopart.runtime.step_watch import PEER_FAILURE_EXIT
-    from tests._workers import die_mid_step
+    from tests.workers.equivalence import die_mid_step
 
     monkeypatch.setenv(nccl_contract.ENV, "1")
     start = time.monotonic()

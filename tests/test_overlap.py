@@ -1,5 +1,5 @@
 """The data-parallel gradient reduction overlapped with the backward (runtime/gradients.py), on
-real processes, with buckets small enough (tests/overlap_workers.py SMALL_BUCKET) to cut the
+real processes, with buckets small enough (tests/workers/overlap.py SMALL_BUCKET) to cut the
 test GPT into several:
 
 - the run still equals the plain model (losses, step-1 gradients, clipped norm, parameters);
@@ -18,9 +18,10 @@ from functools import partial
 import pytest
 
 from autopart.timeline import trace_slices
-from tests._workers import Case, assert_all_ranks_equal_plain, run_group
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 from tests.composition import CCase
-from tests.overlap_workers import overlap_cases
+from tests.workers.overlap import overlap_cases
 
 M = dict(model="gpt4", microbatches=2)
 CASES_2 = [Case("overlap-gpt4-dp2", dp=2, **M),

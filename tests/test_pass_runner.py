@@ -146,3 +146,36 @@ def test_passes_folder_holds_only_passes_and_their_tests():
     tests = {t[len("test_"):] for t in top if t.startswith("test_")}
     assert passes <= tests, f"every pass has a test file beside it: missing {passes - tests}"
     assert tests <= passes, f"test files without a pass: {tests - passes}"
+
+
+def _aten_literals(path: Path):
+    """(line, {'view.default', ...}) for each set, tuple or list literal of two or more
+    `aten.<op>.<overload>` attributes in `path`."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Set, ast.Tuple, ast.List)):
+            names = {f"{e.value.attr}.{e.attr}" for e in node.elts
+                     if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Attribute)
+                     and isinstance(e.value.value, ast.Name) and e.value.value.id in ("aten", "_aten")}
+            if len(names) >= 2:
+                yield node.lineno, names
+
+
+def test_op_groups_are_written_once_in_the_op_table():
+    """The ATen op groups (views, casts, softmaxes, matmuls...) live in autopart/ops/aten_groups.py;
+    a literal elsewhere that spells a whole group again (view ops were once defined five times)
+    is a second copy that drifts."""
+    from autopart.ops import aten_groups as G
+    groups = {name: {f"{op.overloadpacket.__name__}.{op._overloadname}" for op in ops
+                     if hasattr(op, "overloadpacket")}
+              for name, ops in vars(G).items() if isinstance(ops, frozenset)}
+    groups = {n: g for n, g in groups.items() if len(g) >= 2}
+    table = ROOT / "autopart" / "ops" / "aten_groups.py"
+    found = []
+    for folder in ("autopart", "passes", "runtime"):
+        for path in _sources(folder):
+            if path == table:
+                continue
+            for line, names in _aten_literals(path):
+                found += [f"{path.relative_to(ROOT)}:{line} spells {n}" for n, g in groups.items()
+                          if g <= names]
+    assert not found, "\n".join(found)

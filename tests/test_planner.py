@@ -230,7 +230,7 @@ def test_local_profile_against_real_processes(local_cluster):
     from autopart.planner import plan
     from autopart.planner.validate_local import BATCH, CONFIG, LAYOUTS
     from autopart.runtime.launch import spawn
-    from tests.planner_workers import timed_steps
+    from tests.workers.planner import timed_steps
     bad = []
     for axes in LAYOUTS:
         full = {"tp": 1, "pp": 1, "dp": 1, **axes}
@@ -271,9 +271,9 @@ def test_auto_fills_only_what_the_user_left_unset(local_cluster, capsys):
 @pytest.mark.full
 def test_parallelize_auto_chooses_a_mesh_and_trains(local_cluster):
     """Two ranks agree on the chosen mesh and train as the plain model does: the loss of two SGD
-    steps equals the plain model's on the same batch (tests/planner_workers.auto_mesh)."""
+    steps equals the plain model's on the same batch (tests/workers/planner.auto_mesh)."""
     from autopart.runtime.launch import spawn
-    from tests.planner_workers import auto_mesh
+    from tests.workers.planner import auto_mesh
     ranks = spawn(auto_mesh, 2, timeout=600)
     print("mesh=\"auto\" chose", ranks[0]["mesh"], "losses", ranks[0]["losses"],
           "plain", ranks[0]["ref_losses"])

@@ -1,5 +1,5 @@
 """parallelize(..., precision="bf16"): bf16 compute, fp32 master weights, gradients and loss, bf16 on
-the wire; against the plain model trained under the same recipe (tests/precision_workers.py writes
+the wire; against the plain model trained under the same recipe (tests/workers/precision.py writes
 it out, with the bounds and why).
 
 Fast tier: python -m pytest -m "not full" tests/test_precision.py   (bad input, explain; no processes)
@@ -17,10 +17,11 @@ import pytest
 
 import autopart
 from autopart.errors import AutopartError
-from tests._workers import build, run_group
-from tests.precision_workers import BCase, run_bf16_cases
+from tests.workers.common import build
+from tests.workers.equivalence import run_group
+from tests.workers.precision import BCase, run_bf16_cases
 
-# 4 layers, n_embd 32, vocab 128, seq 16, global batch 8 (tests/_workers.py gpt_config)
+# 4 layers, n_embd 32, vocab 128, seq 16, global batch 8 (tests/workers/common.py gpt_config)
 CASES = [
     BCase("gpt4-pp2", model="gpt4", pp=2, microbatches=2),
     BCase("gpt4-pp2-zb-v", model="gpt4", pp=2, schedule="zb-v", virtual_stages=2, microbatches=4),
@@ -29,7 +30,7 @@ CASES = [
     BCase("switch-dp2-ep2", model="switch", dp=2, ep=2, microbatches=2, noise="kernels"),
     BCase("gpt4-tp2", model="gpt4", tp=2, microbatches=2, noise="tp"),
     BCase("gpt4-tp2-sp", model="gpt4", tp=2, microbatches=2, sequence_parallel=True, noise="tp"),
-    # compile=True: Inductor's bf16 kernels round elsewhere than eager's (precision_workers)
+    # compile=True: Inductor's bf16 kernels round elsewhere than eager's (workers/precision.py)
     BCase("gpt4-pp2-compiled", model="gpt4", pp=2, microbatches=2, compile=True,
           noise="compiled"),
 ]
@@ -153,7 +154,7 @@ def test_cli_precision_halves_pipeline_transfers():
 @pytest.mark.full
 def test_bf16_matches_the_recipe_single_process(single_process_group):
     """pp=1 in this process: the recipe's autocast step, fp32 gradients and parameters."""
-    from tests.precision_workers import bf16_equivalence
+    from tests.workers.precision import bf16_equivalence
     r = bf16_equivalence(BCase("gpt4-pp1", model="gpt4", microbatches=2), rank=0)
     assert not r["problems"], "\n".join(r["problems"])
     assert r["errors"]["grad"] <= 1e-6 and r["gap"]["grad"] > 1e-3, r

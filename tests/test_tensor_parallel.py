@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests._workers import Case, assert_all_ranks_equal_plain, run_group
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 from tests.shares import assert_rank_shares
 
 FAST_2 = [
@@ -76,7 +77,7 @@ def test_sequence_parallel_divides_activation_memory(spawn_cache):
     dropout) and re-gathers linear inputs in backward instead of keeping them: the activations a
     rank saves for backward drop to about 1/tp of the plain model's."""
     from autopart.runtime.launch import spawn
-    from tests._workers import activation_bytes
+    from tests.workers.equivalence import activation_bytes
     if "act" not in spawn_cache:
         spawn_cache["act"] = spawn(activation_bytes, 2, timeout=300)
     for r in spawn_cache["act"]:

@@ -1,8 +1,8 @@
 """Real batches: padded sequences and ignored labels give the plain model's loss and gradients
 on every mesh (passes/weigh_loss_by_tokens.py). Each case trains 3 steps against the unmodified
-single-process model on the same global batch (tests/_workers.equivalence: every loss, the first
-gradients, the clipped norm and every parameter), with labels set to -100 unevenly over the
-rows ("uneven": half the rows lose their second half; "empty": also one microbatch wholly
+single-process model on the same global batch (tests/workers/equivalence.equivalence: every loss,
+the first gradients, the clipped norm and every parameter), with labels set to -100 unevenly over
+the rows ("uneven": half the rows lose their second half; "empty": also one microbatch wholly
 ignored), for cross_entropy(ignore_index), a Hugging Face model's own `labels` loss and a
 masked-sum loss. Before the pass, the first case's loss was off by 8e-3 and its gradients by
 up to 147%.
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests._workers import Case, assert_all_ranks_equal_plain, run_group
-from tests.token_loss_workers import run_token_cases
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
+from tests.workers.token_loss import run_token_cases
 
 FAST_2 = [
     Case("gpt-pp2-1f1b-uneven", model="gpt4", pp=2, microbatches=4, ignored="uneven"),

@@ -28,7 +28,7 @@ import math
 import pytest
 
 from tests import composition as cm
-from tests._workers import assert_all_ranks_equal_plain, run_group
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 
 def fast_cases(zero: int) -> list:
     z = dict(zero=zero, optim="adamw", clip=0.05)
@@ -91,7 +91,7 @@ def test_zero2_keeps_the_slice_only():
     from autopart.runtime.buckets import IN_FLIGHT
     from autopart.runtime.launch import spawn
     from tests.test_zero_buckets import BUCKET, build
-    from tests.zero_workers import one_step
+    from tests.workers.zero import one_step
 
     model, _, _ = build()
     sizes = [p.numel() for p in model.parameters()]      # the tied lm_head counted once
@@ -117,8 +117,8 @@ def test_zero3_holds_its_slice_and_about_two_layers_at_a_time():
     model's count of the gathered bytes is what was measured (within 5%, not below). Then the
     same under a budget that lets the pass keep every group for the step."""
     from autopart.runtime.launch import spawn
-    from tests._workers import Case, build as build_case
-    from tests.zero_workers import MICROBATCHES, zero3_held
+    from tests.workers.common import Case, build as build_case
+    from tests.workers.zero import MICROBATCHES, zero3_held
     model, *_ = build_case(Case("zero3-held", model="gpt4"))
     sizes = {n: 4 * p.numel() for n, p in model.named_parameters()}     # tied: counted once
     block = sum(b for n, b in sizes.items() if n.startswith("transformer.h.0."))

@@ -3,9 +3,9 @@ mesh takes, the measured trace, and receive hoisting.
 
 Each schedule (zb-h1, its interleaved form, zb-v, dualpipe-v) trains the example GPT or Hugging
 Face GPT-2 for 3 steps on spawned Gloo ranks and must match a deep copy of the plain model
-(losses, first-step gradients, clipped norm, parameters: tests/_workers.equivalence). pp/dp
-chunks run the compile-time I/W programs; tensor-parallel chunks split by autograd (each checked:
-runtime.executor.PATHS counts which way every compute action ran). The I/W
+(losses, first-step gradients, clipped norm, parameters: tests/workers/equivalence.equivalence).
+pp/dp chunks run the compile-time I/W programs; tensor-parallel chunks split by autograd (each
+checked: runtime.executor.PATHS counts which way every compute action ran). The I/W
 programs' bitwise equality with the fused backward is passes/test_split_backward.py's.
 
 Fast tier: python -m pytest -m "not full" tests/test_zero_bubble.py
@@ -20,7 +20,8 @@ import pytest
 
 from autopart import schedule as sched
 from autopart.schedule import hoist_receives
-from tests._workers import Case, assert_all_ranks_equal_plain, run_group
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 
 FAST_2 = [   # the first one also writes the trace the trace test reads
     Case("gpt4-pp2-zb-v", model="gpt4", pp=2, schedule="zb-v", virtual_stages=2, microbatches=4),
@@ -52,7 +53,7 @@ def fast_run(spawn_cache, tmp_path_factory):
     key = ("zero-bubble", "fast")
     if key not in spawn_cache:
         path = str(tmp_path_factory.mktemp("trace") / "zb-v.json")
-        from tests.zb_workers import zb_cases
+        from tests.workers.zb import zb_cases
         per_rank = spawn(zb_cases, 2, FAST_2, path, timeout=420, pg_timeout=120)
         spawn_cache[key] = (_by_case(per_rank), path)
     return spawn_cache[key]
@@ -115,7 +116,7 @@ def test_trace_holds_every_action_once_per_step(fast_run):
 @pytest.mark.full
 @pytest.mark.parametrize("case", FULL_2, ids=[c.name for c in FULL_2])
 def test_matches_plain_model_full_2(case, spawn_cache):
-    from tests.zb_workers import zb_cases
+    from tests.workers.zb import zb_cases
     results = _group(spawn_cache, ("zb", 2), FULL_2, zb_cases)[case.name]
     assert_all_ranks_equal_plain(case, results)
     _assert_paths(case, results)
@@ -124,7 +125,7 @@ def test_matches_plain_model_full_2(case, spawn_cache):
 @pytest.mark.full
 @pytest.mark.parametrize("case", FULL_4, ids=[c.name for c in FULL_4])
 def test_matches_plain_model_full_4(case, spawn_cache):
-    from tests.zb_workers import zb_cases
+    from tests.workers.zb import zb_cases
     results = _group(spawn_cache, ("zb", 4), FULL_4, zb_cases)[case.name]
     assert_all_ranks_equal_plain(case, results)
     _assert_paths(case, results)

@@ -116,7 +116,7 @@ class BucketBytes(LiveBytes):
 def train(rank: int, world: int) -> dict:
     """STEPS AdamW steps, zero=1 in buckets of BUCKET elements and plain; what differs, and the
     peak bytes allocated by each step's gradient reduction and opt.step."""
-    from tests._workers import _compare, _local_view
+    from tests.workers.common import _compare, _local_view
     model, loss_fn, x = build()
     ref = copy.deepcopy(model)
     pm = autopart.parallelize(model, autopart.Mesh(dp=DP), (x,), loss_fn=loss_fn, target=x,

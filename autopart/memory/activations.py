@@ -12,6 +12,7 @@ import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
 from autopart.analysis import layer_of
 from autopart.ir import BATCH, SEQ, Boundary, ChunkProgram, Program, sym_shape
+from autopart.ops import aten_groups as G
 from autopart.ops import op_info
 from autopart.ops.comm import GroupComm
 
@@ -182,7 +183,7 @@ class SavedCounter(fx.Interpreter):
         return torch.autocast(self.device_type, self.reduced)
 
     def call_function(self, target, args, kwargs):
-        if target is torch.ops.aten._assert_tensor_metadata.default and self.reduced is not None:
+        if target in G.CHECKS and self.reduced is not None:
             # export's dtype checks hold for the traced fp32 dtypes; under autocast the runtime
             # checks device and layout only (runtime/executor.py), and so does this run
             kwargs = {**kwargs, "dtype": None}

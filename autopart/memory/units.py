@@ -13,6 +13,23 @@ OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}   # param-sized tens
 # (ZeRO-1); 2: the gradients too (ZeRO-2); 3: the parameters too (ZeRO-3)
 ZERO_LEVELS = choices("zero")
 ADAM_STEP = 4               # torch.optim.Adam's `step`: one fp32 scalar per tensor it steps
+# Parameter-sized temporaries of one parameter's step: Adam's sqrt(v) and sqrt(v) / c (denom);
+# SGD's momentum update is in place. With ZeRO-1 the step runs on buckets (runtime/optimizer.py).
+STEP_TEMPORARIES = {"sgd": 0, "sgd-momentum": 0, "adam": 2}
+
+
+def optimizer_bytes(optimizer: str) -> int:
+    """fp32 optimizer state bytes per parameter (Adam's two moments: 8)."""
+    return 4 * OPTIMIZER_STATES[optimizer]
+
+
+def state_copies(optimizer: str, zero: int, dp: int) -> float:
+    """Bytes a rank keeps per parameter byte: the parameter, its gradient, the optimizer's state
+    (with ZeRO-1 1/dp of it, plus the fp32 master slice), as the memory table counts them (the
+    cut's estimate, passes/cut_pipeline_stages.py)."""
+    check_optimizer(optimizer)
+    states = OPTIMIZER_STATES[optimizer]
+    return 2.0 + ((states + 1) / dp if zero and dp > 1 else states)
 
 
 def check_optimizer(optimizer: str) -> None:

@@ -7,6 +7,7 @@
     autopart.ops.zero   ZeRO-3's parameter all-gathers and frees, with ParamShards
     autopart.ops.comm   GroupComm: the process group a program's collectives run over
     autopart.ops.registry  which function is which op (kind, axis), looked up by identity
+    autopart.ops.aten_groups  the ATen op groups (views, casts, matmuls, softmaxes...), written once
 
 Imported by passes (which insert the ops) and by the runtime (which binds their groups); imports
 no pass and no runtime module.

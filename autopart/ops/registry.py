@@ -17,6 +17,9 @@ class OpInfo:
     kind: str          # "collective" (moves data between ranks), "p2p" (a pipeline transfer
                        # marker) or "local" (an op of ours that computes on this rank only)
     axis: str          # the mesh axis it communicates over: "tp", "ep" or "pp"
+    # its output feeds a linear (Megatron's f, sequence parallelism's gather-then-linear): under
+    # bf16 the executor casts its input before it, so that its collectives carry bf16 too
+    before_linear: bool = False
 
     @property
     def communicates(self) -> bool:
@@ -26,11 +29,12 @@ class OpInfo:
 _OPS: dict[Callable, OpInfo] = {}
 
 
-def register(*fns: Callable, kind: str, axis: str, namespace: str) -> None:
+def register(*fns: Callable, kind: str, axis: str, namespace: str,
+             before_linear: bool = False) -> None:
     """Record `fns` as autopart ops of `kind` over `axis`, printed under `namespace`."""
     for fn in fns:
         fn.__module__ = namespace
-        _OPS[fn] = OpInfo(fn.__name__, kind, axis)
+        _OPS[fn] = OpInfo(fn.__name__, kind, axis, before_linear)
 
 
 def op_info(target) -> OpInfo | None:

@@ -220,6 +220,8 @@ def vocab_parallel_cross_entropy(logits, target, comm, ignore_index: int = -100,
     return _VocabParallelCE.apply(logits, target, ignore_index, comm, reduction)
 
 
-register(copy_to_tp, reduce_from_tp, gather_from_tp, scatter_to_tp, reduce_scatter_tp,
-            gather_linear_sp, vocab_parallel_embedding, vocab_parallel_cross_entropy,
+register(reduce_from_tp, gather_from_tp, scatter_to_tp, reduce_scatter_tp,
+         vocab_parallel_embedding, vocab_parallel_cross_entropy,
          kind="collective", axis="tp", namespace="autopart.tp_ops")
+register(copy_to_tp, gather_linear_sp, kind="collective", axis="tp", namespace="autopart.tp_ops",
+         before_linear=True)

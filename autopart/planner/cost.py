@@ -26,6 +26,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from autopart.memory.units import optimizer_bytes
 from autopart.planner.cluster import Cluster
 from autopart.planner.profile import Part, Profile
 
@@ -34,7 +35,6 @@ SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b")
 # Megatron keeps fp32 main gradients; with fp16 (the paper) it all-reduces them in fp16, with bf16
 # in fp32 (accumulate_allreduce_grads_in_fp32), so bf16 moves twice the bytes.
 PRECISIONS = {"bf16": (2, 4, 4, 2, 4), "fp16": (2, 2, 4, 2, 2), "fp32": (4, 4, 0, 4, 4)}
-OPTIMIZER_BYTES = {"adam": 8, "sgd-momentum": 4, "sgd": 0}     # fp32 state per parameter
 # bytes an optimizer step reads and writes per parameter: grad, master, states (read + write), param
 STEP_BYTES = {"adam": 4 + 8 + 16 + 2, "sgd-momentum": 4 + 8 + 8 + 2, "sgd": 4 + 8 + 2}
 
@@ -292,7 +292,7 @@ class CostModel:
             held = state + 2 * parts["layer"].params if lay.zero == 3 else params
             row = {"params": held * pb, "grads": (state if lay.zero >= 2 else params) * gb,
                    "master": state * (4 if lay.zero else mb),
-                   "optimizer": state * OPTIMIZER_BYTES[self.optimizer], "activations": acts,
+                   "optimizer": state * optimizer_bytes(self.optimizer), "activations": acts,
                    "buffers": buffers}
             row["total"] = sum(row.values())
             if best is None or row["total"] > best["total"]:

@@ -12,19 +12,18 @@ import torch.fx as fx
 from autopart.errors import module_path, node_error, user_source_line
 from autopart.ir import BATCH, SEQ, ExpertPlan, MoELayer, ParamShard, Program, sym_shape
 from autopart.placement import ELEMENTWISE, ndim, shape_of
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
-MATMULS = (aten.bmm.default, aten.matmul.default)
+MATMULS = G.MATMULS_BATCHED
 ROUTING = {aten.topk.default, aten.argmax.default, aten.max.dim, aten.one_hot.default,
            aten.sort.default, aten.argsort.default, aten.sort.stable}
-LINEARS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default}
+LINEARS = G.LINEARS
 # ops through which a parameter is still "the parameter" (the expert dim stays dim 0)
-PARAM_VIEWS = {aten.transpose.int, aten._to_copy.default, aten.to.dtype, aten.alias.default,
-               aten.detach.default, aten.clone.default, aten.contiguous.default,
-               aten.to.dtype_layout, aten.permute.default}
-ROW_LOCAL_LAST = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-                  aten._log_softmax.default}
-SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+PARAM_VIEWS = ({aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.to.dtype,
+                aten.to.dtype_layout} | G.ALIASES | G.COPIES)
+ROW_LOCAL_LAST = G.SOFTMAXES | G.LOG_SOFTMAXES
+SPLITS = G.SPLITS
 GROUPED_MM = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")
 
 
@@ -170,7 +169,7 @@ class _Finder:
             return dim % nd >= free
         if t in ROW_LOCAL_LAST:
             return node.args[1] % nd >= free
-        if t in (aten.layer_norm.default, aten.rms_norm.default):
+        if t in G.NORMS:
             return len(node.args[1]) <= nd - free and self._others_ok(node, seed, region, nd)
         if t in ELEMENTWISE:
             return self._others_ok(node, seed, region, nd)

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from autopart.errors import AutopartError, node_error
 from autopart.ir import SEQ, Program, sym_shape
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
 
@@ -37,8 +38,8 @@ INDEXED_BY_LIST = {aten.index.Tensor: 1, aten.index_put.default: 1, aten.index_p
 # counts over every element (a histogram of the batch's tokens)
 COUNTS = {aten.histc.default, aten.bincount.default, aten.nonzero.default,
           aten.unique_consecutive.default, aten._unique2.default}
-MATMULS = {aten.matmul.default, aten.bmm.default, aten.mm.default}
-CONVS = {aten.convolution.default, aten.conv1d.default, aten.conv2d.default}
+MATMULS = G.MATMULS
+CONVS = G.CONVS
 
 
 def check_sequence_length(program: Program, cp: int, tp: int, sequence_parallel: bool) -> int:

@@ -19,16 +19,16 @@ import torch.fx as fx
 
 from autopart.errors import node_error
 from autopart.ir import SEQ, Program, sym_shape
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
 
 SDPA = aten.scaled_dot_product_attention.default
-MATMULS = {aten.matmul.default, aten.bmm.default}
-SOFTMAX = {aten.softmax.int, aten._softmax.default}
-CASTS = {aten._to_copy.default, aten.to.dtype, aten.type_as.default, aten.clone.default,
-         aten.alias.default, aten.contiguous.default}
+MATMULS = G.MATMULS_BATCHED
+SOFTMAX = G.SOFTMAXES
+CASTS = G.CASTS | G.COPIES | {aten.alias.default}
 # score ops: (op, index of the scores argument) -> what the other argument is
-SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+SCALES = G.SCALES
 MASKS = {aten.masked_fill.Scalar: "fill", aten.masked_fill.Tensor: "fill",
          aten.add.Tensor: "add", aten.where.self: "where", aten.where.ScalarOther: "where"}
 
@@ -60,7 +60,7 @@ def _unrepeated(node: fx.Node) -> fx.Node:
     """x when `node` is Hugging Face's repeat_kv of x: reshape(expand(x[:, :, None], (b, kv,
     rep, s, d)), (b, kv * rep, s, d)), which repeats each K/V head rep times in a row, as the
     context-parallel kernels read a K/V head for rep query heads; else `node`."""
-    if node.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+    if node.target not in G.RESHAPES:
         return node
     expand = node.args[0]
     if not isinstance(expand, fx.Node) or expand.target != aten.expand.default:
@@ -234,7 +234,7 @@ def upstream(starts, inputs_of=lambda n: n.all_input_nodes) -> set[fx.Node]:
 
 # -- positions ----------------------------------------------------------------------------------
 
-ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+ARANGES = G.ARANGES
 
 
 def position_sources(program: Program) -> tuple[list[fx.Node], list[fx.Node]]:

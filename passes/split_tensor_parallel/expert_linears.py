@@ -20,9 +20,10 @@ import torch.fx as fx
 from ..shard_experts.find import (GROUPED_MM, PARAM_VIEWS, _dtype_check, _param_source,
                                   find_moe_layers)
 from autopart.placement import ndim
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
-_BATCHED = (aten.bmm.default, aten.matmul.default)
+_BATCHED = G.MATMULS_BATCHED
 
 
 def moe_matmuls(program) -> frozenset[str]:

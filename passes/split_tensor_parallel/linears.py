@@ -11,10 +11,11 @@ import torch.fx as fx
 
 from autopart.ir import Program, copied_graph, graph_module
 from autopart.placement import ndim
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
 
-_MATMULS = (aten.matmul.default, aten.mm.default)
+_MATMULS = G.MATMULS - {aten.bmm.default}     # a batch of weights is the experts pass's
 
 
 def as_linears(program: Program) -> Program:

@@ -12,6 +12,7 @@ from autopart.ir import META_TP, Program, TensorParallelPlan, graph_module
 from autopart.localize import attribute
 from autopart.ops import tp as tp_ops
 from autopart.placement import (NEW_LIKE, P, R, Shard, ndim, norm_dim, shape_of, slice_range)
+from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
 
@@ -151,8 +152,7 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None
     if not isinstance(s, (Shard, tuple)):
         return
     t = old.target
-    if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-             aten.expand.default) or t in NEW_LIKE:
+    if t in G.RESHAPES or t in G.BROADCASTS or t in NEW_LIKE:
         sizes = list(new.args[1])
         d = s.dim
         if isinstance(sizes[d], int) and sizes[d] != -1:

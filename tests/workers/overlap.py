@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from tests._workers import Case, build, equivalence
+from tests.workers.common import Case, build
+from tests.workers.equivalence import equivalence
 
 SMALL_BUCKET = 16 * 1024        # bytes: a 4-layer test GPT's rank holds ~10 such buckets
 # Tensor methods that copy a value to the host (on CUDA: wait for the device)

@@ -1,6 +1,6 @@
 """Model families for tests/test_families.py and bench/families.py: small models in the styles
 people train, each built from its own config with random weights (no downloads), with its loss
-and one global batch. tests/_workers.py's equivalence runs them against the unmodified model.
+and one global batch. tests/workers/equivalence.py runs them against the unmodified model.
 
     llama-meta   examples/llama_meta.py: Meta's Llama style (complex-number rotary embeddings,
                  hand-written RMSNorm, repeat_kv by expand + reshape, SwiGLU)
@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tests import _workers
+from tests.workers import common
+from tests.workers.equivalence import run_cases, run_group
 
 VOCAB = 128
 
@@ -226,19 +227,19 @@ def build_family(case, seed: int = 0, device: str = "cpu"):
     return model.to(device), loss_fn, tuple(t.to(device) for t in inputs), target.to(device)
 
 
-_workers.FAMILIES.update({name: build_family for name in FAMILIES})
+common.FAMILIES.update({name: build_family for name in FAMILIES})
 
 
 WITHOUT_PARTIAL_SUM = "-no-partial-grad-sum"
 
 
 def run_family_cases(rank: int, world: int, cases: list) -> list[dict]:
-    """Rank function: tests._workers.run_cases with the families registered in this process; a
-    case named ...-no-partial-grad-sum compiles with split_tensor_parallel finding no replicated
-    parameter whose gradient is partial over tp (a per-head q/k norm's weight), so nothing sums
-    their gradients over tp: it must differ from the plain model in those weights."""
+    """Rank function: tests.workers.equivalence.run_cases with the families registered in this
+    process; a case named ...-no-partial-grad-sum compiles with split_tensor_parallel finding no
+    replicated parameter whose gradient is partial over tp (a per-head q/k norm's weight), so
+    nothing sums their gradients over tp: it must differ from the plain model in those weights."""
     normal = [c for c in cases if not c.name.endswith(WITHOUT_PARTIAL_SUM)]
-    out = _workers.run_cases(rank, world, normal)
+    out = run_cases(rank, world, normal)
     broken = [c for c in cases if c.name.endswith(WITHOUT_PARTIAL_SUM)]
     if broken:
         import importlib
@@ -246,12 +247,13 @@ def run_family_cases(rank: int, world: int, cases: list) -> list[dict]:
         real = find._plan_partial_grads
         find._plan_partial_grads = lambda gm, plan, activations: None
         try:
-            out += _workers.run_cases(rank, world, broken)
+            out += run_cases(rank, world, broken)
         finally:
             find._plan_partial_grads = real
     return out
 
 
 def run_family_group(cache: dict, key, cases: list) -> dict:
-    """tests._workers.run_group for family cases: one spawn per world size, once per session."""
-    return _workers.run_group(cache, key, cases, rank_fn=run_family_cases)
+    """tests.workers.equivalence.run_group for family cases: one spawn per world size, once
+    per session."""
+    return run_group(cache, key, cases, rank_fn=run_family_cases)

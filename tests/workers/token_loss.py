@@ -1,5 +1,5 @@
-"""Models for tests/test_token_loss.py, registered in tests/_workers.FAMILIES: losses that are
-means over the tokens that count, written three ways.
+"""Models for tests/test_token_loss.py, registered in tests/workers/common.FAMILIES: losses that
+are means over the tokens that count, written three ways.
 
     hf-labels   Hugging Face GPT-2 computing its own loss from `labels` (loss_fn=None): shifts
                 them and takes cross_entropy(ignore_index=-100)
@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests import _workers
+from tests.workers.common import FAMILIES, ignore_labels
+from tests.workers.equivalence import run_cases
 
 VOCAB = 128
 
@@ -60,7 +61,7 @@ def build(case, seed: int = 0, device: str = "cpu"):
     x = torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)
     y = torch.randint(0, VOCAB, (case.batch, case.seq), generator=g)
     if case.ignored:
-        y = _workers.ignore_labels(y, case.ignored)
+        y = ignore_labels(y, case.ignored)
     if case.model == "hf-labels":
         import transformers
         transformers.logging.set_verbosity_error()
@@ -73,8 +74,8 @@ def build(case, seed: int = 0, device: str = "cpu"):
     return model.to(device), None, tuple(t.to(device) for t in inputs), None
 
 
-_workers.FAMILIES.update({"hf-labels": build, "masked-sum": build})
+FAMILIES.update({"hf-labels": build, "masked-sum": build})
 
 
 def run_token_cases(rank: int, world: int, cases: list) -> list[dict]:
-    return _workers.run_cases(rank, world, cases)
+    return run_cases(rank, world, cases)

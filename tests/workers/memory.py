@@ -59,7 +59,7 @@ def build(case: MemCase, seed: int = 0):
         model, loss_fn, vocab = GPT(cfg), lm_loss, 128
     else:
         import transformers
-        from tests._workers import hf_loss
+        from tests.workers.common import hf_loss
         transformers.logging.set_verbosity_error()
         cfg = transformers.GPT2Config(n_layer=case.n_layer, n_embd=64, n_head=4, vocab_size=256,
                                       n_positions=64, resid_pdrop=case.dropout,

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests._workers import ATOL, RTOL, SWITCH_SPECS, _compare, gpt_config, hf_loss
+from tests.workers.common import each_case, ATOL, RTOL, SWITCH_SPECS, _compare, gpt_config, hf_loss
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def held_bytes(pm) -> int:
 
 
 def _optimizer(case: MetaCase, params):
-    if case.optim == "adamw":
-        return torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)   # tolerance: tests/_workers._param_atol
+    if case.optim == "adamw":       # tolerance: tests/workers/equivalence._param_atol
+        return torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)
     return torch.optim.SGD, dict(lr=0.1, momentum=0.9)
 
 
@@ -120,7 +120,7 @@ def run(rank: int, world: int, case: MetaCase) -> dict:
     """Build `case` on meta, check its from-scratch init against autopart.materialize, load the
     checkpoint (if any), train `case.steps` steps beside the plain model; report what differs."""
     import autopart
-    from tests._workers import _local_view
+    from tests.workers.common import _local_view
     problems: list[str] = []
     with torch.device("meta"):
         meta_model, loss_fn = construct(case)
@@ -275,12 +275,4 @@ def _optimizer_state_bytes(opt) -> int:
 
 
 def run_cases(rank: int, world: int, cases: list) -> list[dict]:
-    out = []
-    for case in cases:
-        try:
-            out.append({"case": case.name, **run(rank, world, case)})
-        except Exception as e:  # noqa: BLE001  (one case's failure must not hide the others')
-            import traceback
-            out.append({"case": case.name, "problems": [f"{type(e).__name__}: {e}\n"
-                                                        f"{traceback.format_exc()}"]})
-    return out
+    return each_case(run, rank, world, cases)

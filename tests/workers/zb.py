@@ -1,16 +1,17 @@
 """Rank functions for the zero-bubble tests (tests/test_zero_bubble.py), importable by spawned ranks.
 
-`zb_cases` runs the shared equivalence check (tests/_workers.equivalence: losses, first-step
-gradients, clipped norm and parameters after 3 steps against the plain model) for each case; the
-first case can also write a trace, which the test reads. Each result also says how the rank's
-compute actions ran ("paths": runtime.executor.PATHS, "split F": n, "autograd W": n, ...).
+`zb_cases` runs the shared equivalence check (tests/workers/equivalence.equivalence: losses,
+first-step gradients, clipped norm and parameters after 3 steps against the plain model) for each
+case; the first case can also write a trace, which the test reads. Each result also says how the
+rank's compute actions ran ("paths": runtime.executor.PATHS, "split F": n, "autograd W": n, ...).
 """
 from __future__ import annotations
 
 import os
 import traceback
 
-from tests._workers import Case, equivalence
+from tests.workers.common import Case
+from tests.workers.equivalence import equivalence
 
 
 def zb_cases(rank: int, world: int, cases: list[Case], trace: str | None = None) -> list[dict]:

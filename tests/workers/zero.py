@@ -68,7 +68,7 @@ def zero3_held_once(rank: int, world: int, **options) -> dict:
     storages' own sizes (`untyped_storage().nbytes()`: what is allocated, not what autopart
     thinks it holds) plus the all-gather buffers in flight; the all-gathers the step posted.
     Also the memory model's count and what `pm.parameters()` hold."""
-    from tests._workers import Case, build as build_case
+    from tests.workers.common import Case, build as build_case
     model, loss_fn, inputs, target = build_case(Case("zero3-held", model="gpt4"))
     x = inputs[0]
     pm = autopart.parallelize(model, autopart.Mesh(dp=world), inputs, loss_fn=loss_fn,

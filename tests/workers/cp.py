@@ -1,12 +1,14 @@
 """Models for the context-parallel tests (tests/test_context_parallel.py), registered in
-tests/_workers.FAMILIES on import, and the spawned ranks' function that imports them first."""
+tests/workers/common.FAMILIES on import, and the spawned ranks' function that imports them
+first."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._workers import FAMILIES, run_cases
+from tests.workers.common import FAMILIES
+from tests.workers.equivalence import run_cases
 
 
 # -- models autopart was not written for ---------------------------------------------------------
@@ -86,7 +88,7 @@ def _llama(case, seed, device):
 def _qwen2_moe(case, seed, device):
     """Hugging Face Qwen2-MoE (4 routed experts, top-2, plus a shared expert behind a sigmoid
     gate): its routed experts sort, gather and scatter tokens as Mixtral's do."""
-    from tests.moe_workers import hf_moe
+    from tests.workers.moe import hf_moe
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, 128, (case.batch, case.seq), generator=g)

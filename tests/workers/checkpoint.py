@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 
-from tests._workers import ATOL, RTOL, Case, _compare, _local_view, build, held_view
+from tests.workers.common import ATOL, RTOL, Case, _compare, _local_view, build, held_view
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Phase:
     steps: int = 2                      # optimizer steps in this phase (after loading)
     load: str | None = None             # checkpoint directory to load first
     save: str | None = None             # checkpoint directory to save to afterwards
-    model: str = "gpt4"                 # a tests._workers.build model
+    model: str = "gpt4"                 # a tests.workers.common.build model
     optim: str = "adamw"                # sgd (momentum) | adam | adamw
     microbatches: int = 2
     schedule: str = "1f1b"
@@ -71,7 +71,7 @@ def _vocab(model_name: str) -> int:
 
 
 def _param_atol(optim: str) -> float:
-    return 1e-5 if optim in ("adam", "adamw") else ATOL   # see tests/_workers.py
+    return 1e-5 if optim in ("adam", "adamw") else ATOL   # see tests/workers/equivalence.py
 
 
 def run_phase(phase: Phase, rank: int, pg_timeout: float = 60.0) -> dict:

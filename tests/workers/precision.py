@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tests._workers import Case, build, held_view
+from tests.workers.common import Case, build, held_view
 
 # Errors are relative, over the whole model: ||parallel - reference|| / ||reference||, the norm over
 # every parameter this rank holds: of the step-1 gradients ("grad"), of the parameters' change in

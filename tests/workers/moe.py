@@ -287,17 +287,18 @@ WITHOUT_EXPERT_REDUCE = "-no-expert-all-reduce"
 
 
 def etp_cases(rank: int, world: int, cases: list) -> list[dict]:
-    """Rank function: tests._workers.run_cases with the families registered (qwen3-moe); a case
-    named ...-no-expert-all-reduce compiles with the all-reduce after each row-parallel expert
-    matmul left out, so each tp rank combines only its partial expert output: it must differ
+    """Rank function: tests.workers.equivalence.run_cases with the families registered (qwen3-moe);
+    a case named ...-no-expert-all-reduce compiles with the all-reduce after each row-parallel
+    expert matmul left out, so each tp rank combines only its partial expert output: it must differ
     from the plain model, or the equality of the other cases would prove nothing."""
-    from tests import _workers, family_workers  # noqa: F401  (registers the families)
+    from tests.workers import family  # noqa: F401  (registers the families)
+    from tests.workers.equivalence import run_cases
     normal = [c for c in cases if not c.name.endswith(WITHOUT_EXPERT_REDUCE)]
-    out = _workers.run_cases(rank, world, normal)
+    out = run_cases(rank, world, normal)
     broken = [c for c in cases if c.name.endswith(WITHOUT_EXPERT_REDUCE)]
     if broken:
         with _expert_reduce_left_out():
-            out += _workers.run_cases(rank, world, broken)
+            out += run_cases(rank, world, broken)
     return out
 
 
@@ -330,10 +331,10 @@ def expert_syncs(rank: int, world: int) -> dict:
     e.g. transformers' grouped-mm fallback on the CPU, syncs in the plain model too), and the
     number of MoE layers it has."""
     from pathlib import Path
-    from tests._workers import Case
-    from tests.overlap_workers import counted_syncs
+    from tests.workers.common import Case
+    from tests.workers.overlap import counted_syncs
     case = Case("mixtral-syncs", model="mixtral", dp=world, ep=world, microbatches=2, batch=4)
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     ours = {p.name for d in ("autopart", "runtime", "passes") for p in (root / d).rglob("*.py")}
     syncs = [s for s in counted_syncs(case, rank) if s.split(" at ")[1].split(":")[0] in ours]
     return {"syncs": syncs, "moe_layers": hf_moe("hf-mixtral").config.num_hidden_layers,

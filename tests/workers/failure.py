@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import torch
 
-from tests._workers import Case, build
+from tests.workers.common import Case, build
 
 
 def mismatched_programs(rank: int, world: int, differ: str = "model") -> str:

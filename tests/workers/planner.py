@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from tests._workers import ATOL, RTOL, _compare
+from tests.workers.common import ATOL, RTOL, _compare
 
 STEPS = 2
 

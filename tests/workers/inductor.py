@@ -1,21 +1,23 @@
-"""Rank functions for tests/test_inductor.py: the shared equivalence harness (tests/_workers.py)
-run with `parallelize(..., compile=True)`, plus what this rank's Inductor compiled."""
+"""Rank functions for tests/test_inductor.py: the shared equivalence harness
+(tests/workers/equivalence.py) run with `parallelize(..., compile=True)`, plus what this rank's
+Inductor compiled."""
 from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
 
-from tests import _workers
+from tests.workers.common import Case
+from tests.workers.equivalence import equivalence
 
 
 @dataclass(frozen=True)
-class CompiledCase(_workers.Case):
+class CompiledCase(Case):
     """A Case with what parallelize takes that Case has no field for."""
     recompute: str = "none"
 
 
 def compiled_cases(rank: int, world: int, cases: list) -> list[dict]:
-    """_workers.run_cases with every parallelize compiling its programs with Inductor; each
+    """equivalence.run_cases with every parallelize compiling its programs with Inductor; each
     result also carries this rank's CompileReport and torch's own count of AOTAutograd
     compilations (one per artifact, cache hit or not)."""
     import autopart
@@ -37,7 +39,7 @@ def compiled_cases(rank: int, world: int, cases: list) -> list[dict]:
             extra["recompute"] = case.recompute
         before = counters["aot_autograd"]["total"]
         try:
-            result = _workers.equivalence(case, rank)
+            result = equivalence(case, rank)
         except Exception:  # noqa: BLE001  (reported by the test process, per case)
             out.append({"case": case.name, "rank": rank,
                         "problems": [f"raised on rank {rank}:\n{traceback.format_exc()}"]})

@@ -5,7 +5,7 @@ pm.init_weights) and trained 3 steps beside the plain model.
 
 The plain reference is the real model seeded like the checkpoint the test process wrote, or
 autopart.materialize of a meta copy with the seed given to init_weights. Allocation is counted
-by the dispatcher (tests/meta_workers.LargestAlloc), not by autopart.
+by the dispatcher (tests/workers/meta.LargestAlloc), not by autopart.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._workers import ATOL, RTOL, _compare, hf_loss
-from tests.meta_workers import LargestAlloc, held_bytes
+from tests.workers.common import each_case, ATOL, RTOL, _compare, hf_loss
+from tests.workers.meta import LargestAlloc, held_bytes
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def construct(case: DCase) -> tuple[nn.Module, object]:
                                       attn_pdrop=0.0, use_cache=False)
         return transformers.GPT2LMHeadModel(cfg), hf_loss
     if case.model == "hf-mixtral":
-        from tests.moe_workers import hf_moe
+        from tests.workers.moe import hf_moe
         return hf_moe("hf-mixtral"), hf_loss
     raise ValueError(case.model)
 
@@ -136,7 +136,7 @@ def save_checkpoint(case: DCase, path: str) -> None:
 
 
 def _optimizer(case: DCase):
-    if case.optim == "adamw":     # lr 1e-4: Adam's round-off moves (see meta_workers) stay < atol
+    if case.optim == "adamw":     # lr 1e-4: Adam's round-off moves (see meta.py) stay < atol
         return torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1)
     return torch.optim.SGD, dict(lr=0.1, momentum=0.9)
 
@@ -144,7 +144,7 @@ def _optimizer(case: DCase):
 def run(rank: int, world: int, case: DCase) -> dict:
     import autopart
     from autopart.errors import AutopartError
-    from tests._workers import _local_view, held_view
+    from tests.workers.common import _local_view, held_view
     problems: list[str] = []
     with torch.device("meta"):
         meta_model, loss_fn = construct(case)
@@ -215,12 +215,4 @@ def run(rank: int, world: int, case: DCase) -> dict:
 
 
 def run_cases(rank: int, world: int, cases: list) -> list[dict]:
-    out = []
-    for case in cases:
-        try:
-            out.append({"case": case.name, **run(rank, world, case)})
-        except Exception as e:  # noqa: BLE001  (one case's failure must not hide the others')
-            import traceback
-            out.append({"case": case.name, "problems": [f"{type(e).__name__}: {e}\n"
-                                                        f"{traceback.format_exc()}"]})
-    return out
+    return each_case(run, rank, world, cases)
