@@ -179,3 +179,13 @@ def test_op_groups_are_written_once_in_the_op_table():
                 found += [f"{path.relative_to(ROOT)}:{line} spells {n}" for n, g in groups.items()
                           if g <= names]
     assert not found, "\n".join(found)
+
+
+def test_no_source_file_is_over_600_lines():
+    """A file that does several jobs grows past what a reader takes in (checkpoint.py reached 903
+    lines before it became a package): library, tests, benchmarks and examples stay under 600."""
+    long = [f"{p.relative_to(ROOT)}: {n} lines"
+            for folder in ("autopart", "passes", "runtime", "tests", "bench", "examples")
+            for p in (ROOT / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600]
+    assert not long, "\n".join(long)
