@@ -65,10 +65,12 @@ def recompute_activations(program: Program, *, mode: str = "none", budget: int |
     layers = {c.chunk: _layer_nodes(c) for c in program.chunks}
     if mode == "auto":
         from autopart import memory
-        choices = memory.choose_recompute(program, layers, mesh=mesh, schedule=schedule,
-                                          microbatch_size=microbatch_size, budget=budget,
-                                          optimizer=optimizer, rewrite=rewrite_chunk,
-                                          zero=zero, precision=precision)
+        rewritten = {(c.chunk, kind): rewrite_chunk(c, dict.fromkeys(layers[c.chunk], kind))[:2]
+                     for c in program.chunks for kind in CHOICES}
+        choices = memory.choose_recompute(program, layers, rewritten, mesh=mesh,
+                                          schedule=schedule, microbatch_size=microbatch_size,
+                                          budget=budget, optimizer=optimizer, zero=zero,
+                                          precision=precision)
     else:
         choices = {(c, layer): mode for c, per in layers.items() for layer in per}
     plan = RecomputePlan(mode=mode, optimizer=optimizer, budget=budget, zero=zero,

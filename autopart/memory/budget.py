@@ -11,17 +11,17 @@ from .per_rank import _rank_chunks_local, local_shaper, state_bytes, with_activa
 from .units import KEYS, fmt_bytes
 
 def check_budget(compiled) -> None:
-    """Raise unless every pipeline rank fits the compile's memory budget
-    (compiled.program.recompute.budget), by the memory table: the program check's fake runs
-    serve it, one per distinct chunk."""
-    rp = compiled.program.recompute
-    if rp is None or rp.budget is None:
+    """Raise unless every pipeline rank fits the compile's memory budget (its Config's
+    memory_budget), by the memory table: the program check's fake runs serve it, one per
+    distinct chunk."""
+    budget = compiled.config.memory_budget
+    if budget is None:
         return
     mesh = compiled.plan.mesh
     for pp in range(mesh.pp):
         mem = compiled.memory[mesh.rank(pp=pp)]
-        if mem["total"] > rp.budget:
-            raise budget_error(pp, mem, rp.budget, rp.mode, mesh)
+        if mem["total"] > budget:
+            raise budget_error(pp, mem, budget, compiled.config.recompute, mesh)
 
 
 def budget_error(pp: int, mem: dict, budget: int, mode: str, mesh) -> AutopartError:
@@ -40,12 +40,14 @@ def budget_error(pp: int, mem: dict, budget: int, mode: str, mesh) -> AutopartEr
         f"  remedy: " + "; or ".join(hint))
 
 
-def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbatch_size: int,
-                     budget: int, optimizer: str, rewrite, zero: int = 0,
+def choose_recompute(program: Program, layers: dict, rewritten: dict, *, mesh, schedule,
+                     microbatch_size: int, budget: int, optimizer: str, zero: int = 0,
                      precision: str = "fp32") -> dict:
     """(chunk, layer) -> none|selective|full: per pipeline rank, start from none and, while the
     rank is over budget, take the step (none->selective, ->full) saving the most peak bytes per
-    recomputed FLOP, until it fits; full everywhere that still does not fit is an error."""
+    recomputed FLOP, until it fits; full everywhere that still does not fit is an error.
+    `rewritten[chunk, kind]` is (the chunk with every layer recomputed so, its regions), made by
+    the recompute pass: this module weighs them and rewrites nothing."""
     b, s = microbatch_size, program.seq_len
     local, cache = local_shaper(program, mesh), ActivationCache(REDUCED_DTYPES[precision])
     choices = {}
@@ -55,7 +57,7 @@ def choose_recompute(program: Program, layers: dict, *, mesh, schedule, microbat
         flops = {}           # (chunk, kind) -> recomputed forward FLOPs per layer (mean)
         for c in mine:
             for kind in ("none", "selective", "full"):
-                new, regions, _ = rewrite(c, {layer: kind for layer in layers[c.chunk]})
+                new, regions = rewritten[c.chunk, kind]
                 variants[c.chunk, kind] = cache.get(new, program, b, s, local)
                 n = max(len(layers[c.chunk]), 1)
                 flops[c.chunk, kind] = sum(evaluate(program.costs[x].flops, b, s)
