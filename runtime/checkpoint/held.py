@@ -37,18 +37,9 @@ def _unheld_state(pm) -> dict[str, torch.Tensor]:
     infos = _infos(pm)
     canon = {a: n for n, i in infos.items() for a in (n, *i.aliases)}
     out = {}
-    for key, t in _private(pm, "extra_state", {}).items():
+    for key, t in pm._state.extra_state.items():     # recorded by parallelize
         out.setdefault(canon.get(key, key), t)
     return out
-
-
-def _private(pm, what: str, default):
-    """The plain model's key order / unheld state that parallelize recorded (kept by the
-    ParallelModel's state gatherer; directly on the ParallelModel before the restructure)."""
-    gatherer = getattr(pm, "_state", None)
-    if gatherer is not None and hasattr(gatherer, what):
-        return getattr(gatherer, what)
-    return getattr(pm, "_" + what, default)
 
 
 def _model_entries(pm) -> dict[str, Any]:
@@ -69,9 +60,7 @@ def _describe_model(pm) -> dict[str, Any]:
     for n, t in sorted(_unheld_state(pm).items()):
         tensors.setdefault(n, {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                                "aliases": []})
-    order = _private(pm, "key_order", None)
-    if order is None:
-        order = [k for n in tensors for k in (n, *tensors[n]["aliases"])]
+    order = pm._state.key_order     # the plain model's state_dict order, recorded by parallelize
     return {"tensors": tensors, "state_dict_keys": list(order), "digest": _digest(tensors)}
 
 
