@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from autopart import schedule as sched
 from autopart.arguments import check_arguments
-from autopart.config import Config, check_choice, choices, from_options
+from autopart.config import Config, choices, from_options
 from autopart.capture import capture, check_on_example, input_specs
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
@@ -284,10 +284,6 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
 
 PRECISIONS = choices("precision")          # written once, in autopart/config.py
 CP_ATTENTIONS = choices("cp_attention")
-
-
-def check_precision(precision: str) -> None:
-    check_choice("precision", precision)    # autopart/config.py: the one check of options
 
 
 class RankPrograms(Mapping):

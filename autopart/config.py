@@ -13,6 +13,7 @@ the C++ core.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -80,7 +81,7 @@ class Config:
         if self.memory_budget is not None:     # '20GB', 20e9 -> bytes, or a clear error
             from autopart.memory.units import parse_bytes
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
-        hints = typing.get_type_hints(type(self))
+        hints = _hints()
         for f in dataclasses.fields(self):
             _check(f.name, getattr(self, f.name), hints[f.name])
         if self.zero_bucket_size is not None and not self.zero:
@@ -106,13 +107,20 @@ class Config:
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in set_.items()) + ")"
 
 
+@functools.cache
+def _hints() -> dict:
+    """Config's field types, resolved once (get_type_hints evaluates the annotation strings:
+    ~150 us a call, and the memory model checks its optimizer and ZeRO level per rank)."""
+    return typing.get_type_hints(Config)
+
+
 def names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(Config))
 
 
 def choices(name: str) -> tuple:
     """The allowed values of a choice option (what the command lines offer)."""
-    args = typing.get_args(typing.get_type_hints(Config)[name])
+    args = typing.get_args(_hints()[name])
     if not args or not all(isinstance(a, (str, bool, int)) for a in args):
         raise KeyError(f"{name} is not a choice option")
     return args
@@ -128,7 +136,7 @@ def from_options(config: Config | None, options: dict) -> Config:
 def check_choice(name: str, value):
     """Raise unless `value` is allowed for option `name` (for code handed one option alone: the
     memory model's optimizer, the runtime's nonfinite mode); return it."""
-    _check(name, value, typing.get_type_hints(Config)[name])
+    _check(name, value, _hints()[name])
     return value
 
 
