@@ -84,6 +84,10 @@ class Config:
         hints = _hints()
         for f in dataclasses.fields(self):
             _check(f.name, getattr(self, f.name), hints[f.name])
+        if self.recompute == "auto" and self.memory_budget is None:
+            raise AutopartError("recompute='auto' chooses under a memory budget, but none was "
+                                "given.\n  remedy: pass memory_budget (e.g. '20GB'), or recompute="
+                                "'none' | 'selective' | 'full'")
         if self.zero_bucket_size is not None and not self.zero:
             raise AutopartError(f"zero_bucket_size={self.zero_bucket_size} sizes the buckets of "
                                 "zero=1's reduce-scatter and all-gather, but zero=0 has none.\n"

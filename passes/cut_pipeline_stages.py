@@ -39,7 +39,8 @@ import torch.fx as fx
 from autopart.analysis import detect_layers, evaluate
 from autopart.errors import AutopartError, node_error
 from autopart.ir import EP_LOCAL, META_EP, NodeCost, Program, StagePlan, sym_shape
-from autopart.memory.units import STEP_TEMPORARIES, state_copies
+from autopart.memory.state import copies_per_byte
+from autopart.memory.units import STEP_TEMPORARIES
 from autopart.schedule import balanced_partition, in_flight_per_chunk
 
 _TOLERANCE = 1.01   # a cut may carry at most 1% more bytes than the smallest body crossing
@@ -79,7 +80,7 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     layers = detect_layers(program)
     memory = _MemoryModel(program, compute, b, s,
                           in_flight_per_chunk(schedule) if schedule else [1] * k,
-                          state_copies(optimizer, zero, dp), memory_weight,
+                          copies_per_byte(optimizer, zero, dp), memory_weight,
                           0 if zero and dp > 1 else STEP_TEMPORARIES[optimizer], precision,
                           memory_budget, chunk_ranks)
     if recompute == "full":
@@ -383,7 +384,7 @@ class _MemoryModel:
         best_cost = max(sum(seg_costs[bounds[c]:bounds[c + 1]]) for c in range(k))
         fits = functools.partial(self._greedy, segs, seg_costs, k)
         if self.budget is not None:
-            within = self._within_budget(fits, current, parts, best_cost, sum(seg_costs))
+            within = self._within_budget(fits, edges, parts, best_cost, sum(seg_costs))
             if within is not None:
                 return within
         least = _least(lambda m: fits(float("inf"), m), 0.0, current)
@@ -419,30 +420,54 @@ class _MemoryModel:
             return False
         n = len(seg_costs)
 
-        def excess(cut: list[int], least_mem: float | None = None):
+        def excess(cut: list[int]):
             bounds = [0, *cut, n]
             cost = max(sum(seg_costs[bounds[c]:bounds[c + 1]]) for c in range(len(ranks)))
-            held: dict[int, float] = {}
-            for c, r in enumerate(ranks):
-                held[r] = held.get(r, 0.0) + self.part(edges[bounds[c]], edges[bounds[c + 1]], c)
-            return cost / best_cost - 1, max(held.values())
+            return cost / best_cost - 1, self._rank_peak(edges, cut)
         (cost_p, mem_p), (cost_c, mem_c) = excess(parts), excess(chosen)
         least = min(mem_p, mem_c)
         return (max(cost_p, self.weight * (mem_p / least - 1))
                 <= max(cost_c, self.weight * (mem_c / least - 1)))
 
-    def _within_budget(self, fits, current: float, parts, best_cost: float, total: float):
-        """The compute-optimal cut whose every chunk fits self.budget (module docstring), or
-        None if no cut does."""
-        if current <= self.budget:
-            self.bound = self.budget
-            return parts
-        cost = _least(lambda c: fits(c, self.budget), best_cost, total)
-        if cost is None:
-            return None
+    def _within_budget(self, fits, edges, parts, best_cost: float, total: float):
+        """The compute-optimal cut under which every pipeline rank fits self.budget (module
+        docstring), or None if no cut does. A rank holding several chunks (interleaved, V
+        placement) holds their sum: each chunk is bounded by the largest bound in [budget / the
+        most chunks a rank holds, budget] whose cut keeps every rank within the budget."""
         self.bound = self.budget
-        mem = _least(lambda m: fits(cost, m), 0.0, self.budget)
-        return fits(cost, mem)
+        if self._rank_peak(edges, parts) <= self.budget:
+            return parts
+
+        def cut_under(chunk_bound: float):
+            cost = _least(lambda c: fits(c, chunk_bound), best_cost, total)
+            if cost is None:
+                return None
+            return fits(cost, _least(lambda m: fits(cost, m), 0.0, chunk_bound))
+
+        def fitting(chunk_bound: float):
+            cut = cut_under(chunk_bound)
+            return cut if cut is not None and self._rank_peak(edges, cut) <= self.budget \
+                else None
+        ranks = self.chunk_ranks or range(len(parts) + 1)
+        shared = max(list(ranks).count(r) for r in set(ranks))
+        lo, hi = self.budget / shared, self.budget
+        first = fitting(hi)
+        if first is not None or shared == 1:
+            return first
+        if fitting(lo) is None:
+            return None
+        for _ in range(12):        # the per-rank sum need not be monotone: keep what fits
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if fitting(mid) is not None else (lo, mid)
+        return fitting(lo)
+
+    def _rank_peak(self, edges, cut) -> float:
+        """The most bytes a pipeline rank holds under `cut` (segment indices): its chunks' sum."""
+        bounds, ranks = [0, *cut, len(edges) - 1], self.chunk_ranks or range(len(cut) + 1)
+        held: dict[int, float] = {}
+        for c, r in enumerate(ranks):
+            held[r] = held.get(r, 0.0) + self.part(edges[bounds[c]], edges[bounds[c + 1]], c)
+        return max(held.values())
 
     def _segments(self, edges: list[int]) -> list[tuple]:
         """Per segment: (bytes and largest of the parameters no other segment reads, the

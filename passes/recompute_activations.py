@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from autopart.analysis import layer_of
-from autopart.config import choices
+from autopart.config import Config, choices
 from autopart.errors import AutopartError
 from autopart.ir import ChunkProgram, Program, RecomputePlan, graph_module
 from autopart.ops import op_info
@@ -56,12 +56,7 @@ def recompute_activations(program: Program, *, mode: str = "none", budget: int |
                           optimizer: str = "adam", mesh=None, schedule=None,
                           microbatch_size: int = 1, zero: int = 0, precision: str = "fp32"):
     """Return (program with rewritten .chunks and .recompute, report)."""
-    if mode not in MODES:
-        raise AutopartError(f"recompute={mode!r} is not one of {', '.join(MODES)}")
-    if mode == "auto" and budget is None:
-        raise AutopartError("recompute='auto' chooses under a memory budget, but none was given."
-                            "\n  remedy: pass memory_budget (e.g. '20GB'), or recompute="
-                            "'none' | 'selective' | 'full'")
+    Config(recompute=mode, memory_budget=budget)     # the one check of the two (config.py)
     layers = {c.chunk: _layer_nodes(c) for c in program.chunks}
     if mode == "auto":
         from autopart import memory

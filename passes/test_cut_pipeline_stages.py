@@ -408,13 +408,17 @@ def test_in_flight_per_chunk_matches_the_schedule_core(name, pp, m):
             assert max(mine) <= core[r] <= sum(mine)
 
 
-def test_state_copies_count_adam_and_zero():
-    from autopart.memory.units import state_copies
-    assert state_copies("adam", 0, 4) == 4              # param, grad, exp_avg, exp_avg_sq
-    assert state_copies("sgd", 0, 1) == 2
-    assert state_copies("adam", 1, 2) == 2 + 3 / 2      # moments and fp32 master over dp=2
+def test_copies_per_byte_count_adam_and_every_zero_level():
+    """The cut's state per parameter byte, from the memory table's rule (autopart/memory/state.py);
+    tests/test_memory_model.py checks it against a compiled table."""
+    from autopart.memory.state import copies_per_byte
+    assert copies_per_byte("adam", 0, 4) == 4              # param, grad, exp_avg, exp_avg_sq
+    assert copies_per_byte("sgd", 0, 1) == 2
+    assert copies_per_byte("adam", 1, 2) == 2 + 3 / 2      # moments and fp32 master over dp=2
+    assert copies_per_byte("adam", 2, 2) == 1 + 4 / 2      # and the gradients
+    assert copies_per_byte("adam", 3, 2) == 4 / 2          # and the parameters (the fp32 master)
     with pytest.raises(AutopartError, match="optimizer='lion'"):
-        state_copies("lion", 0, 1)
+        copies_per_byte("lion", 0, 1)
 
 
 def test_full_recomputation_keeps_only_each_layer_input():
@@ -450,3 +454,32 @@ def test_a_rank_of_several_chunks_weighs_its_memory_per_rank(name):
     per_rank = [sum(b for b, r in zip(chunk_bytes, schedule.chunk_ranks) if r == rank)
                 for rank in (0, 1)]
     assert max(per_rank) / min(per_rank) < max(chunk_bytes) / min(chunk_bytes)
+
+
+def _per_rank(report, chunk_ranks) -> dict[int, float]:
+    held: dict[int, float] = {}
+    for b, r in zip(report["chunk_memory_bytes"], chunk_ranks):
+        held[r] = held.get(r, 0.0) + b
+    return held
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-v"])
+def test_a_budget_bounds_each_rank_not_each_chunk(big_vocab, name):
+    """memory_budget is bytes per device: a rank of two chunks (pp=2, v=2) holds both. A budget
+    every chunk of the compute-only cut fits but its fullest rank does not moves layers until
+    every rank fits (a per-chunk check kept the compute-only cut, its rank over budget)."""
+    model, program = big_vocab
+    schedule = make_schedule(name, 2, 4, 2)
+
+    def cut(**kw):
+        out, report = cps.cut_pipeline_stages(program, chunk_ranks=schedule.chunk_ranks,
+                                              schedule=schedule, **kw)
+        return out.stages, report
+    compute_only, report = cut(memory_weight=0)
+    held = _per_rank(report, schedule.chunk_ranks)
+    budget = 0.97 * max(held.values())
+    assert max(report["chunk_memory_bytes"]) < budget     # a per-chunk check would pass it
+    plan, report = cut(memory_budget=budget)
+    _check_complete(program, plan)
+    assert plan.chunk_of != compute_only.chunk_of
+    assert max(_per_rank(report, schedule.chunk_ranks).values()) <= budget

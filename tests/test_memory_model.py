@@ -230,6 +230,33 @@ def test_explain_counts_zero1_state_per_rank():
 
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_the_cut_and_the_planner_count_state_by_the_tables_rule(zero):
+    """One rule (autopart/memory/state.py), three readers: the memory table counts a compiled
+    rank's tensors, the cut a parameter byte (copies_per_byte), the planner a profile's elements
+    (Held.uniform). On a dp=2 GPT with Adam they agree up to what only the table sees: Adam's
+    4-byte `step` per stepped tensor, each slice's rounding up (ceil(n/2)) and zero=3's gathered
+    groups, each bounded here."""
+    import torch
+    from autopart.memory.state import Held, copies_per_byte, state
+    from examples.gpt import GPT, GPTConfig, lm_loss
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=128, block_size=16))
+    x = torch.randint(0, 128, (4, 16))
+    c = autopart.compile(model, autopart.Mesh(dp=2), (x,), loss_fn=lm_loss, target=x,
+                         microbatches=1, zero=zero)
+    table = c.memory[0]
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    table_state = sum(table[k] for k in ("params", "grads", "master", "optimizer"))
+    cut = copies_per_byte("adam", zero, 2) * 4 * n
+    planner = sum(state(Held.uniform(n, 2, param_size=4, grad_size=4), "adam", zero).values())
+    assert cut == pytest.approx(planner)
+    slack = 4 * len(params) + (4 + 8 + 4) * len(params)     # steps; a rounded element per slice
+    if zero == 3:
+        slack += table["params"]                             # the gathered groups
+    assert 0 <= table_state - cut <= slack, (table, cut)
+
+
 # -- repeated chunks share one fake run ----------------------------------------------------------
 
 @pytest.mark.parametrize("recompute,pp,v", [("none", 4, 1), ("full", 4, 1), ("selective", 2, 2)])

@@ -26,7 +26,8 @@ with fp32 parameters, which are the master weights, and fp32 gradients. It chang
 activations: the fake run is made under the same autocast, so what autograd saves is counted in
 the dtypes it has then (bf16 matmul outputs, fp32 where autocast keeps fp32).
 
-The package: `units.py` (state kinds, options, byte sizes), `activations.py` (what autograd
+The package: `units.py` (state kinds, options, byte sizes), `state.py` (the one rule for what a
+rank keeps of its parameters' state, which the cut and the planner read too), `activations.py` (what autograd
 saves, measured on fake tensors), `per_rank.py` (state, the activation peak, the memory
 table), `budget.py` (the budget check and recomputation under it)."""
 from __future__ import annotations

@@ -9,7 +9,8 @@ from autopart.analysis import evaluate
 from autopart.ir import REDUCED_DTYPES, Program
 
 from .activations import ActivationCache, ChunkActivations
-from .units import ADAM_STEP, KEYS, OPTIMIZER_STATES, check_zero
+from .state import Held, state
+from .units import KEYS, check_zero
 
 def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str = "fp32",
                 zero: int = 0, local=None) -> dict[str, int]:
@@ -40,26 +41,19 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
             held.setdefault(name, t)
     if local is not None:
         held = {name: local(name, t) for name, t in held.items()}
-    params = sum(t.numel() * t.element_size() for t in held.values())
     trainable = {n: t for n, t in held.items() if n in program.params and t.requires_grad}
     grads = sum(t.numel() * t.element_size() for t in trainable.values())
-    per = OPTIMIZER_STATES[optimizer]
-    step = ADAM_STEP if optimizer == "adam" else 0
-    if not zero:
-        numel = sum(t.numel() for t in trainable.values())
-        return {"params": params, "grads": grads, "master": 0,
-                "optimizer": per * 4 * numel + step * len(trainable)}
-    slices = _zero_slices(trainable, program, mesh)
-    if zero >= 2:
-        grads = sum(t.element_size() * c for t, c, _ in slices)
-    if zero == 3:
-        params += _gathered_bytes(chunks, trainable) - sum(
-            t.numel() * t.element_size() - (0 if t.dtype == torch.float32 else
-                                             t.element_size() * c) for t, c, _ in slices)
-    numel = sum(c for _, c, _ in slices)
-    layouts = len({experts for _, _, experts in slices})     # one stepped tensor per layout
-    return {"params": params, "grads": grads, "master": 4 * numel,
-            "optimizer": per * 4 * numel + step * layouts}
+    slices = _zero_slices(trainable, program, mesh) if zero else \
+        [(t, t.numel(), False) for t in trainable.values()]
+    return state(Held(
+        params=sum(t.numel() * t.element_size() for t in held.values()), trainable=grads,
+        grads=grads, elements=sum(t.numel() for t in trainable.values()),
+        slice=sum(c for _, c, _ in slices),
+        slice_grads=sum(t.element_size() * c for t, c, _ in slices),
+        slice_reduced=sum(t.element_size() * c for t, c, _ in slices if t.dtype != torch.float32),
+        # Adam steps each parameter, or with ZeRO one flat slice per layout (dense, experts)
+        stepped=len({experts for _, _, experts in slices}) if zero else len(trainable),
+        gathered=_gathered_bytes(chunks, trainable) if zero == 3 else 0), optimizer, zero)
 
 
 def _gathered_bytes(chunks, trainable: dict) -> int:

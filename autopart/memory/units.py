@@ -18,20 +18,6 @@ ADAM_STEP = 4               # torch.optim.Adam's `step`: one fp32 scalar per ten
 STEP_TEMPORARIES = {"sgd": 0, "sgd-momentum": 0, "adam": 2}
 
 
-def optimizer_bytes(optimizer: str) -> int:
-    """fp32 optimizer state bytes per parameter (Adam's two moments: 8)."""
-    return 4 * OPTIMIZER_STATES[optimizer]
-
-
-def state_copies(optimizer: str, zero: int, dp: int) -> float:
-    """Bytes a rank keeps per parameter byte: the parameter, its gradient, the optimizer's state
-    (with ZeRO-1 1/dp of it, plus the fp32 master slice), as the memory table counts them (the
-    cut's estimate, passes/cut_pipeline_stages.py)."""
-    check_optimizer(optimizer)
-    states = OPTIMIZER_STATES[optimizer]
-    return 2.0 + ((states + 1) / dp if zero and dp > 1 else states)
-
-
 def check_optimizer(optimizer: str) -> None:
     from autopart.config import check_choice     # the one check of option values
     check_choice("optimizer", optimizer)

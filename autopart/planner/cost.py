@@ -26,7 +26,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from autopart.memory.units import optimizer_bytes
+from autopart.memory.state import Held, state
 from autopart.planner.cluster import Cluster
 from autopart.planner.profile import Part, Profile
 
@@ -285,15 +285,15 @@ class CostModel:
             buffers = 2 * layer.out_bytes(b) / lay.cp * scale if lay.pp > 1 else 0.0
             if lay.cp > 1:
                 buffers += 2 * layer.kv_bytes(b) / lay.cp * scale
-            state = params
-            if lay.zero:    # runtime/optimizer.py: an fp32 master slice, also in fp32 training
-                state = self.sharded(lay, params, self.params_on(lay, rank, True))
-            # zero=3: the parameters as the slice plus two gathered layers (in use, prefetched)
-            held = state + 2 * parts["layer"].params if lay.zero == 3 else params
-            row = {"params": held * pb, "grads": (state if lay.zero >= 2 else params) * gb,
-                   "master": state * (4 if lay.zero else mb),
-                   "optimizer": state * optimizer_bytes(self.optimizer), "activations": acts,
-                   "buffers": buffers}
+            # the memory table's rule (autopart/memory/state.py) on the profile's elements:
+            # ZeRO slices over dp * cp (experts over dp/ep * cp); zero=3 holds two layers
+            # gathered (the one in use, the one prefetched)
+            sliced = self.sharded(lay, params, self.params_on(lay, rank, True))
+            row = state(Held.uniform(params, params / sliced if sliced else 1, param_size=pb,
+                                     grad_size=gb, master_size=mb,
+                                     gathered=2 * parts["layer"].params * pb),
+                        self.optimizer, lay.zero)
+            row.update(activations=acts, buffers=buffers)
             row["total"] = sum(row.values())
             if best is None or row["total"] > best["total"]:
                 best = row
