@@ -1,4 +1,4 @@
-"""The model-config changes a rehearsal makes (`autopart verify`, autopart/verify_cli.py): the
+"""The model-config changes a rehearsal makes (`autopart verify`, autopart/cli/verify.py): the
 width, heads and layers a mesh needs to divide, and with --shrink a small model of the same shape
 (few layers, narrow, a short sequence and vocabulary), found by field role in the spellings of
 autopart's examples and of Hugging Face configs.

@@ -1,6 +1,6 @@
 """Rehearse a layout before a cluster run: train it and the plain model side by side, compare.
 
-`autopart.verify(...)` (and `autopart verify`, autopart/verify_cli.py) runs the mesh as real
+`autopart.verify(...)` (and `autopart verify`, autopart/cli/verify.py) runs the mesh as real
 processes, trains `steps` optimizer steps of the compiled layout (`autopart.parallelize`) and of
 a deep copy of the plain model taken before parallelize, on the same batch in every rank
 process, and compares the loss of every step and every parameter after the last step: each rank

@@ -5,14 +5,14 @@ a Recorder. The executor records each compute (F, B, I, W) from start to end, ea
 is posted, each receive while the rank waits for its data (zero when the data arrived during
 earlier work; the post time is in args.posted_us), and each gradient bucket's all-reduce from
 when it was posted to when its wait returned (kind REDUCE, on a second row of the rank: tid 1;
-autopart.timeline leaves those out). After every train_step the ranks' events are gathered to
+autopart.cli.timeline leaves those out). After every train_step the ranks' events are gathered to
 rank 0, which rewrites the one file with every step so far: one process (track) per
 global rank, a slice per action named like the schedule's token (`2F0`), with args chunk,
 microbatch, kind and step. Times are microseconds from a barrier all ranks passed when the
 recorder was made, so ranks on different hosts line up to within that barrier's skew.
 
 Open the file in https://ui.perfetto.dev or chrome://tracing, or draw it:
-`autopart.timeline.draw_trace(autopart.timeline.load_trace("step.json"), "step.png")`.
+`autopart.cli.timeline.draw_trace(autopart.cli.timeline.load_trace("step.json"), "step.png")`.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import autopart
-from autopart.compile_cli import add_compile_command, run_compile
+from autopart.cli.compile import add_compile_command, run_compile
 from autopart.errors import AutopartError
 from autopart.mesh import Mesh
 from autopart.schedule import ScheduleError

@@ -99,7 +99,7 @@ def test_no_module_spells_an_options_values_again():
 
 def test_the_command_line_offers_the_configs_values_and_defaults():
     import argparse
-    from autopart.compile_cli import add_compile_command
+    from autopart.cli.compile import add_compile_command
     parser = argparse.ArgumentParser()
     p = add_compile_command(parser.add_subparsers())
     actions = {a.dest: a for a in p._actions}

@@ -68,7 +68,7 @@ def test_distinct_artifacts_do_not_grow_with_depth(mesh, per_layer):
 
 
 def _cli(argv, capsys):
-    from autopart.compile_cli import add_compile_command, run_compile
+    from autopart.cli.compile import add_compile_command, run_compile
     parser = argparse.ArgumentParser(prog="autopart")
     add_compile_command(parser.add_subparsers(dest="command"))
     code = run_compile(parser.parse_args(["compile", *argv]))

@@ -17,7 +17,7 @@ from functools import partial
 
 import pytest
 
-from autopart.timeline import trace_slices
+from autopart.cli.timeline import trace_slices
 from tests.workers.common import Case
 from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 from tests.composition import CCase

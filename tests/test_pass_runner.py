@@ -105,19 +105,17 @@ def test_the_ir_and_the_ops_import_no_pass_and_no_runtime():
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-CLI_MODULES = ("autopart.cli", "autopart.compile_cli", "autopart.export_cli", "autopart.plan_cli",
-               "autopart.verify_cli", "autopart.__main__")
+CLI_MODULES = ("autopart.cli", "autopart.__main__")     # autopart/cli/ is the command line
 
 
 def test_the_library_imports_no_command_line_module():
-    """The command line sits on top of the library: a module that is not one of the commands
-    (or the smoke, itself a command) never imports one, at the top or inside a function."""
-    commands = {m.rsplit(".", 1)[1] for m in CLI_MODULES} | {"smoke"}
+    """The command line (autopart/cli/) sits on top of the library: a module outside it (but the
+    smoke, itself a command, and __main__) never imports it, at the top or inside a function."""
     for folder in ("autopart", "runtime", "passes"):
         for path in _sources(folder):
-            if folder == "autopart" and path.parent == ROOT / "autopart" and path.stem in commands:
+            if ROOT / "autopart" / "cli" in path.parents or path.stem in ("smoke", "__main__"):
                 continue
-            bad = {m for m in _imports(path) if m in CLI_MODULES}
+            bad = {m for m in _imports(path) if m.startswith(CLI_MODULES)}
             assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: library code belongs " \
                             "in a library module the command imports (e.g. autopart/model_files.py)"
 
@@ -136,6 +134,54 @@ def test_the_runtime_imports_no_compiler_planner_or_front_door():
         bad -= {"autopart.api"} if path.name == "__init__.py" else set()   # the lazy re-export
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: the runtime runs what " \
                         "the compiler made; autopart/api.py joins them"
+
+
+# The allow-list: per folder, the autopart modules it may import besides its own (a layer imports
+# only those below it). runtime/ may also import the compiler for type hints (TYPE_CHECKING) and
+# re-export the front door lazily (runtime/__init__.py).
+BELOW_COMPILER = {"__version__", "_C", "errors", "mesh", "config", "ir", "ops", "schedule",
+                  "localize", "placement", "analysis", "memory"}
+ALLOWED = {
+    "autopart/ops": {"errors"},
+    "autopart/memory": {"errors", "config", "ir", "ops", "localize", "analysis"},
+    "passes": BELOW_COMPILER - {"__version__", "_C", "mesh"},
+    "runtime": {"__version__", "_C", "errors", "mesh", "config", "ir", "ops", "schedule",
+                "localize", "materialize"},
+    "autopart/planner": BELOW_COMPILER | {"capture", "passes", "runtime", "gc_paused",
+                                          "model_files"},
+}
+
+
+def _autopart_imports(path: Path) -> set[str]:
+    """The autopart modules `path` imports at run time, by their name under autopart
+    ('autopart.memory.units' -> 'memory'; 'from autopart import _C' -> '_C')."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If)
+                   and getattr(t.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(t)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] == "autopart":
+                out.update(parts[1:2] or [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            out.update((a.name.split(".") + ["autopart"])[1] for a in node.names
+                       if a.name.split(".")[0] == "autopart")
+    return out
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_each_folder_imports_only_what_its_allow_list_names(folder):
+    own = Path(folder).name
+    for path in _sources(folder):
+        got = _autopart_imports(path) - {own}
+        if folder == "runtime" and path.name == "__init__.py":
+            got -= {"api"}                       # the lazy re-export of the front door
+        bad = got - ALLOWED[folder]
+        assert not bad, f"{path.relative_to(ROOT)} imports autopart.{sorted(bad)}, which " \
+                        f"{folder}/ may not: it may import {sorted(ALLOWED[folder])}"
 
 
 def test_passes_folder_holds_only_passes_and_their_tests():

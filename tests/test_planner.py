@@ -222,13 +222,13 @@ def test_local_profile_reproduces_direct_timings(local_cluster):
 
 @pytest.mark.full
 def test_local_profile_against_real_processes(local_cluster):
-    """Predicted step time of tiny layouts (validate_local's) against real processes on this
+    """Predicted step time of tiny layouts (bench/planner_local.py's) against real processes on this
     shared, loaded machine: the error against wall time is printed; the bounds are one-sided so
     that load cannot fail them: the prediction is no more than LOCAL_FACTOR x the measured wall
     time (load only adds to it), and no less than 1/LOCAL_FACTOR of the busiest rank's CPU time
     per step (the work itself, which load does not change)."""
     from autopart.planner import plan
-    from autopart.planner.validate_local import BATCH, CONFIG, LAYOUTS
+    from bench.planner_local import BATCH, CONFIG, LAYOUTS
     from autopart.runtime.launch import spawn
     from tests.workers.planner import timed_steps
     bad = []
@@ -254,7 +254,7 @@ def test_auto_fills_only_what_the_user_left_unset(local_cluster, capsys):
     from autopart.config import Config
     from autopart.planner.auto import choose
     import torch
-    from autopart.planner.validate_local import BATCH, CONFIG
+    from bench.planner_local import BATCH, CONFIG
     from examples.gpt import GPT, lm_loss
     model = GPT(CONFIG)
     tokens = torch.randint(0, model.config.vocab_size, (BATCH, model.config.block_size))

@@ -127,7 +127,7 @@ def test_cli_128k_prints_cp_and_why():
 
 
 def test_mesh_takes_cp():
-    from autopart.plan_cli import parse_mesh
+    from autopart.cli.plan import parse_mesh
     assert parse_mesh("tp=8,cp=4", 1024) == {"tp": 8, "cp": 4}
     from autopart.errors import AutopartError
     with pytest.raises(AutopartError, match="does not equal --gpus 1024"):

@@ -1,4 +1,4 @@
-"""autopart.timeline: simulated and measured timelines drawn as PNG files."""
+"""autopart.cli.timeline: simulated and measured timelines drawn as PNG files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from autopart.schedule import make_schedule, simulate
-from autopart.timeline import Slice, draw_simulated, draw_trace, load_trace, simulated_slices, trace_slices
+from autopart.cli.timeline import Slice, draw_simulated, draw_trace, load_trace, simulated_slices, trace_slices
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,5 +1,5 @@
 """`autopart verify` and `autopart.verify`: a layout trained beside the plain model on local Gloo
-ranks, compared per parameter group (autopart/verification.py, autopart/verify_cli.py).
+ranks, compared per parameter group (autopart/verification.py, autopart/cli/verify.py).
 
 Fast tier: the report, the comparison (NaN fails), --shrink on configs (no processes), bad flags,
 one passing run and one run with a deliberately wrong plain copy (2 ranks each). Full tier: a
@@ -175,7 +175,7 @@ def test_shrink_refuses_what_the_full_layout_cannot_take():
 
 def test_shrink_through_the_command_line_builds_a_small_switch_model():
     from autopart.cli import build_parser
-    from autopart.verify_cli import _job, _prepare
+    from autopart.cli.verify import _job, _prepare
     args = build_parser().parse_args(["verify", SWITCH, "--config", "switch-base",
                                       "--mesh", "dp=2,ep=2", "--shrink"])
     prepared = _prepare(_job(args))

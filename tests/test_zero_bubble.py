@@ -109,7 +109,7 @@ def test_trace_holds_every_action_once_per_step(fast_run):
         assert e["dur"] >= 0 and e["args"]["kind"] in ("F", "I", "W", "B", "SEND_F", "RECV_F",
                                                        "SEND_B", "RECV_B")
     # the colleague's drawing reads it as is
-    from autopart.timeline import trace_slices
+    from autopart.cli.timeline import trace_slices
     assert len(trace_slices(trace)) == len(events)
 
 

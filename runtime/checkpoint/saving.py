@@ -128,11 +128,11 @@ def _check_target(path: Path) -> str | None:
 
 
 def _marker(pm, optimizer, model, keys: list[str], files: dict) -> dict:
-    import autopart
+    from autopart import __version__
     plan = pm.compiled.plan
     mesh = pm.mesh
     out = {
-        "format": FORMAT, "autopart_version": autopart.__version__,
+        "format": FORMAT, "autopart_version": __version__,
         "torch_version": torch.__version__,
         "mesh": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "ep": mesh.ep, "cp": mesh.cp},
         "world_size": mesh.world_size, "schedule": plan.schedule,

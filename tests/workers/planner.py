@@ -12,12 +12,12 @@ STEPS = 2
 
 
 def auto_mesh(rank: int, world: int) -> dict:
-    """parallelize(mesh="auto") on validate_local's tiny GPT, two SGD steps, against a deep copy
+    """parallelize(mesh="auto") on bench/planner_local.py's tiny GPT, two SGD steps, against a deep copy
     of the plain model (taken before parallelize) trained on the same batch in this process: the
     loss of each step must be the plain model's (the second one after an optimizer step, so the
     gradients of the first count too)."""
     import autopart
-    from autopart.planner.validate_local import BATCH, CONFIG
+    from bench.planner_local import BATCH, CONFIG
     from examples.gpt import GPT, lm_loss
     torch.manual_seed(0)
     model = GPT(CONFIG)
@@ -42,13 +42,13 @@ def auto_mesh(rank: int, world: int) -> dict:
 
 
 def timed_steps(rank: int, world: int, axes: dict, microbatches: int) -> dict:
-    """validate_local's step (train_step + Adam) on this layout: median wall seconds and median
+    """bench/planner_local.py's step (train_step + Adam) on this layout: median wall seconds and median
     CPU seconds of this process per step, one torch thread (so that the CPU time is the work done,
     not threads spinning for a core the machine's other processes hold)."""
     import statistics
     import time
     import autopart
-    from autopart.planner.validate_local import BATCH, CONFIG, STEPS
+    from bench.planner_local import BATCH, CONFIG, STEPS
     from examples.gpt import GPT, lm_loss
     torch.set_num_threads(1)
     torch.manual_seed(0)

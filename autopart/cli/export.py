@@ -17,16 +17,13 @@ import sys
 import time
 
 from autopart.errors import AutopartError
+from autopart.cli.parsers import documented_parser
 
 
 def add_export_command(subparsers) -> argparse.ArgumentParser:
     """Register `export` on an argparse subparsers object; `args.run(args)` carries it out."""
-    p = subparsers.add_parser(
-        "export", help="write a checkpoint as the plain model's safetensors (or a HF model dir)",
-        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n" + "\n".join(
-            line for line in __doc__.splitlines() if line.startswith("    autopart export")))
+    p = documented_parser(subparsers, "export", "write a checkpoint as the plain model's "
+                          "safetensors (or a HF model dir)", __doc__)
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a directory written by pm.save")
     p.add_argument("out", metavar="OUT",
                    help="a directory (gets model.safetensors) or a path ending in .safetensors")

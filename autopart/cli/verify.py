@@ -9,7 +9,7 @@ the compiled layout and of the plain model (a copy taken before parallelize) on 
 batch of token ids, then prints each step's loss (parallel, plain) and, per parameter group, the
 largest difference, PASS/FAIL against the tolerance and the first parameter that differs. Exit
 0: everything matches; 1: something differs; 2: bad input. The model, config and layout flags
-are `autopart compile`'s (autopart/compile_cli.py); autopart/verification.py does the comparing.
+are `autopart compile`'s (autopart/cli/compile.py); autopart/verification.py does the comparing.
 """
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ import time
 import torch
 import torch.nn as nn
 
-from autopart.compile_cli import (META_THRESHOLD, _build, _load, _UsageError, add_layout_arguments,
+from autopart.cli.compile import (META_THRESHOLD, _build, _load, _UsageError, add_layout_arguments,
                                   layout)
 from autopart.errors import AutopartError
 from autopart.schedule import ScheduleError
 from autopart import rehearsal_config as RC
 from autopart import verification as V
+from autopart.cli.parsers import documented_parser
 
 BATCH_SEED = 1234
 # bytes per parameter in one rank process, at most: the plain copy's weights and gradients (8) and
@@ -38,13 +39,9 @@ PERTURB_ENV = "AUTOPART_VERIFY_PERTURB"   # tests only: a plain parameter to nud
 
 def add_verify_command(subparsers) -> argparse.ArgumentParser:
     """Register `verify` on an argparse subparsers object; `args.run(args)` carries it out."""
-    p = subparsers.add_parser(
-        "verify", help="train a layout and the plain model side by side on local processes "
-                       "and compare them (a rehearsal before a cluster run)",
-        description=__doc__.split("\n\n")[0].split(": ", 1)[1] + "\n\n" + __doc__.split("\n\n")[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n" + "\n".join(
-            line for line in __doc__.splitlines() if line.startswith("    autopart verify")))
+    p = documented_parser(subparsers, "verify", "train a layout and the plain model side by "
+                          "side on local processes and compare them (a rehearsal before a "
+                          "cluster run)", __doc__, more="\n\n" + __doc__.split("\n\n")[2])
     add_layout_arguments(p)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps to train (default 3)")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"),

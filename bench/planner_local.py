@@ -1,7 +1,7 @@
 """The `local` cluster checked against this machine: predicted against measured step time of a few
 tiny layouts on real processes (Gloo, CPU).
 
-    python -m autopart.planner.validate_local      # after `autopart calibrate`
+    python -m bench.planner_local      # after `autopart calibrate`
 
 The machine may be shared and loaded: the error is printed, not bounded.
 """
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "tiny,n_layer=4,n_embd=128,block_size=128"
 BATCH = 8
 LAYOUTS = ({"dp": 2}, {"pp": 2}, {"tp": 2})
@@ -70,16 +70,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-
-def _auto(rank: int, world: int) -> dict:
-    """Rank function: parallelize(mesh="auto") on a tiny GPT and one train step."""
-    import torch
-    import autopart
-    sys.path.insert(0, str(ROOT))
-    from examples.gpt import GPT, lm_loss
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    tokens = torch.randint(0, model.config.vocab_size, (BATCH, model.config.block_size))
-    pm = autopart.parallelize(model, "auto", (tokens,), loss_fn=lm_loss, target=tokens)
-    loss = pm.train_step(tokens, target=tokens)
-    return {"mesh": str(pm.mesh), "loss": float(loss)}

@@ -27,14 +27,12 @@ from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
 from autopart.planner.cost import PRECISIONS     # what the cost model prices (fp16 too)
 from autopart.planner.search import RECOMPUTE, SCHEDULE_NAMES, ZERO_LEVELS
+from autopart.cli.parsers import documented_parser
 
 
 def add_plan_command(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="choose a parallel layout with the cost model",
-                              description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                              formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog="examples:\n" + "\n".join(
-                                  line for line in __doc__.splitlines() if line.startswith("    autopart")))
+    p = documented_parser(subparsers, "plan", "choose a parallel layout with the cost model",
+                          __doc__, examples="    autopart")
     p.add_argument("target", metavar="FILE.py:NAME", help="a model class or a function returning the model")
     p.add_argument("--config", default=None, help="config name and/or overrides, e.g. megatron-1t,n_layer=64")
     p.add_argument("--gpus", type=int, required=True, help="devices in total")
@@ -212,7 +210,7 @@ def draw(model, best, ranked, path: str) -> list[str]:
     """The chosen layout's simulated timeline (at most 2pp microbatches drawn) and a bar chart."""
     from pathlib import Path
     from autopart.schedule import make_schedule, simulate
-    from autopart.timeline import draw_simulated
+    from autopart.cli.timeline import draw_simulated
     lay = best.layout
     fwd, bwd, _ = model.chunk_costs(lay)
     m = model.microbatches(lay)

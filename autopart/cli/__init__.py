@@ -14,11 +14,11 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from autopart.compile_cli import add_compile_command
-from autopart.export_cli import add_export_command
-from autopart.plan_cli import add_calibrate_command, add_plan_command
+from autopart.cli.compile import add_compile_command
+from autopart.cli.export import add_export_command
+from autopart.cli.plan import add_calibrate_command, add_plan_command
 from autopart.schedule import SCHEDULES, Schedule, SimResult, make_schedule, simulate
-from autopart.verify_cli import add_verify_command
+from autopart.cli.verify import add_verify_command
 
 
 def _add_schedule_command(subparsers: argparse._SubParsersAction) -> None:
@@ -55,7 +55,7 @@ def _run_schedule(args: argparse.Namespace) -> int:
                       input_grad_cost=args.input_grad_cost, weight_grad_cost=args.weight_grad_cost)
     costs = _unit_costs(result)
     if args.png:
-        from autopart.timeline import draw_simulated
+        from autopart.cli.timeline import draw_simulated
         draw_simulated(schedule, result, args.png)
     if args.json:
         report = schedule.to_dict() | {
@@ -128,7 +128,7 @@ def _add_trace_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_trace(args: argparse.Namespace) -> int:
-    from autopart.timeline import draw_trace, load_trace, trace_slices
+    from autopart.cli.timeline import draw_trace, load_trace, trace_slices
 
     trace = load_trace(args.file)
     draw_trace(trace, args.png)

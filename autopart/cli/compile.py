@@ -34,6 +34,7 @@ from autopart.model_files import ModelFileError as _UsageError
 from autopart.model_files import build as _build
 from autopart.model_files import load_target as _load
 from autopart.schedule import SCHEDULES, ScheduleError
+from autopart.cli.parsers import documented_parser
 
 
 _DEFAULT = Config()     # the flags' defaults are the API's
@@ -41,12 +42,8 @@ _DEFAULT = Config()     # the flags' defaults are the API's
 
 def add_compile_command(subparsers) -> argparse.ArgumentParser:
     """Register `compile` on an argparse subparsers object; `args.run(args)` carries it out."""
-    p = subparsers.add_parser(
-        "compile", help="compile a plain model into per-rank pipeline programs and explain them",
-        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n" + "\n".join(
-            line for line in __doc__.splitlines() if line.startswith("    autopart compile")))
+    p = documented_parser(subparsers, "compile", "compile a plain model into per-rank pipeline "
+                          "programs and explain them", __doc__)
     add_layout_arguments(p)
     p.add_argument("--optimizer", default=_DEFAULT.optimizer, choices=choices("optimizer"),
                    help="the optimizer whose state the memory model counts (default adam)")
@@ -239,7 +236,7 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m autopart.compile_cli ...`) until `autopart` wires it in."""
+    """Standalone entry (`python -m autopart.cli.compile ...`) until `autopart` wires it in."""
     parser = argparse.ArgumentParser(prog="autopart")
     add_compile_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
