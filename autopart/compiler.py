@@ -147,7 +147,6 @@ class Compiled:
     passes: list[PassResult]
     seconds: float
     costs: dict = field(repr=False, default_factory=dict)
-    zero: int = 0           # ZeRO level the memory model counts state for (runtime/optimizer.py)
     # saved-tensor counts of the distinct chunks, made by the program check's fake runs and
     # read by the memory table (one fake run per distinct chunk serves both)
     activation_runs: Any = field(repr=False, default=None)
@@ -268,7 +267,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                 cfg.precision, program.loss_rule, cfg.cp_attention)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
-                        results, time.perf_counter() - start, program.costs, cfg.zero,
+                        results, time.perf_counter() - start, program.costs,
                         input_specs=specs, traced=traced, config=cfg)
     # every distinct rank program runs forward and backward on fake tensors before it is handed
     # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)

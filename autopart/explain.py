@@ -295,7 +295,7 @@ def _memory_lines(compiled) -> list[str]:
     lines = [f"recompute={summary.get('mode')} ({counts or 'no layers'}); memory per rank "
              f"(optimizer={summary.get('optimizer') or compiled.plan.optimizer}, "
              f"precision={getattr(compiled.plan, 'precision', 'fp32')}, "
-             f"zero={getattr(compiled, 'zero', 0)}"
+             f"zero={compiled.config.zero}"
              + (f", budget {fmt_bytes(summary['budget'])}" if summary.get("budget") else "")
              + "; every dp/tp rank of a pipeline rank the same):"]
     keys = ("params", "grads", "master", "optimizer", "activations", "buffers", "total")
@@ -359,7 +359,7 @@ def explain_json(compiled) -> dict:
         "bubble": sim.bubble, "peak_in_flight": list(sim.peak_in_flight),
         "recompute": recompute_summary(compiled),
         "memory": memory_rows(compiled),
-        "zero": getattr(compiled, "zero", 0),
+        "zero": compiled.config.zero,
         "param_groups": gather_rows(compiled),
         "passes": [{"name": p.name, "seconds": p.seconds} for p in compiled.passes],
         "compile_seconds": compiled.seconds,

@@ -131,9 +131,10 @@ class MemoryTable(Mapping):
     def __init__(self, compiled):
         self.compiled = compiled
         self.mesh = compiled.plan.mesh
-        self.optimizer = compiled.plan.optimizer
-        self.precision = getattr(compiled.plan, "precision", "fp32")
-        self.zero = getattr(compiled, "zero", 0)
+        # what the compile's options say the rank keeps (autopart/config.py)
+        self.optimizer = compiled.config.optimizer
+        self.precision = compiled.config.precision
+        self.zero = compiled.config.zero
         self._acts: dict = {}
         # the program checker's fake runs counted the saved tensors already (check_programs.py)
         self._runs = getattr(compiled, "activation_runs", None) or \

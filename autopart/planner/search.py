@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopart.config import choices
 from autopart.errors import AutopartError
 from autopart.memory.units import ZERO_LEVELS
 from autopart.planner.cost import SCHEDULE_NAMES, CostModel, Estimate, Layout, chunk_layers
@@ -68,8 +69,9 @@ def meshes(model: CostModel, gpus: int, tp=None, pp=None, dp=None, ep=None,
     return out
 
 
-# Megatron-LM's choices: full (keep layer inputs), selective (rerun attention cores), none
-RECOMPUTE = ("full", "selective", "none")
+# Megatron-LM's choices, most memory saved first: full (keep layer inputs), selective (rerun
+# attention cores), none; the values are Config's (auto is the compiler's choice under a budget)
+RECOMPUTE = tuple(reversed([r for r in choices("recompute") if r != "auto"]))
 
 
 def candidates(model: CostModel, gpus: int, *, tp=None, pp=None, dp=None, microbatch_size=None,
