@@ -22,8 +22,8 @@ def check(
 
 def in_flight(
     pp: int, microbatches: int, virtual_stages: int, ranks: Packed, name: str = ""
-) -> tuple[list[int], list[int]]:
-    """(peak_in_flight, peak_awaiting_weight_grad) per rank."""
+) -> tuple[list[int], list[int], list[int]]:
+    """(peak_in_flight, peak_awaiting_weight_grad) per rank, peak in flight per chunk."""
 
 class SimResult:
     @property

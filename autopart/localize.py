@@ -28,6 +28,40 @@ def shard_tensor(full: torch.Tensor, dim: int, sections: tuple, size: int, rank:
     return local[0] if len(local) == 1 else torch.cat(local, dim)
 
 
+def section_range(length: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of part `index` of `length` elements cut in `parts`: torch.chunk's split
+    (parts of ceil(length / parts), the last ones shorter or empty), which shard_tensor cuts by.
+    The one slice arithmetic: rank_ranges (loading pretrained weights) and the checkpoint's
+    layout (runtime/checkpoint/geometry.py) read it."""
+    step = -(-length // parts)
+    return min(step * index, length), min(step * (index + 1), length)
+
+
+def rank_ranges(shape: tuple, cuts) -> list[list[tuple[int, int]]]:
+    """Per dim, the (start, stop) ranges of the full tensor that make this rank's slice, in
+    order: `cuts` as rank_cuts gives them, each section cut by section_range."""
+    ranges = [[(0, n)] for n in shape]
+    for sh, size, rank in cuts:
+        segments, out, offset = ranges[sh.dim], [], 0
+        for section in sh.sections:
+            lo, hi = section_range(section, size, rank)
+            out += _logical(segments, offset + lo, offset + hi)
+            offset += section
+        ranges[sh.dim] = out
+    return ranges
+
+
+def _logical(segments, lo: int, hi: int) -> list[tuple[int, int]]:
+    """[lo, hi) of the concatenation of `segments`, as ranges of the full tensor."""
+    out, base = [], 0
+    for a, b in segments:
+        s, e = max(lo, base), min(hi, base + b - a)
+        if s < e:
+            out.append((a + s - base, a + e - base))
+        base += b - a
+    return out
+
+
 def unshard_tensor(shards: list[torch.Tensor], dim: int, sections: tuple) -> torch.Tensor:
     """Inverse of shard_tensor over all ranks' shards, in rank order."""
     size = len(shards)

@@ -325,26 +325,20 @@ def in_flight(schedule: Schedule) -> InFlight:
     """
     packed = _pack(schedule)
     _raise_problem(schedule, _check(schedule, packed))
-    peaks, awaiting = _C.in_flight(schedule.pp, schedule.microbatches, schedule.virtual_stages, packed, schedule.name)
+    peaks, awaiting, _ = _C.in_flight(schedule.pp, schedule.microbatches, schedule.virtual_stages, packed,
+                                      schedule.name)
     return InFlight(tuple(peaks), tuple(awaiting))
 
 
 def in_flight_per_chunk(schedule: Schedule) -> list[int]:
-    """Per chunk, the most microbatches whose activations it holds at once: its rank's actions
-    walked in order, +1 at the chunk's forward, -1 at its backward (at the weight-gradient half
-    for a split backward, which is the last to read them). With one chunk per rank it is the C++
-    core's per-rank `in_flight` (tested); the cut's memory bound reads it per chunk."""
-    peak = [1] * schedule.num_chunks
-    for actions in schedule.ranks:
-        done = Kind.W if any(a.kind is Kind.W for a in actions) else Kind.B
-        live = [0] * schedule.num_chunks
-        for a in actions:
-            if a.kind is Kind.F:
-                live[a.chunk] += 1
-                peak[a.chunk] = max(peak[a.chunk], live[a.chunk])
-            elif a.kind is done:
-                live[a.chunk] -= 1
-    return peak
+    """Per chunk, the most microbatches whose activations it holds at once (at least 1), counted
+    by the C++ core with its per-rank `in_flight`: +1 at the chunk's forward, -1 at its backward
+    (at the weight-gradient half for a split backward, the last to read them). The cut's memory
+    bound reads it."""
+    packed = _pack(schedule)
+    _, _, per_chunk = _C.in_flight(schedule.pp, schedule.microbatches, schedule.virtual_stages,
+                                   packed, schedule.name)
+    return [max(1, n) for n in per_chunk]
 
 
 Costs = Union[float, Sequence[float]]

@@ -98,10 +98,10 @@ PYBIND11_MODULE(_C, m) {
       "in_flight",
       [](int pp, int microbatches, int virtual_stages, const Packed& ranks, const std::string& name) {
         const InFlight memory = in_flight(unpack(name, pp, microbatches, virtual_stages, ranks));
-        return py::make_tuple(memory.peak_in_flight, memory.peak_awaiting_weight_grad);
+        return py::make_tuple(memory.peak_in_flight, memory.peak_awaiting_weight_grad, memory.peak_per_chunk);
       },
       py::arg("pp"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("ranks"), py::arg("name") = "",
-      "(peak_in_flight, peak_awaiting_weight_grad) per rank of a packed schedule.");
+      "(peak_in_flight, peak_awaiting_weight_grad) per rank and peak in flight per chunk of a packed schedule.");
 
   py::class_<SimResult>(m, "SimResult")
       .def_readonly("makespan", &SimResult::makespan)

@@ -44,12 +44,20 @@ void check_costs(const Schedule& s, const Costs& c) {
 }  // namespace
 
 InFlight in_flight(const Schedule& s) {
-  InFlight result{std::vector<int>(s.pp, 0), std::vector<int>(s.pp, 0)};
+  InFlight result{std::vector<int>(s.pp, 0), std::vector<int>(s.pp, 0),
+                  std::vector<int>(s.num_chunks(), 0)};
+  std::vector<int> chunk_live(s.num_chunks(), 0);
   for (int r = 0; r < s.pp; ++r) {
     int live = 0, awaiting_w = 0;
     for (const Action& a : s.ranks[r]) {
-      if (a.kind == Kind::F) result.peak_in_flight[r] = std::max(result.peak_in_flight[r], ++live);
-      if (a.kind == Kind::B || a.kind == Kind::W) --live;
+      if (a.kind == Kind::F) {
+        result.peak_in_flight[r] = std::max(result.peak_in_flight[r], ++live);
+        result.peak_per_chunk[a.chunk] = std::max(result.peak_per_chunk[a.chunk], ++chunk_live[a.chunk]);
+      }
+      if (a.kind == Kind::B || a.kind == Kind::W) {
+        --live;
+        --chunk_live[a.chunk];
+      }
       if (a.kind == Kind::I) result.peak_awaiting_weight_grad[r] = std::max(result.peak_awaiting_weight_grad[r], ++awaiting_w);
       if (a.kind == Kind::W) --awaiting_w;
     }

@@ -37,6 +37,7 @@ SimResult simulate(const Schedule& s, Costs costs);
 struct InFlight {
   std::vector<int> peak_in_flight;
   std::vector<int> peak_awaiting_weight_grad;
+  std::vector<int> peak_per_chunk;  // per chunk: most of its microbatches awaiting their W or B
 };
 InFlight in_flight(const Schedule& s);
 std::vector<int> peak_in_flight(const Schedule& s);

@@ -385,16 +385,36 @@ def test_no_memory_change_when_the_compute_cut_fits(gpt7):
         assert a.chunk_of == b.chunk_of
 
 
-@pytest.mark.parametrize("name,pp,m", [("1f1b", 4, 8), ("1f1b", 4, 2), ("gpipe", 3, 5),
-                                       ("zb-h1", 4, 8), ("interleaved-1f1b", 2, 4)])
-def test_in_flight_per_chunk_matches_the_schedule_core(name, pp, m):
-    """Per chunk, the microbatches held at once: 1F1B keeps min(pp - rank, m) on rank `rank`;
-    for one chunk per rank, the C++ core's per-rank count; interleaved, per rank the chunks'
-    counts bound the rank's."""
+def _walked(schedule) -> list[int]:
+    """Per chunk, the most microbatches alive, walking each rank's actions here: +1 at F, -1 at
+    the backward that reads them last, per microbatch: its B, or its W where it is split (I then
+    W). DualPipeV does both on one rank (B for some microbatches, I and W for others): a walk
+    that released only at W there counted 8 of 8 microbatches alive on every rank."""
+    peak, live = [0] * schedule.num_chunks, {}
+    for actions in schedule.ranks:
+        for a in actions:
+            key = (a.chunk, a.microbatch)
+            if str(a.kind) == "F":
+                live[key] = True
+            elif str(a.kind) in ("B", "W"):
+                live.pop(key)
+            alive = [c for c, _ in live]
+            for c in set(alive):
+                peak[c] = max(peak[c], alive.count(c))
+    return peak
+
+
+@pytest.mark.parametrize("name,pp,m,v", [("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 3, 5, 1),
+                                         ("zb-h1", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2),
+                                         ("zb-v", 2, 8, 2), ("dualpipe-v", 4, 8, 2)])
+def test_in_flight_per_chunk_matches_the_schedule_core(name, pp, m, v):
+    """Per chunk, the microbatches held at once, as the C++ core counts them: the actions walked
+    here; 1F1B keeps min(pp - rank, m) on rank `rank`; for one chunk per rank, the core's
+    per-rank count; with several, per rank the chunks' counts bound the rank's."""
     from autopart.schedule import in_flight, in_flight_per_chunk
-    v = 2 if name.startswith("interleaved") else 1
     schedule = make_schedule(name, pp, m, v)
     got = in_flight_per_chunk(schedule)
+    assert got == _walked(schedule)
     core = in_flight(schedule).peak_in_flight
     if name == "1f1b":
         assert got == [min(pp - r, m) for r in range(pp)]

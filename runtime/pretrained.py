@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from autopart.errors import AutopartError
-from autopart.localize import rank_cuts
+from autopart.localize import rank_cuts, rank_ranges
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -195,33 +195,6 @@ def _safetensors_files(files, where: str) -> SafetensorsCheckpoint:
 
 
 # -- which slice a rank holds --------------------------------------------------------------------
-
-def rank_ranges(shape: tuple, cuts) -> list[list[tuple[int, int]]]:
-    """Per dim, the (start, stop) ranges of the full tensor that make this rank's slice, in
-    order: `cuts` as autopart.localize.rank_cuts gives them (the same arithmetic as
-    shard_tensor: each section split in `size` chunks of ceil(section / size))."""
-    ranges = [[(0, n)] for n in shape]
-    for sh, size, rank in cuts:
-        segments, out, offset = ranges[sh.dim], [], 0
-        for section in sh.sections:
-            step = -(-section // size)
-            lo, hi = offset + min(rank * step, section), offset + min((rank + 1) * step, section)
-            out += _logical(segments, lo, hi)
-            offset += section
-        ranges[sh.dim] = out
-    return ranges
-
-
-def _logical(segments, lo: int, hi: int) -> list[tuple[int, int]]:
-    """[lo, hi) of the concatenation of `segments`, as ranges of the full tensor."""
-    out, base = [], 0
-    for a, b in segments:
-        s, e = max(lo, base), min(hi, base + b - a)
-        if s < e:
-            out.append((a + s - base, a + e - base))
-        base += b - a
-    return out
-
 
 def read_ranges(ckpt, key: str, ranges) -> torch.Tensor:
     """The tensor made of `ranges` of checkpoint tensor `key` (one read per block)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from autopart.errors import AutopartError
+from autopart.localize import section_range
 from dataclasses import dataclass
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -31,10 +32,10 @@ class Slices:
 
 
 def _ranges(length: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, size) of torch.chunk(parts)[index] of `length` elements (the runtime's split)."""
-    step = -(-length // parts)
-    start = min(step * index, length)
-    return start, max(0, min(step, length - start))
+    """(start, size) of part `index` of `length` elements cut in `parts`, by the one slice
+    arithmetic (autopart.localize.section_range, what shard_tensor cuts by)."""
+    start, stop = section_range(length, parts, index)
+    return start, stop - start
 
 
 def layout(name: str, shape: tuple, plan, coords: dict, mesh, ep_rank: int | None = None
