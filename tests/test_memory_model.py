@@ -257,6 +257,24 @@ def test_the_cut_and_the_planner_count_state_by_the_tables_rule(zero):
     assert 0 <= table_state - cut <= slack, (table, cut)
 
 
+
+@pytest.mark.parametrize("name,pp,m,v", [("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1),
+                                         ("interleaved-1f1b", 2, 4, 2), ("zb-v", 2, 8, 2),
+                                         ("dualpipe-v", 4, 8, 2)])
+def test_the_tables_walk_counts_in_flight_as_the_schedule_core(name, pp, m, v):
+    """With one byte saved per microbatch and chunk, the table's activation peak on each rank is
+    the C++ core's peak in flight (autopart.schedule.in_flight). DualPipeV's ranks release some
+    microbatches at B and others at W; a walk that released only at W there counted 8."""
+    from autopart.memory import ChunkActivations, activation_peak
+    from autopart.schedule import in_flight, make_schedule
+    schedule = make_schedule(name, pp, m, v)
+    core = in_flight(schedule).peak_in_flight
+    acts = {c: ChunkActivations(1) for c in range(schedule.num_chunks)}
+    for r, actions in enumerate(schedule.ranks):
+        peak, _ = activation_peak(actions, acts, 1, 1)
+        assert peak == core[r], (r, peak, core)
+
+
 # -- repeated chunks share one fake run ----------------------------------------------------------
 
 @pytest.mark.parametrize("recompute,pp,v", [("none", 4, 1), ("full", 4, 1), ("selective", 2, 2)])

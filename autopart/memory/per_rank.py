@@ -99,8 +99,8 @@ def activation_peak(actions, acts: dict[int, ChunkActivations], b: int, s: int |
     backward reruns recomputed regions, that microbatch holds up to its `transient` instead."""
     at = {c: evaluate(a.saved, b, s) for c, a in acts.items()}
     rerun = {c: evaluate(a.transient, b, s) for c, a in acts.items()}
-    kinds = {str(a.kind) for a in actions}
-    release = "W" if "W" in kinds else "B"
+    # a microbatch's activations go at its B, or at its W when its backward is split (I keeps
+    # what W reads); DualPipeV mixes both on one rank, as the C++ core's in_flight counts them
     alive, live, peak, where = {}, 0.0, 0.0, {}
     for a in actions:
         kind = str(a.kind)
@@ -113,7 +113,7 @@ def activation_peak(actions, acts: dict[int, ChunkActivations], b: int, s: int |
             during = live - at[a.chunk] + max(at[a.chunk], rerun[a.chunk])
             if during > peak:
                 peak, where = during, dict(alive)
-        if kind == release:
+        if kind in ("B", "W"):
             alive[a.chunk] -= 1
             live -= at[a.chunk]
     return peak, where
