@@ -451,15 +451,20 @@ class _MemoryModel:
         ranks = self.chunk_ranks or range(len(parts) + 1)
         shared = max(list(ranks).count(r) for r in set(ranks))
         lo, hi = self.budget / shared, self.budget
-        first = fitting(hi)
-        if first is not None or shared == 1:
-            return first
-        if fitting(lo) is None:
+        best = fitting(hi)
+        if best is not None or shared == 1:
+            return best
+        best = fitting(lo)
+        if best is None:
             return None
         for _ in range(12):        # the per-rank sum need not be monotone: keep what fits
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if fitting(mid) is not None else (lo, mid)
-        return fitting(lo)
+            cut = fitting(mid)
+            if cut is None:
+                hi = mid
+            else:
+                lo, best = mid, cut
+        return best
 
     def _rank_peak(self, edges, cut) -> float:
         """The most bytes a pipeline rank holds under `cut` (segment indices): its chunks' sum."""

@@ -3,7 +3,8 @@ weights and optimizer state, by optimizer and ZeRO level.
 
 Three readers ask it at three levels of detail, and none of them spells the rule again:
 
-    the memory table   per tensor, on the compiled programs (per_rank.state_bytes: `Held.of`)
+    the memory table   per tensor, on the compiled programs (per_rank.state_bytes builds a
+                       `Held` from the rank's tensors)
     the pipeline cut   per parameter byte, before any program exists (passes/cut_pipeline_stages.py:
                        `copies_per_byte`)
     the planner        per element of a model profile, for layouts never compiled
@@ -43,11 +44,10 @@ class Held:
     master_size: int = 0     # zero=0: bytes per element of a separate master copy
 
     @classmethod
-    def uniform(cls, elements: float, shards: float, *, param_size: float, grad_size: float,
+    def uniform(cls, elements: float, part: float, *, param_size: float, grad_size: float,
                 master_size: int = 0, gathered: float = 0.0, stepped: int = 0) -> "Held":
-        """Trainable parameters of one dtype, `elements` of them, sliced over `shards` ranks
-        (the planner's layouts; the cut per byte)."""
-        part = elements / shards
+        """Trainable parameters of one dtype, `elements` of them, `part` of them in this rank's
+        ZeRO slice (the planner's layouts; the cut per byte)."""
         return cls(params=elements * param_size, trainable=elements * param_size,
                    grads=elements * grad_size, elements=elements, slice=part,
                    slice_grads=part * grad_size,
@@ -75,5 +75,5 @@ def copies_per_byte(optimizer: str, zero: int, shards: int) -> float:
     """State bytes a rank keeps per byte of fp32 trainable parameter it holds (the cut's estimate,
     before any program exists; zero=3's gathered layers and Adam's `step` scalars left out):
     adam 4, adam with zero=1 over 2 ranks 2 + 3/2."""
-    return sum(state(Held.uniform(0.25, shards, param_size=4, grad_size=4), optimizer,
+    return sum(state(Held.uniform(0.25, 0.25 / shards, param_size=4, grad_size=4), optimizer,
                      zero).values())

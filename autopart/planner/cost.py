@@ -288,9 +288,9 @@ class CostModel:
             # the memory table's rule (autopart/memory/state.py) on the profile's elements:
             # ZeRO slices over dp * cp (experts over dp/ep * cp); zero=3 holds two layers
             # gathered (the one in use, the one prefetched)
-            sliced = self.sharded(lay, params, self.params_on(lay, rank, True))
-            row = state(Held.uniform(params, params / sliced if sliced else 1, param_size=pb,
-                                     grad_size=gb, master_size=mb,
+            sliced = (self.sharded(lay, params, self.params_on(lay, rank, True)) if lay.zero
+                      else params)
+            row = state(Held.uniform(params, sliced, param_size=pb, grad_size=gb, master_size=mb,
                                      gathered=2 * parts["layer"].params * pb),
                         self.optimizer, lay.zero)
             row.update(activations=acts, buffers=buffers)
