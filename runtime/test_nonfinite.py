@@ -9,12 +9,11 @@ from autopart.runtime import nonfinite
 
 @pytest.mark.parametrize("where", [0, 999, 1000, 1001, 4999])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_blocks_miss_no_element(where, bad):
+def test_no_element_is_missed(where, bad):
     t = torch.ones(50, 100)
-    assert nonfinite._all_finite(t, block=1000)
+    assert nonfinite._nonfinite_grads({"w": t}) == []
     t.view(-1)[where] = bad
-    assert not nonfinite._all_finite(t, block=1000)
-    assert not nonfinite._all_finite(t)                      # the default block: one block
+    assert nonfinite._nonfinite_grads({"w": t}) == ["w"]
 
 
 def test_local_problems_names_the_gradient():
@@ -29,15 +28,14 @@ def test_local_problems_names_the_gradient():
 
 def test_a_non_contiguous_gradient():
     g = torch.ones(40, 30).t()                               # a transposed view
+    assert nonfinite._nonfinite_grads({"g": g}) == []
     g[29, 39] = float("inf")
-    assert not nonfinite._all_finite(g, block=7)
-    assert nonfinite._all_finite(torch.ones(40, 30).t(), block=7)
+    assert nonfinite._nonfinite_grads({"g": g}) == ["g"]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_small_gradients_are_checked_together_and_named(bad):
-    """Gradients of at most `block` elements go through one multi-tensor max-norm; the names
-    found are exactly the bad ones, whatever the dtype, above or below the block size."""
+def test_the_bad_gradients_are_named(bad):
+    """The names found are exactly the bad ones, whatever the dtype, size or layout."""
     params = {}
     for i, (shape, dtype) in enumerate([((3, 4), torch.float32), ((5,), torch.bfloat16),
                                         ((40, 30), torch.float32), ((7,), torch.float32)]):
@@ -46,12 +44,11 @@ def test_small_gradients_are_checked_together_and_named(bad):
         params[f"p{i}"] = p
     grads = {name: p.grad for name, p in params.items()}
     grads["none"] = None                                       # no gradient: skipped
-    assert nonfinite._nonfinite_grads(grads, block=100) == []
+    assert nonfinite._nonfinite_grads(grads) == []             # 1e30: large, finite
     params["p1"].grad[4] = bad
-    params["p2"].grad.t()[29, 39] = bad                        # above the block: blockwise
+    params["p2"].grad.t()[29, 39] = bad
     params["p3"].grad[0] = bad
-    assert sorted(nonfinite._nonfinite_grads(grads, block=100)) == ["p1", "p2", "p3"]
-    assert sorted(nonfinite._nonfinite_grads(grads)) == ["p1", "p2", "p3"]   # all small
+    assert sorted(nonfinite._nonfinite_grads(grads)) == ["p1", "p2", "p3"]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -77,3 +74,18 @@ def test_local_flag_sees_every_non_finite_value_without_a_host_sync(bad, where, 
         flags.append(nonfinite.local_flag(losses, grads, torch.device("cpu")))
         monkeypatch.undo()
     assert [f.item() for f in flags] == [0.0, 1.0]
+
+
+def test_the_check_leaves_every_gradient_as_it_was():
+    """local_flag's kernel writes each element back times 1.0: bit for bit the same values,
+    signed zeros, subnormals, the largest floats and NaN payloads included, in every dtype."""
+    special = [0.0, -0.0, 1e-45, -1e-40, 3.4e38, -3.4e38, 1.5, float("nan"), float("inf")]
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        grads[str(dtype)] = torch.tensor(special, dtype=torch.float64).to(dtype)
+    grads["transposed"] = torch.randn(7, 5).t()
+    before = {n: g.clone() for n, g in grads.items()}
+    assert nonfinite.local_flag([torch.tensor(1.0)], grads, torch.device("cpu")).item() == 1.0
+    for n, g in grads.items():
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()]
+        assert torch.equal(g.contiguous().view(bits), before[n].contiguous().view(bits)), n
