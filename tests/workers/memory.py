@@ -10,7 +10,9 @@ bitwise-equal losses, gradients and parameters (dropout on: torch's checkpoint r
                over the whole train_step, each storage counted once while any saved reference to
                it is alive (weights excluded), plus, while a recomputed region reruns in backward,
                the storages its rerun saves (counted by a hook pushed on top of checkpoint's own,
-               delegating to it). Why hooks, not the profiler's memory events: the hooks count
+               delegating to it), plus what the split I/W programs of zero-bubble schedules keep
+               outside autograd (the executor's ctx.saved from F to I and ctx.for_weight from I
+               to W, counted while the executor holds them: _Held). Why hooks, not the profiler's memory events: the hooks count
                exactly what backward needs, and not the transient temporaries (gradient buffers,
                matmul outputs) that come and go inside one op, which the model does not claim;
   state        the storages of the rank's parameters and buffers, their .grad, and every tensor
@@ -206,6 +208,45 @@ class _CountRerun(nn.Module):
             self.live.peak = max(self.live.peak, self.live.live + sum(extra.values()))
 
 
+class _Held(dict):
+    """The executor's ctx.saved or ctx.for_weight under measurement: while it holds a
+    microbatch's values, their storages count as live (split programs run with autograd off and
+    keep what backward reads here, where the saved-tensor hooks cannot see it)."""
+
+    def __init__(self, live: _Live):
+        super().__init__()
+        self.live, self.held = live, {}
+
+    def __setitem__(self, key, value) -> None:
+        self._release(key)
+        super().__setitem__(key, value)
+        tensors = [t for t in (value or ()) if isinstance(t, torch.Tensor)]
+        self.held[key] = [k for k in map(self.live.add, tensors) if k is not None]
+
+    def pop(self, key, *default):
+        self._release(key)
+        return super().pop(key, *default)
+
+    def _release(self, key) -> None:
+        for k in self.held.pop(key, ()):
+            self.live.drop(k)
+
+
+def _instrument_split(live: _Live):
+    """Make every StepContext's saved / for_weight a _Held (patches runtime/step.py's
+    run_actions for the duration of the returned context)."""
+    from unittest import mock
+
+    import autopart.runtime.step as step
+
+    run = step.run_actions
+
+    def counted(actions, ctx):
+        ctx.saved, ctx.for_weight = _Held(live), _Held(live)
+        return run(actions, ctx)
+    return mock.patch.object(step, "run_actions", counted)
+
+
 def _instrument_reruns(pm, live: _Live) -> None:
     from autopart.runtime.executable import executable
     for c in pm.program.chunks:
@@ -229,7 +270,10 @@ def measure_memory(rank: int, world: int, cases: list) -> list[dict]:
         held = [t for c in pm.program.chunks for t in list(c.gm.parameters()) + list(c.gm.buffers())]
         live = _Live({t.untyped_storage().data_ptr() for t in held})
         _instrument_reruns(pm, live)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, live), lambda s: s.t):
+        from autopart.runtime.executor import PATHS
+        PATHS.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, live), lambda s: s.t), \
+                _instrument_split(live):
             pm.train_step(x, target=y)
         measured = {
             "params": _storages(held),
@@ -238,7 +282,8 @@ def measure_memory(rank: int, world: int, cases: list) -> list[dict]:
             "activations": live.peak}
         out.append({"case": case.name, "rank": rank, "measured": measured,
                     "predicted": pm.compiled.memory[rank],
-                    "coords": pm.coords})
+                    "coords": pm.coords,
+                    "split": sum(n for (path, _), n in PATHS.items() if path == "split")})
         opt.step(), opt.zero_grad(set_to_none=True)
     return out
 
