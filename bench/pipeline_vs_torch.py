@@ -6,6 +6,9 @@
 Two rank processes (Gloo, one thread each) run, per schedule, four things in turn, step after
 step in one run so that the machine's noise hits all of them alike:
   autopart   ParallelModel.train_step on the global batch
+  nccl-lowered  the same model, its action list lowered as for NCCL (receives hoisted only where
+             the validator proves it, autopart/schedule.py hoist_receives) instead of Gloo's
+             early posts: what the Gloo lowering gains, paired round by round ("lowering" column)
   torch      torch.distributed.pipelining: one PipelineStage per autopart chunk, built by splitting
              the GPT at the layer boundaries autopart chose, driven by Schedule1F1B /
              ScheduleInterleaved1F1B with the same loss function
@@ -208,6 +211,14 @@ def floor_step(pipe: TorchPipe, tokens, targets, m: int, hidden: torch.Tensor) -
                 out.backward(hidden)
 
 
+def nccl_lowering(pm):
+    """`pm` running the action list lowered as for NCCL, whatever its device (the bench's A/B
+    of the lowering; the runtime picks the lowering by the tensors' device)."""
+    from autopart.schedule import hoist_receives
+    pm._step.actions = hoist_receives(pm.compiled.schedule).ranks[pm.coords["pp"]]
+    return pm
+
+
 # -- one rank ----------------------------------------------------------------------------------------
 def _timed(fn, *args, sync: bool = True) -> tuple[float, float]:
     """(wall, cpu) seconds of fn(*args); cpu is the calling thread's CPU time: the runtime's own
@@ -240,11 +251,16 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
                                   target=targets, microbatches=m, schedule=name, virtual_stages=v)
         compile_s = time.perf_counter() - t0
         pipe = torch_pipeline(t_model, pm.compiled, pm.coords["pp"], m, name)
+        nccl_lowered = nccl_lowering(autopart.parallelize(
+            copy.deepcopy(plain), autopart.Mesh(pp=PP), (tokens,), loss_fn=lm_loss,
+            target=targets, microbatches=m, schedule=name, virtual_stages=v))
         check = check_equal_work(plain, pm, pipe, tokens, targets, opts["tol"])
 
         ap_params, t_params, p_params = list(pm.parameters()), pipe.params, list(plain.parameters())
         runners = {   # every rank runs these together, each step starting at a barrier
             "autopart": (lambda: pm.train_step(tokens, target=targets), ap_params),
+            "nccl-lowered": (lambda: nccl_lowered.train_step(tokens, target=targets),
+                             list(nccl_lowered.parameters())),
             "torch": (lambda: torch_step(pipe, tokens, targets), t_params),
             "floor": (lambda: floor_step(pipe, tokens, targets, m, hidden), t_params),
         }
@@ -289,9 +305,12 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
                              else [1e3 * x[0]] * 3 for k, x in wall.items()},
             "autopart_ms_all": [1e3 * t for t in wall["autopart"]],
             "torch_ms_all": [1e3 * t for t in wall["torch"]],
+            "nccl_lowered_ms_all": [1e3 * t for t in wall["nccl-lowered"]],
+            "lowering": statistics.median(a / b for a, b in zip(wall["autopart"],
+                                                                 wall["nccl-lowered"])),
             "load_before": load, "load_after": os.getloadavg()[0],
             "compile_s": compile_s, "check": check})
-        del pm, pipe
+        del pm, pipe, nccl_lowered
     return {"results": results}
 
 
@@ -304,21 +323,25 @@ def table(opts: dict, results: list[dict]) -> str:
              f"{opts['steps']} steps after {opts['warmup']} warm-up, autopart/torch/floor/plain in turn",
              "",
              f"{'schedule':<20}{'autopart':>9}{'torch':>8}{'ratio':>7}{'cpu ratio':>10}"
-             f"{'plain':>8}{'ideal':>8}{'floor':>8}{'autopart':>10}{'torch':>8}{'floor':>8}",
+             f"{'plain':>8}{'ideal':>8}{'floor':>8}{'autopart':>10}{'torch':>8}{'floor':>8}"
+             f"{'lowering':>10}",
              f"{'':<20}{'ms':>9}{'ms':>8}{'':>7}{'':>10}{'ms':>8}{'ms':>8}{'ms':>8}"
-             f"{'share':>10}{'share':>8}{'share':>8}"]
+             f"{'share':>10}{'share':>8}{'share':>8}{'':>10}"]
     for r in results:
         name = r["schedule"] + (f" v={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
         lines.append(f"{name:<20}{r['autopart_ms']:>9.1f}{r['torch_ms']:>8.1f}{r['ratio']:>7.2f}"
                      f"{r['cpu_ratio']:>10.2f}{r['plain_ms']:>8.1f}{r['ideal_ms']:>8.1f}"
                      f"{r['floor_ms']:>8.1f}{100 * r['autopart_share']:>9.1f}%"
-                     f"{100 * r['torch_share']:>7.1f}%{100 * r['floor_share']:>7.1f}%")
+                     f"{100 * r['torch_share']:>7.1f}%{100 * r['floor_share']:>7.1f}%"
+                     f"{r['lowering']:>10.3f}")
     lines += [
         "",
         "ratio      autopart / torch step time (wall, slowest rank); cpu ratio: the same for the",
         "           main thread's CPU time (what the runtime itself costs, waiting excluded)",
         "ideal      plain / pp * (1 + (pp-1)/(v*m)), plain = the unsplit model's forward+backward on",
         "           the whole global batch on one rank; share = ideal / step time",
+        "lowering   median of the per-round ratios autopart / the same model with NCCL's lowering",
+        "           of its action lists (Gloo's early receive posts against validated hoisting)",
         "floor      the rank's chunks run eagerly microbatch by microbatch, no communication: the",
         "           compute any runtime must do at this microbatch size; floor share = ideal /",
         "           (floor * (1 + bubble)), the best share a pipeline of eager chunks can reach"]

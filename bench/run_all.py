@@ -52,8 +52,13 @@ def _per_round(a: list[float], b: list[float]) -> list[float]:
 
 
 def _pipeline(out: dict) -> dict:
-    return {f"pp {r['schedule']}": _per_round(r["autopart_ms_all"], r["torch_ms_all"])
+    rows = {f"pp {r['schedule']}": _per_round(r["autopart_ms_all"], r["torch_ms_all"])
             for r in out["results"]}
+    for r in out["results"]:        # runs before 2026-11-29 had no NCCL-lowered side
+        if "nccl_lowered_ms_all" in r:
+            rows[f"pp {r['schedule']} / nccl-lowered"] = _per_round(
+                r["autopart_ms_all"], r["nccl_lowered_ms_all"])
+    return rows
 
 
 def _zero_bubble(out: dict) -> dict:
@@ -94,7 +99,12 @@ BENCHMARKS = [
           {"pp 1f1b": "autopart / torch.distributed.pipelining step (Schedule1F1B), pp=2, GPT 8 "
                       "layers n_embd=64, 32 microbatches of 1",
            "pp interleaved-1f1b": "the same, interleaved 1F1B v=2 (ScheduleInterleaved1F1B)"},
-          _pipeline),
+          _pipeline,
+          optional={f"pp {s} / nccl-lowered": "autopart's step with the action lists "
+                    "lowered for Gloo (receives posted early) / the same model lowered for NCCL "
+                    "(receives hoisted where the validator proves it), paired rounds, " + what
+                    for s, what in (("1f1b", "the pp 1f1b model"),
+                                    ("interleaved-1f1b", "the pp interleaved model"))}),
     Bench("tp", "tp_vs_dtensor.py", lambda r: ["--steps", str(r)],
           {"tp=2": "autopart / DTensor parallelize_module step (fwd+bwd+SGD), HF Llama 4 layers "
                    "h=256, batch 8x128"},

@@ -15,8 +15,9 @@ orders the transfer, so a rank never idles until its peer has posted the matchin
 NCCL a wait only orders the compute stream after the transfer, so the host never blocks; with
 Gloo it blocks until the data is there. NCCL also returns one work for a whole batch where Gloo
 returns one per op (_Batch): a receive is waited on through whichever work covers it.
-The lists it runs are lowered first by autopart/schedule.py `hoist_receives` (receives moved earlier,
-before the computes that precede their use, where the validator proves that safe).
+The lists it runs are lowered first by autopart/schedule.py `hoist_receives`: receives posted
+earlier, before the computes that precede their use (for NCCL where the validator proves it safe;
+for Gloo, whose posts never wait, right after the compute reading the receive two before).
 
 With data parallelism, `ctx.grads` (runtime/gradients.py StepBuckets) is told before and after
 each compute, so that gradient buckets are all-reduced as soon as the backward finishes them;

@@ -73,8 +73,11 @@ class ParallelModel:
             self.inductor = SegmentCompiler(cudagraphs=compile == "cudagraphs")
             self.program = compile_rank_program(self.program, self.inductor)
         self._params = self.program.parameters()
-        # receives posted before the computes that precede their use, where provably safe
-        actions = hoist_receives(compiled.schedule).ranks[self.coords["pp"]]
+        # receives posted before the computes that precede their use, where provably safe; on
+        # CPU tensors (Gloo: a work per operation, posts that never wait) as early as one
+        # receive buffer ahead allows
+        actions = hoist_receives(compiled.schedule, independent_posts=device.type == "cpu"
+                                 ).ranks[self.coords["pp"]]
         self._trace = Recorder(trace, rank, self.mesh.world_size) if trace else None
         self._step = StepDriver(plan, self.program, actions, compiled.program.inputs,
                                 self._groups.pp, device, trace=self._trace,
