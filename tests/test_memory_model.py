@@ -39,16 +39,16 @@ CASES_BF16 = [MemCase("gpt8-pp2-1f1b-none-bf16", pp=2, n_layer=8, precision="bf1
                       recompute="full", **M4)]
 # zero-bubble schedules: their split I/W programs keep what backward reads outside autograd (the
 # worker counts it, tests/workers/memory._Held); the full-recompute one runs I/W by autograd
+CASES_SPLIT_FAST = [MemCase("gpt8-pp2-zb-v-none", pp=2, n_layer=8, schedule="zb-v",
+                            virtual_stages=2, **M4)]
 CASES_SPLIT = [MemCase("gpt8-pp2-zb-h1-none", pp=2, n_layer=8, schedule="zb-h1", **M4),
-               MemCase("gpt8-pp2-zb-v-none", pp=2, n_layer=8, schedule="zb-v", virtual_stages=2,
-                       **M4),
                MemCase("gpt8-pp2-dualpipe-v-none", pp=2, n_layer=8, schedule="dualpipe-v",
                        virtual_stages=2, **M4),
                MemCase("gpt8-pp2-zb-h1-full", pp=2, n_layer=8, schedule="zb-h1",
                        recompute="full", **M4)]
-SPLIT = {c.name for c in CASES_SPLIT if c.recompute == "none"}     # must run split programs
+SPLIT = {c.name for c in CASES_SPLIT + CASES_SPLIT_FAST if c.recompute == "none"}   # run I/W programs
 GROUPS = {("mem", 4): CASES_4, ("mem", 2): CASES_2, ("mem-bf16", 2): CASES_BF16,
-          ("mem-split", 2): CASES_SPLIT}
+          ("mem-split", 2): CASES_SPLIT, ("mem-split-fast", 2): CASES_SPLIT_FAST}
 # the 2-rank groups only: the 4-rank one (37 s) runs in the full tier
 FAST = {"gpt8-pp2-interleaved-v2-none", "gpt8-pp2-interleaved-v2-full-momentum",
         "gpt8-pp2-zb-v-none"}
