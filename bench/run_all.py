@@ -105,6 +105,15 @@ BENCHMARKS = [
                     "(receives hoisted where the validator proves it), paired rounds, " + what
                     for s, what in (("1f1b", "the pp 1f1b model"),
                                     ("interleaved-1f1b", "the pp interleaved model"))}),
+    Bench("pipeline-compute", "pipeline_vs_torch.py",
+          lambda r: ["--steps", str(r), "--schedule", "1f1b", "--microbatches", "8",
+                     "--microbatch-size", "8", "--config",
+                     "tiny,n_layer=8,n_embd=256,n_head=8,block_size=32,vocab_size=512"],
+          {"pp 1f1b compute-bound": "autopart / torch.distributed.pipelining step (Schedule1F1B), "
+                                    "pp=2, GPT 8 layers n_embd=256, 8 microbatches of 8 (issue "
+                                    "34's compute-bound row; recorded from 2026-11-29)"},
+          lambda out: {f"{k} compute-bound": v for k, v in _pipeline(out).items()
+                       if k == "pp 1f1b"}),
     Bench("tp", "tp_vs_dtensor.py", lambda r: ["--steps", str(r)],
           {"tp=2": "autopart / DTensor parallelize_module step (fwd+bwd+SGD), HF Llama 4 layers "
                    "h=256, batch 8x128"},
