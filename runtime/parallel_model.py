@@ -74,8 +74,8 @@ class ParallelModel:
             self.program = compile_rank_program(self.program, self.inductor)
         self._params = self.program.parameters()
         # receives posted before the computes that precede their use, where provably safe; on
-        # CPU tensors (Gloo: a work per operation, posts that never wait) as early as one
-        # receive buffer ahead allows
+        # CPU tensors (Gloo: a work per operation, posts that never wait) with up to two
+        # receive buffers waiting ahead of their use
         actions = hoist_receives(compiled.schedule, independent_posts=device.type == "cpu"
                                  ).ranks[self.coords["pp"]]
         self._trace = Recorder(trace, rank, self.mesh.world_size) if trace else None

@@ -12,8 +12,8 @@ bitwise-equal losses, gradients and parameters (dropout on: torch's checkpoint r
                the storages its rerun saves (counted by a hook pushed on top of checkpoint's own,
                delegating to it), plus what the split I/W programs of zero-bubble schedules keep
                outside autograd (the executor's ctx.saved from F to I and ctx.for_weight from I
-               to W, counted while the executor holds them: _Held). Why hooks, not the profiler's memory events: the hooks count
-               exactly what backward needs, and not the transient temporaries (gradient buffers,
+               to W, counted while the executor holds them: _Held). Why hooks, not the
+               profiler's memory events: the hooks count exactly what backward needs, and not the transient temporaries (gradient buffers,
                matmul outputs) that come and go inside one op, which the model does not claim;
   state        the storages of the rank's parameters and buffers, their .grad, and every tensor
                in the optimizer's state, after the step.
