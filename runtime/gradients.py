@@ -244,6 +244,14 @@ class GradientReducer:
             return {n: g for lay in self.zero_layouts for n, g in lay.grad_views().items()}
         return {n: p.grad for n, p in self.params.items() if p.grad is not None}
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradients as the health check reads them: `.grad`, or under zero=2 each
+        layout's reduced slice whole (one tensor; named_grads' views are parts of it, and the rest
+        is zero padding)."""
+        if self.zero >= 2:
+            return [lay.grad for lay in self.zero_layouts if lay.grad is not None]
+        return [p.grad for p in self.params.values() if p.grad is not None]
+
     def set_aside(self) -> tuple:
         """What the gradients hold before a step (a train_step not yet zeroed, as after two
         loss.backward() calls), taken out: it was reduced then, and reducing it again would

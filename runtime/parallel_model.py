@@ -133,10 +133,10 @@ class ParallelModel:
             if self._trace is not None:
                 self._trace.end_step()
             self._grads.reduce()
-            flag = None if self.nonfinite == "ignore" else \
-                nonfinite.local_flag(ctx.losses, self._grads.named_grads(), self.device)
-            loss, self.last_stats, flagged = self._state.step_results(ctx.losses, scale, ctx.stats, flag, relearn)
-            if flagged is not None and flagged.item():   # the step's one host sync: before returning
+            check = None if self.nonfinite == "ignore" else self._grads.local_grads()
+            loss, self.last_stats, flagged = self._state.step_results(ctx.losses, scale, ctx.stats,
+                                                                      check, relearn)
+            if flagged:
                 mine = nonfinite.local_problems(ctx.losses, self._grads.named_grads(),
                                                 self.coords["pp"])
                 report = nonfinite.gather_report(self.steps, mine, self.rank, self._groups.world)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from autopart.ir import Plan, Program, RankProgram
 from autopart.localize import unshard_tensor
+from autopart.runtime import nonfinite
 
 
 def _p2p(op, tensor: torch.Tensor, peer: int, group) -> None:
@@ -40,23 +41,23 @@ class StateGatherer:
         self._stat_meta: list | None = None      # [(shape, dtype)] of the statistics outputs
 
     def step_results(self, losses: list[torch.Tensor], scale: float | None = None,
-                     per_microbatch: list[tuple] = (), flag: torch.Tensor | None = None,
-                     relearn: bool = False) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+                     per_microbatch: list[tuple] = (), check: list | None = None,
+                     relearn: bool = False) -> tuple[torch.Tensor, dict, bool | None]:
         """The step's global-batch loss (the microbatch losses, each times `scale`, default
         plan.loss_scale; runtime/step.py step_loss_scale), its statistics summed over the global
-        batch, and how many ranks flagged a non-finite value (`flag`: nonfinite.local_flag, None
-        when not checked), on every rank. One all-reduce of [loss, flag], one more per dtype of
-        the statistics; no host sync (`relearn`: the batch shapes changed, so the statistics'
-        shapes are gathered again: one all_gather_object)."""
+        batch, and whether a loss or a gradient (`check`: this rank's gradients, None when not
+        checked) was non-finite on any rank, on every rank. One all-reduce of [loss, flags], one
+        more per dtype of the statistics (`relearn`: the batch shapes changed, so the statistics'
+        shapes are gathered again: one all_gather_object); one host sync, only when checked."""
         total = torch.zeros(2, dtype=torch.float32, device=self.device)
         if self.holds_loss:
             scale = self.plan.loss_scale if scale is None else scale
             total[0] += torch.stack(losses).float().sum() * scale
-        if flag is not None:
-            total[1] = flag
+        if check is not None:
+            nonfinite.local_flag(check, total[1:])
         dist.all_reduce(total, group=self.groups.world)
         stats = self._stats(per_microbatch, relearn) if self.plan.stats else {}
-        return total[0], stats, (total[1] if flag is not None else None)
+        return total[0], stats, (nonfinite.flagged(total) if check is not None else None)
 
     def _stats(self, per_microbatch: list[tuple], relearn: bool) -> dict[str, torch.Tensor]:
         """The statistics outputs summed over the global batch (their shapes and dtypes are the

@@ -80,6 +80,32 @@ def test_nonfinite_loss_raises_with_the_step_stage_and_microbatch():
         assert "rank 0: the gradient of" in error, error
 
 
+def test_a_non_finite_loss_alone_is_found_from_the_reduced_loss():
+    """Only microbatch 1's loss is inf and every gradient is finite: no rank checks its losses
+    (the reduced global loss carries them), yet every rank raises, naming that microbatch."""
+    per_rank = spawn(nonfinite_loss, 2, "raise", "loss", timeout=240)
+    for r in per_rank:
+        assert len(r["losses"]) == 1 and len(r["errors"]) == 1, r
+        error = r["errors"][0]
+        assert "non-finite values at step 2" in error, error
+        assert "rank 1: the loss of microbatch 1 is inf (pipeline stage 1)" in error, error
+        assert "gradient" not in error and "microbatch 0" not in error, error
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_non_finite_gradients_under_a_finite_loss_are_found(zero):
+    """The loss is finite and the gradients NaN: found by each rank's check of its gradients
+    (`.grad`, or zero=2's reduced slices, each rank its own part), on every rank."""
+    per_rank = spawn(nonfinite_loss, 2, "raise", "grad", zero, timeout=240)
+    for r in per_rank:
+        assert len(r["losses"]) == 1 and len(r["errors"]) == 1, r
+        error = r["errors"][0]
+        assert "non-finite values at step 2" in error and "loss" not in error, error
+        assert "rank 0: the gradient of" in error, error
+        if zero:
+            assert "rank 1: the gradient of" in error, error
+
+
 def test_nonfinite_step_is_skipped_on_request():
     per_rank = spawn(nonfinite_loss, 2, "skip", timeout=240)
     for r in per_rank:

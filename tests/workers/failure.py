@@ -28,24 +28,39 @@ def mismatched_programs(rank: int, world: int, differ: str = "model") -> str:
         return f"AutopartError: {e}"
 
 
-def nonfinite_loss(rank: int, world: int, mode: str) -> dict:
-    """Three steps; in step 2 the final norm's weight (on the last pipeline rank) is NaN, so the
-    loss of every microbatch and every gradient upstream are NaN. Report or skip that step."""
+def nonfinite_loss(rank: int, world: int, mode: str, where: str = "norm", zero: int = 0) -> dict:
+    """Three steps; in step 2 something is non-finite: where="norm", the final norm's weight (on
+    the last pipeline rank) is NaN, so the loss of every microbatch and every gradient upstream
+    are NaN; where="loss", only microbatch 1's loss is +inf (the loss adds -log(0) when its
+    targets are all 0) while every gradient stays finite; where="grad", microbatch 1's loss stays
+    finite while the gradients are NaN (the loss adds sqrt(0 * out.sum() + 0) on targets all 0: a
+    zero value whose derivative is inf * 0). zero=2: data parallel over the ranks,
+    gradients in the optimizer's slices, instead of a pipeline. Report or skip that step."""
     import autopart
 
     case = Case("nan", pp=world, microbatches=2)
     model, loss_fn, inputs, target = build(case)
-    pm = autopart.parallelize(model, autopart.Mesh(pp=world), inputs, loss_fn=loss_fn,
-                              target=target, microbatches=2, timeout=timedelta(seconds=60),
-                              nonfinite=mode)
+    if where == "loss":
+        def loss_fn(out, y, _lm=loss_fn):    # + inf on targets all 0, + 0 (no gradient) else
+            return _lm(out, y) - (y != 0).any().float().log()
+    elif where == "grad":
+        def loss_fn(out, y, _lm=loss_fn):    # + 0 with NaN gradients on targets all 0, else + 1
+            return _lm(out, y) + (out.sum() * 0 + (y != 0).any().float()).sqrt()
+    mesh, layout = (autopart.Mesh(dp=world), dict(zero=zero)) if zero else \
+        (autopart.Mesh(pp=world), dict(microbatches=2))
+    pm = autopart.parallelize(model, mesh, inputs, loss_fn=loss_fn, target=target,
+                              timeout=timedelta(seconds=60), nonfinite=mode, **layout)
     norm = dict(pm.named_parameters()).get("transformer.ln_f.weight")
+    bad_target = target.clone()
+    bad_target[target.shape[0] // 2:] = 0                      # microbatch 1 of 2
     out = {"errors": [], "losses": [], "grads_after_skip": None}
     for step in (1, 2, 3):
-        if norm is not None:
+        if norm is not None and where == "norm":
             with torch.no_grad():
                 norm.fill_(float("nan") if step == 2 else 1.0)
+        y = bad_target if where != "norm" and step == 2 else target
         try:
-            out["losses"].append(float(pm.train_step(*inputs, target=target)))
+            out["losses"].append(float(pm.train_step(*inputs, target=y)))
         except autopart.AutopartError as e:
             out["errors"].append(str(e))
             break
