@@ -16,9 +16,10 @@ def chunk_rank(name: str, pp: int, virtual_stages: int, chunk: int) -> int: ...
 def placement_text(name: str, pp: int) -> str: ...
 def make_schedule(name: str, pp: int, microbatches: int, virtual_stages: int) -> Packed: ...
 def check(
-    pp: int, microbatches: int, virtual_stages: int, ranks: Packed, name: str = ""
+    pp: int, microbatches: int, virtual_stages: int, ranks: Packed, name: str = "", sends_wait: bool = True
 ) -> tuple[str, list[tuple[int, int]]] | None:
-    """None if valid, else (message, [(rank, step) of the offending actions])."""
+    """None if valid, else (message, [(rank, step) of the offending actions]); sends_wait=False:
+    deadlock-free under Gloo's semantics (posts never wait) rather than NCCL's."""
 
 def in_flight(
     pp: int, microbatches: int, virtual_stages: int, ranks: Packed, name: str = ""
@@ -56,5 +57,6 @@ def simulate(
     input_grad: list[float] = ...,
     weight_grad: list[float] = ...,
     name: str = "",
+    sends_wait: bool = True,
 ) -> SimResult: ...
 def balanced_partition(costs: list[float], k: int) -> list[int]: ...

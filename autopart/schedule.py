@@ -354,6 +354,7 @@ def simulate(
     *,
     input_grad_cost: Costs | None = None,
     weight_grad_cost: Costs | None = None,
+    sends_wait: bool = True,
 ) -> SimResult:
     """Discrete-event simulation of ``schedule`` as the runtime would execute it.
 
@@ -362,7 +363,16 @@ def simulate(
     I = W = B / 2; give ``input_grad_cost`` and ``weight_grad_cost`` to split it otherwise (B is
     then their sum; one of them alone takes the rest of B). A message takes
     ``latency + message_bytes / bandwidth`` once both sender and receiver have posted it; a rank's
-    batch ends when its last message does.
+    batch ends when its last message does (NCCL: a group's batches run in order on one stream).
+
+    ``sends_wait=False`` simulates the runtime on Gloo instead, where a post never waits: a rank
+    waits for nothing at a batch; the compute that reads a received tensor waits for it and for
+    every receive posted before it, the list's end for the rest and for its sends. Give it the
+    lists the runtime runs there, ``hoist_receives(schedule, independent_posts=True)`` (checked
+    deadlock-free under these semantics; NCCL's validator rejects their early receives). Fed the
+    action times measured in the same steps, it predicted each traced step of 1F1B, ZB-H1, ZB-V and
+    interleaved 1F1B at pp=2 within 1-5%, where NCCL's semantics over-predicted ZB-V by 8-11%
+    (bench/RESULTS.md 2026-11-29).
 
     >>> r = simulate(make_schedule("interleaved-1f1b", pp=4, microbatches=8, virtual_stages=2))
     >>> r.bubble == (4 - 1) / (2 * 8), r.peak_in_flight
@@ -377,10 +387,11 @@ def simulate(
     forward = _per_chunk(forward_cost, chunks, "forward_cost")
     backward, input_grad, weight_grad = _backward_costs(backward_cost, input_grad_cost, weight_grad_cost, chunks)
     packed = _pack(schedule)
-    _raise_problem(schedule, _check(schedule, packed))
+    _raise_problem(schedule, _check(schedule, packed, sends_wait))
     raw = _C.simulate(
         schedule.pp, schedule.microbatches, schedule.virtual_stages, packed, forward, backward,
         float(latency), float(bandwidth), float(message_bytes), input_grad, weight_grad, schedule.name,
+        sends_wait,
     )  # fmt: skip
     return SimResult(
         makespan=raw.makespan,
@@ -451,8 +462,8 @@ def _per_chunk(cost: Costs, chunks: int, what: str) -> list[float]:
     return costs
 
 
-def _check(schedule: Schedule, packed: list) -> tuple[str, list[tuple[int, int]]] | None:
-    return _C.check(schedule.pp, schedule.microbatches, schedule.virtual_stages, packed, schedule.name)
+def _check(schedule: Schedule, packed: list, sends_wait: bool = True) -> tuple[str, list[tuple[int, int]]] | None:
+    return _C.check(schedule.pp, schedule.microbatches, schedule.virtual_stages, packed, schedule.name, sends_wait)
 
 
 @functools.lru_cache(maxsize=256)

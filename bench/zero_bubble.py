@@ -52,46 +52,68 @@ for _name, _v, _cls in ROWS:     # torch_pipeline looks its class up in this tab
         pvt.SCHEDULES.setdefault(f"torch:{_cls}", (_v, _cls))
 
 
-def measured_costs(pm, trace_path: str, steps: int = 1) -> dict:
-    """`steps` traced steps of `pm`: per (chunk, kind) the median duration in ms, on every rank."""
+def measured_costs(pm, trace_path: str, steps: int = 1) -> list[dict]:
+    """`steps` traced steps of `pm`, on every rank: per step, its wall time (ms, from a barrier to
+    the slowest rank's return) and its per (chunk, kind) mean action time in ms ((-1, "SEND"):
+    posting a batch with sends). Means, not medians: a step's makespan is made of the sums of its
+    action times, which a median of a skewed spread under-states."""
     from autopart.runtime.trace import Recorder
     rec = Recorder(trace_path, dist.get_rank(), dist.get_world_size())
+    walls = []
     for _ in range(steps):
         pvt._zero(pm.parameters())
         pm._step.trace = rec      # these steps only: tracing costs a gather per step
-        pm.train_step(pm._bench_batch[0], target=pm._bench_batch[1])
+        walls.append(pvt._timed(lambda: pm.train_step(pm._bench_batch[0],
+                                                      target=pm._bench_batch[1]))[0])
         pm._step.trace = None
         rec.end_step()
+    t = torch.tensor(walls, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     rows = [None]
     if dist.get_rank() == 0:
-        per: dict = {}
+        per: list = [{} for _ in range(steps)]
         for e in json.loads(Path(trace_path).read_text())["traceEvents"]:
-            if e["ph"] == "X" and e["args"]["kind"] in ("F", "B", "I", "W"):
-                per.setdefault((e["args"]["chunk"], e["args"]["kind"]), []).append(e["dur"] / 1e3)
-            elif e["ph"] == "X" and e["args"]["kind"] in ("SEND_F", "SEND_B"):
-                per.setdefault((-1, "SEND"), []).append(e["dur"] / 1e3)
-        rows = [[(c, k, statistics.median(v)) for (c, k), v in per.items()]]
+            if e["ph"] != "X" or e["tid"] != 0:
+                continue
+            kind = e["args"]["kind"]
+            key = (e["args"]["chunk"], kind) if kind in ("F", "B", "I", "W") else \
+                (-1, "SEND") if kind in ("SEND_F", "SEND_B") else None
+            if key is not None:
+                per[e["args"]["step"]].setdefault(key, []).append(e["dur"] / 1e3)
+        rows = [[[(c, k, statistics.mean(v)) for (c, k), v in step.items()] for step in per]]
     dist.broadcast_object_list(rows, src=0)
-    return {(c, k): ms for c, k, ms in rows[0]}
+    return [{"wall_ms": 1e3 * w, "costs": {(c, k): ms for c, k, ms in step}}
+            for w, step in zip(t.tolist(), rows[0])]
 
 
 def predicted_ms(schedule, costs: dict) -> tuple[float, float]:
-    """(simulated step time from measured per-action costs, unit-cost bubble)."""
+    """(simulated step time from measured per-action costs, unit-cost bubble). The simulator
+    runs what the runtime runs here: the lists lowered for Gloo, under Gloo's semantics (a post
+    never waits, a compute waits for the receive it reads: sends_wait=False); NCCL's semantics
+    over-predicted ZB-V's step by 8-11% from the very action times of that step."""
     from autopart import schedule as sched
     n = schedule.num_chunks
     f = [costs[(c, "F")] for c in range(n)]
     # a message costs what posting one took (Gloo: the sending rank's own time), when measured
     latency = costs.get((-1, "SEND"), 0.0)
     if (0, "I") in costs:
-        i = [costs[(c, "I")] for c in range(n)]
-        w = [costs[(c, "W")] for c in range(n)]
-        sim = sched.simulate(schedule, forward_cost=f, latency=latency, input_grad_cost=i,
-                             weight_grad_cost=w)
+        halves = dict(input_grad_cost=[costs[(c, "I")] for c in range(n)],
+                      weight_grad_cost=[costs[(c, "W")] for c in range(n)])
     else:
-        sim = sched.simulate(schedule, forward_cost=f, latency=latency,
-                             backward_cost=[costs[(c, "B")] for c in range(n)])
+        halves = dict(backward_cost=[costs[(c, "B")] for c in range(n)])
+    sim = sched.simulate(sched.hoist_receives(schedule, independent_posts=True), forward_cost=f,
+                         latency=latency, sends_wait=False, **halves)
     unit = sched.simulate(schedule, forward_cost=1.0, input_grad_cost=1.0, weight_grad_cost=1.0)
     return sim.makespan, unit.bubble
+
+
+def sim_over_measured(schedule, traced: list[dict]) -> tuple[float, dict]:
+    """(median over the traced steps of simulated / measured step, each step simulated from its
+    own mean action times; the mean action times over all of them, for the table)."""
+    ratios = [predicted_ms(schedule, t["costs"])[0] / t["wall_ms"] for t in traced]
+    keys = traced[0]["costs"]
+    mean = {k: statistics.mean(t["costs"][k] for t in traced) for k in keys}
+    return statistics.median(ratios), mean
 
 
 def model_and_batch(opts: dict):
@@ -144,7 +166,8 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
         pvt._zero(pm.parameters())
         with tempfile.TemporaryDirectory() as tmp:
             keep = opts.get("trace_dir")
-            costs = measured_costs(pm, str(Path(keep or tmp) / f"{name}-v{v}.json"))
+            traced = measured_costs(pm, str(Path(keep or tmp) / f"{name}-v{v}.json"), steps=3)
+        sim_ratio, costs = sim_over_measured(pm.compiled.schedule, traced)
         predicted, bubble = predicted_ms(pm.compiled.schedule, costs)
         results.append({"schedule": name, "virtual_stages": v, "torch": torch_cls,
                         "autopart_ms": med["autopart"], "torch_ms": med.get("torch"),
@@ -152,7 +175,7 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
                         "floor_share": med["floor"] * (1 + bubble) / med["autopart"],
                         "torch_floor_share": (med["floor"] * (1 + bubble) / med["torch"]
                                               if torch_cls else None),
-                        "predicted_ms": predicted, "check": check,
+                        "predicted_ms": predicted, "sim_over_measured": sim_ratio, "check": check,
                         "costs_ms": {f"{c}{k}": round(x, 2) for (c, k), x in sorted(costs.items())}})
         del pm, pipe
     return {"results": results}
@@ -194,12 +217,13 @@ def paired_main(rank: int, world: int, opts: dict) -> dict:
         wall[k] = [1e3 * x for x in t.tolist()]
     # the simulator fed each schedule's measured action costs (5 traced steps after the rounds),
     # to set beside its measured step
-    predicted = {}
+    sim, measured = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for k, pm in pms.items():
-            costs = measured_costs(pm, str(Path(tmp) / "trace.json"), steps=5)
-            predicted[k] = predicted_ms(pm.compiled.schedule, costs)[0]
-    return {"paired": wall, "predicted": predicted}
+            sim[k], costs = sim_over_measured(
+                pm.compiled.schedule, measured_costs(pm, str(Path(tmp) / "trace.json"), steps=5))
+            measured[k] = {f"{c}{kind}": x for (c, kind), x in sorted(costs.items())}
+    return {"paired": wall, "sim_over_measured": sim, "costs": measured}
 
 
 def table(opts: dict, results: list[dict]) -> str:
@@ -209,9 +233,9 @@ def table(opts: dict, results: list[dict]) -> str:
              f"{cfg.block_size}); pp={PP}, Gloo, 1 thread/rank; {opts['microbatches']} microbatches "
              f"x {opts['microbatch_size']} sequences; medians of {opts['steps']} steps after "
              f"{opts['warmup']} warm-up", "",
-             f"{'schedule':<22}{'autopart':>9}{'predicted':>10}{'vs 1f1b':>8}{'torch':>8}"
-             f"{'ratio':>7}{'bubble':>8}{'floor':>8}{'autopart':>9}{'torch':>7}",
-             f"{'':<22}{'ms':>9}{'ms':>10}{'':>8}{'ms':>8}{'':>7}{'':>8}{'ms':>8}"
+             f"{'schedule':<22}{'autopart':>9}{'predicted':>10}{'sim/meas':>9}{'vs 1f1b':>8}"
+             f"{'torch':>8}{'ratio':>7}{'bubble':>8}{'floor':>8}{'autopart':>9}{'torch':>7}",
+             f"{'':<22}{'ms':>9}{'ms':>10}{'':>9}{'':>8}{'ms':>8}{'':>7}{'':>8}{'ms':>8}"
              f"{'share':>9}{'share':>7}"]
     for r in results:
         name = r["schedule"] + (f" v={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
@@ -219,12 +243,14 @@ def table(opts: dict, results: list[dict]) -> str:
             f"{'-':>8}{'-':>7}"
         ts = f"{100 * r['torch_floor_share']:>6.0f}%" if r["torch"] else f"{'-':>7}"
         lines.append(f"{name:<22}{r['autopart_ms']:>9.0f}{r['predicted_ms']:>10.0f}"
-                     f"{r['autopart_ms'] / base:>8.3f}{t}{r['bubble']:>8.3f}{r['floor_ms']:>8.0f}"
+                     f"{r['sim_over_measured']:>9.3f}{r['autopart_ms'] / base:>8.3f}{t}{r['bubble']:>8.3f}{r['floor_ms']:>8.0f}"
                      f"{100 * r['floor_share']:>8.0f}%{ts}")
     lines += ["", "torch: " + ", ".join(f"{r['schedule']} v={r['virtual_stages']} vs {r['torch']}"
                                         for r in results if r["torch"]),
               "vs 1f1b    autopart step time / autopart's own 1F1B; ratio = autopart / torch",
-              "predicted  the C++ simulator's makespan from this run's measured per-action times",
+              "predicted  the C++ simulator's makespan (Gloo's semantics) from this run's mean "
+              "per-action times; sim/meas: per traced step, simulated from that step's own "
+              "action times / its measured step, median of 3",
               "bubble     the schedule's bubble with unit F = I = W costs (one synchronous step)",
               "share      floor * (1 + bubble) / step time; floor = each rank's chunks eagerly, "
               "no communication"]
@@ -260,18 +286,19 @@ def main(argv=None) -> int:
     if a.paired:
         opts["paired"] = [(n, int(v or 1)) for n, _, v in (x.partition(":") for x in a.paired.split(","))]
         out = spawn(paired_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]
-        wall, predicted = out["paired"], out["predicted"]
+        wall, sim = out["paired"], out["sim_over_measured"]
         ratios = {k: statistics.median(x / y for x, y in zip(xs, wall["1f1b"]))
                   for k, xs in wall.items() if k != "1f1b"}
         lines = [f"{k}: median step {statistics.median(wall[k]):.0f} ms, vs 1f1b "
                  f"({statistics.median(wall['1f1b']):.0f} ms) {r:.3f} (median of {a.steps} "
                  f"per-round ratios)" for k, r in ratios.items()]
-        lines += [f"{k}: simulated from measured action costs {predicted[k]:.0f} ms, "
-                  f"/ measured {predicted[k] / statistics.median(wall[k]):.3f}" for k in wall]
+        lines += [f"{k}: simulated / measured step {sim[k]:.3f} (median over 5 traced steps, each "
+                  "simulated from its own mean action times)" for k in wall]
         print("\n".join(lines), file=sys.stderr if a.json else sys.stdout)
         if a.json:
             print(json.dumps({"bench": "zero_bubble", "options": opts, "paired_ms": wall,
-                              "ratio_to_1f1b": ratios, "predicted_ms": predicted}))
+                              "ratio_to_1f1b": ratios, "sim_over_measured": sim,
+                              "costs_ms": out["costs"]}))
         return 0
     out = spawn(rank_main, PP, opts, timeout=a.timeout, pg_timeout=600)[0]
     text = table(opts, out["results"])

@@ -86,13 +86,16 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "check",
-      [](int pp, int microbatches, int virtual_stages, const Packed& ranks, const std::string& name) -> py::object {
-        auto problem = find_problem(unpack(name, pp, microbatches, virtual_stages, ranks));
+      [](int pp, int microbatches, int virtual_stages, const Packed& ranks, const std::string& name,
+         bool sends_wait) -> py::object {
+        auto problem = find_problem(unpack(name, pp, microbatches, virtual_stages, ranks), sends_wait);
         if (!problem) return py::none();
         return py::make_tuple(problem->message, problem->marks);
       },
       py::arg("pp"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("ranks"), py::arg("name") = "",
-      "None if the packed schedule is valid, else (message, [(rank, step), ...]).");
+      py::arg("sends_wait") = true,
+      "None if the packed schedule is valid, else (message, [(rank, step), ...]); sends_wait=False: "
+      "deadlock-free under Gloo's semantics (posts never wait) rather than NCCL's.");
 
   m.def(
       "in_flight",
@@ -117,18 +120,20 @@ PYBIND11_MODULE(_C, m) {
       "simulate",
       [](int pp, int microbatches, int virtual_stages, const Packed& ranks, std::vector<double> forward,
          std::vector<double> backward, double latency, double bandwidth, double message_bytes,
-         std::vector<double> input_grad, std::vector<double> weight_grad, const std::string& name) {
+         std::vector<double> input_grad, std::vector<double> weight_grad, const std::string& name,
+         bool sends_wait) {
         const Schedule s = unpack(name, pp, microbatches, virtual_stages, ranks);
         py::gil_scoped_release release;
         Costs costs{std::move(forward), std::move(backward), std::move(input_grad), std::move(weight_grad)};
         costs.latency = latency, costs.bandwidth = bandwidth, costs.message_bytes = message_bytes;
-        return simulate(s, std::move(costs));
+        return simulate(s, std::move(costs), sends_wait);
       },
       py::arg("pp"), py::arg("microbatches"), py::arg("virtual_stages"), py::arg("ranks"), py::arg("forward"),
       py::arg("backward"), py::arg("latency"), py::arg("bandwidth"), py::arg("message_bytes"),
       py::arg("input_grad") = std::vector<double>{}, py::arg("weight_grad") = std::vector<double>{},
-      py::arg("name") = "",
-      "Simulate a packed schedule with per-chunk costs (empty input_grad / weight_grad: backward / 2 each).");
+      py::arg("name") = "", py::arg("sends_wait") = true,
+      "Simulate a packed schedule with per-chunk costs (empty input_grad / weight_grad: backward / 2 each); "
+      "sends_wait=False: Gloo's semantics (posts never wait, a compute waits for what it reads).");
 
   m.def("balanced_partition", &balanced_partition, py::arg("costs"), py::arg("k"),
         "Cut indices splitting costs into k contiguous parts, minimizing the largest part.");

@@ -44,8 +44,10 @@ namespace {
 class Runner {
  public:
   Runner(const Schedule& s, const ActionIndex& index, const Batching& batches,
-         const std::function<double(const Action&)>& compute_cost, double transfer, bool record_times)
-      : s_(s), index_(index), batches_(batches), cost_(compute_cost), transfer_(transfer), record_(record_times) {
+         const std::function<double(const Action&)>& compute_cost, double transfer, bool record_times,
+         bool sends_wait)
+      : s_(s), index_(index), batches_(batches), cost_(compute_cost), transfer_(transfer), record_(record_times),
+        sends_wait_(sends_wait) {
     run_.next_step.assign(s.pp, 0);
     if (record_) {
       run_.times.resize(s.pp);
@@ -55,6 +57,10 @@ class Runner {
     run_.busy.assign(s.pp, 0.0);
     posted_at_.resize(s.pp);
     for (int r = 0; r < s.pp; ++r) posted_at_[r].assign(batches.begin[r].size(), -1.0);
+    receives_.resize(s.pp);
+    sends_.resize(s.pp);
+    waited_.assign(s.pp, 0);
+    sends_waited_.assign(s.pp, 0);
   }
 
   RunResult run() {
@@ -83,6 +89,7 @@ class Runner {
     double& clock = run_.clock[r];
     while (step < static_cast<int>(actions.size())) {
       if (is_compute(actions[step].kind)) {
+        if (!sends_wait_ && !wait_for_input(r, actions[step])) return;
         const double cost = cost_(actions[step]);
         if (record_) run_.times[r][step] = {clock, clock + cost};
         clock += cost;
@@ -93,18 +100,63 @@ class Runner {
       const int batch = batches_.batch_of[r][step];
       const int end = batches_.end[r][batch];
       if (posted_at_[r][batch] < 0) post(r, batch);
+      if (!sends_wait_) {               // nothing waited here: receives queue, sends move alone
+        for (int i = step; i < end; ++i) (is_send(actions[i].kind) ? sends_ : receives_)[r].push_back(i);
+        step = end;
+        continue;
+      }
       double done = clock;
       for (int i = step; i < end; ++i) {
-        const Pos peer = index_[matching(actions[i])];
-        const double peer_posted = posted_at_[peer.rank][batches_.batch_of[peer.rank][peer.step]];
-        if (peer_posted < 0) return;
-        const double moves = std::max(clock, peer_posted);
-        if (record_) run_.times[r][i] = {moves, moves + transfer_};
+        const double moves = message_moves(r, i);
+        if (moves < 0) return;
         done = std::max(done, moves + transfer_);
       }
       clock = done;
       step = end;
     }
+    if (!sends_wait_) {               // the step's end: every receive, then every send
+      if (!wait_for(r, receives_[r], waited_[r], receives_[r].size())) return;
+      if (!wait_for(r, sends_[r], sends_waited_[r], sends_[r].size())) return;
+    }
+  }
+
+  // When the message of rank r's comm action at `step` starts to move (both sides posted, and
+  // not before the rank's clock under sends_wait), recorded as its time; -1 if the peer has not
+  // posted yet.
+  double message_moves(int r, int step) {
+    const Pos peer = index_[matching(s_.ranks[r][step])];
+    const double peer_posted = posted_at_[peer.rank][batches_.batch_of[peer.rank][peer.step]];
+    if (peer_posted < 0) return -1.0;
+    const double mine = sends_wait_ ? run_.clock[r] : posted_at_[r][batches_.batch_of[r][step]];
+    const double moves = std::max(mine, peer_posted);
+    if (record_) run_.times[r][step] = {moves, moves + transfer_};
+    return moves;
+  }
+
+  // sends_wait=false: before a compute, wait for the receive it reads (if this rank posted one)
+  // and every receive posted before it. False if one of those messages' sender has not posted.
+  bool wait_for_input(int r, const Action& a) {
+    Kind recv;
+    if (a.kind == Kind::F) recv = Kind::RECV_F;
+    else if (a.kind == Kind::B || a.kind == Kind::I) recv = Kind::RECV_B;
+    else return true;
+    const Pos at = index_[Action{a.chunk, recv, a.microbatch}];
+    if (!at.found() || at.rank != r) return true;    // fed on this rank (V's turn) or an input
+    const auto& queue = receives_[r];
+    for (size_t k = waited_[r]; k < queue.size(); ++k)
+      if (queue[k] == at.step) return wait_for(r, queue, waited_[r], k + 1);
+    return true;                                       // waited for already
+  }
+
+  // Wait for rank r's messages queue[from, upto) (in that order), moving `from` to `upto`; false,
+  // with `from` where it stopped, if a sender or receiver of one has not posted yet.
+  bool wait_for(int r, const std::vector<int>& queue, size_t& from, size_t upto) {
+    for (; from < upto; ++from) {
+      const double moves = message_moves(r, queue[from]);
+      if (moves < 0) return false;
+      run_.clock[r] = std::max(run_.clock[r], moves + transfer_);
+    }
+    return true;
   }
 
   void post(int r, int batch) {
@@ -120,17 +172,22 @@ class Runner {
   const std::function<double(const Action&)>& cost_;
   const double transfer_;
   const bool record_;
+  const bool sends_wait_;
   RunResult run_;
   std::vector<std::vector<double>> posted_at_;  // [rank][batch] -> time posted, -1 if not yet
   std::vector<int> work_, woken_;
+  // sends_wait=false, per rank: the steps of its posted receives and sends, in posting order,
+  // and how many of each it has waited for
+  std::vector<std::vector<int>> receives_, sends_;
+  std::vector<size_t> waited_, sends_waited_;
 };
 
 }  // namespace
 
 RunResult run_rendezvous(const Schedule& s, const ActionIndex& index, const Batching& batches,
                          const std::function<double(const Action&)>& compute_cost, double transfer,
-                         bool record_times) {
-  return Runner(s, index, batches, compute_cost, transfer, record_times).run();
+                         bool record_times, bool sends_wait) {
+  return Runner(s, index, batches, compute_cost, transfer, record_times, sends_wait).run();
 }
 
 }  // namespace autopart

@@ -50,12 +50,16 @@ struct RunResult {
 };
 
 // A rank runs its list in order. Computes take compute_cost(action). A batch is posted when the
-// rank reaches it and completes once every peer holding a matching action has posted its batch
-// too; each message then takes `transfer` after both sides have posted, messages of one batch
-// in parallel. Requires a complete index (every send has its receive and vice versa).
+// rank reaches it; each message takes `transfer` after both sides have posted, messages of one
+// batch in parallel. With sends_wait (NCCL's order, what the validator proves), the rank waits
+// for its whole batch: it completes once every peer holding a matching action has posted too.
+// Without (Gloo: a post never waits), a rank waits for nothing at a batch: the compute that reads
+// a received tensor (F its RECV_F, B or I its RECV_B) waits for it and for every receive posted
+// before it (the runtime waits in posting order), the end of the list for all the rest and for
+// its sends' messages. Requires a complete index (every send has its receive and vice versa).
 RunResult run_rendezvous(const Schedule& s, const ActionIndex& index, const Batching& batches,
                          const std::function<double(const Action&)>& compute_cost, double transfer,
-                         bool record_times = false);
+                         bool record_times = false, bool sends_wait = true);
 
 // Whether rank's batch holding `step` has been posted when the run stopped.
 bool posted(const RunResult& run, const Batching& batches, Pos pos);

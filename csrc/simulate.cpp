@@ -67,10 +67,10 @@ InFlight in_flight(const Schedule& s) {
 
 std::vector<int> peak_in_flight(const Schedule& s) { return in_flight(s).peak_in_flight; }
 
-SimResult simulate(const Schedule& s, Costs costs) {
+SimResult simulate(const Schedule& s, Costs costs, bool sends_wait) {
   default_halves(costs);
   check_costs(s, costs);
-  if (auto problem = find_problem(s)) throw ScheduleError(problem->message);
+  if (auto problem = find_problem(s, sends_wait)) throw ScheduleError(problem->message);
   ActionIndex index(s);
   for (int r = 0; r < s.pp; ++r)
     for (size_t step = 0; step < s.ranks[r].size(); ++step) index[s.ranks[r][step]] = {r, static_cast<int>(step)};
@@ -83,7 +83,7 @@ SimResult simulate(const Schedule& s, Costs costs) {
     }
   };
   const double transfer = costs.latency + (costs.message_bytes > 0 ? costs.message_bytes / costs.bandwidth : 0.0);
-  RunResult run = run_rendezvous(s, index, batch_actions(s), cost, transfer, true);
+  RunResult run = run_rendezvous(s, index, batch_actions(s), cost, transfer, true, sends_wait);
 
   SimResult result;
   result.makespan = *std::max_element(run.clock.begin(), run.clock.end());

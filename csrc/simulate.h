@@ -30,7 +30,9 @@ struct SimResult {
 };
 
 // Throws ScheduleError if the schedule is invalid, std::invalid_argument on bad costs.
-SimResult simulate(const Schedule& s, Costs costs);
+// sends_wait: NCCL's semantics, a rank waits for each batch it posts; false: Gloo's, where posts
+// never wait and a compute waits for the receive it reads (see run_rendezvous).
+SimResult simulate(const Schedule& s, Costs costs, bool sends_wait = true);
 
 // Memory in flight, per rank; depends only on the order. An activation lives from its F until its
 // B or W (after I, only what W reads is left; peak_awaiting_weight_grad counts those).

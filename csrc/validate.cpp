@@ -204,11 +204,30 @@ std::string batch_text(const Schedule& s, const Batching& batches, Pos pos) {
   return "[" + text + "]";
 }
 
+// Gloo's semantics: a rank stops only at a compute whose received input, or at the list's end
+// whose messages, a peer never posted.
+Problems posted_deadlock(const Schedule& s, const RunResult& run) {
+  std::ostringstream msg;
+  msg << "deadlock: posting never waits, but a compute waits for the data it reads and these "
+         "ranks wait for messages their peers never post:";
+  std::vector<Pos> marks;
+  for (int r = 0; r < s.pp; ++r) {
+    const int step = run.next_step[r];
+    if (step < static_cast<int>(s.ranks[r].size())) {
+      msg << "\n  rank " << r << " is blocked at step " << step << " (" << to_string(s.ranks[r][step])
+          << ") waiting for a message";
+      marks.push_back({r, step});
+    }
+  }
+  return problem(msg.str(), marks);
+}
+
 // Names, for each blocked rank, the first operation of its batch whose peer has not posted.
-Problems check_deadlock(const Schedule& s, const ActionIndex& index) {
+Problems check_deadlock(const Schedule& s, const ActionIndex& index, bool sends_wait) {
   const Batching batches = batch_actions(s);
-  const RunResult run = run_rendezvous(s, index, batches, [](const Action&) { return 0.0; }, 0.0);
+  const RunResult run = run_rendezvous(s, index, batches, [](const Action&) { return 0.0; }, 0.0, false, sends_wait);
   if (run.finished) return std::nullopt;
+  if (!sends_wait) return posted_deadlock(s, run);
   std::ostringstream msg;
   msg << "deadlock: a batch of sends/receives completes only once every peer has posted the batch "
          "holding the matching operation, and these ranks wait on each other:";
@@ -262,13 +281,13 @@ Problems check_message_order(const Schedule& s, const ActionIndex& index) {
 
 }  // namespace
 
-std::optional<Problem> find_problem(const Schedule& s) {
+std::optional<Problem> find_problem(const Schedule& s, bool sends_wait) {
   if (auto p = check_shape(s)) return p;
   ActionIndex index(s);
   if (auto p = fill_index(s, index)) return p;
   if (auto p = check_coverage(s, index)) return p;
   if (auto p = check_dependencies(s, index)) return p;
-  if (auto p = check_deadlock(s, index)) return p;
+  if (auto p = check_deadlock(s, index, sends_wait)) return p;
   return check_message_order(s, index);
 }
 

@@ -23,8 +23,9 @@ struct Problem {
 //                 F(c,i) and after the backward (B or I) of c+1 or its receive; W(c,i) after
 //                 I(c,i); a send after the compute producing its data
 //   deadlock      a dry run with rendezvous semantics (see rendezvous.h) where every rank finishes
+//                 (sends_wait=false: with Gloo's, where a post never waits)
 //   order         messages between two ranks are posted in the same order on both sides, since
-//                 NCCL matches them by order
-std::optional<Problem> find_problem(const Schedule& s);
+//                 NCCL (and Gloo) match them by order
+std::optional<Problem> find_problem(const Schedule& s, bool sends_wait = true);
 
 }  // namespace autopart

@@ -234,6 +234,70 @@ def unit_time_makespan(name: str, pp: int, microbatches: int, virtual_stages: in
     return max(clock), max(busy)
 
 
+_COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_PEER = {"SEND_F": (1, "RECV_F"), "RECV_F": (-1, "SEND_F"), "SEND_B": (-1, "RECV_B"),
+         "RECV_B": (1, "SEND_B")}
+
+
+def posted_makespan(lists: list[list[str]], cost, latency: float) -> float:
+    """The step time of action lists (tokens like "1RECV_F3") run the way the runtime runs them
+    on Gloo: a post never waits; a compute first waits for the receive it reads (F its RECV_F, B
+    or I its RECV_B) and every receive its rank posted before that one; the list's end waits for
+    every receive and send left. A message arrives `latency` after both sides have posted it.
+    cost(chunk, kind) -> time of one compute. Written from the runtime's description
+    (runtime/executor.py), not from the C++ simulator."""
+    acts = [[_parse_any(t) for t in lst] for lst in lists]
+    posted: dict = {}                        # comm action -> when its rank posted it
+    clock, at = [0.0] * len(acts), [0] * len(acts)
+    receives: list = [[] for _ in acts]      # per rank: posted, not yet waited, in order
+    sends: list = [[] for _ in acts]
+
+    def arrival(action):
+        c, kind, i = action
+        step, peer_kind = _PEER[kind]
+        peer = (c + step, peer_kind, i)
+        return None if peer not in posted else max(posted[action], posted[peer]) + latency
+
+    def wait(r, queue, n) -> bool:           # the first n of the queue, in order
+        times = [arrival(a) for a in queue[:n]]
+        if None in times:
+            return False
+        clock[r] = max([clock[r], *times])
+        del queue[:n]
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for r, lst in enumerate(acts):
+            while at[r] < len(lst):
+                c, kind, i = lst[at[r]]
+                if kind in _COMM:
+                    posted[lst[at[r]]] = clock[r]
+                    (sends if kind.startswith("SEND") else receives)[r].append(lst[at[r]])
+                else:
+                    need = (c, "RECV_F" if kind == "F" else "RECV_B", i)
+                    if kind != "W" and need in receives[r] and \
+                            not wait(r, receives[r], receives[r].index(need) + 1):
+                        break
+                    clock[r] += cost(c, kind)
+                at[r] += 1
+                progress = True
+            if at[r] == len(lst) and (receives[r] or sends[r]):
+                if wait(r, receives[r], len(receives[r])) and wait(r, sends[r], len(sends[r])):
+                    progress = True
+    assert all(at[r] == len(acts[r]) and not receives[r] and not sends[r]
+               for r in range(len(acts))), "the lists deadlock"
+    return max(clock)
+
+
+def _parse_any(token: str) -> tuple[int, str, int]:
+    """"1RECV_F3" -> (1, "RECV_F", 3); "4F2" -> (4, "F", 2)."""
+    head = len(token) - len(token.lstrip("0123456789"))
+    tail = len(token.rstrip("0123456789"))
+    return int(token[:head]), token[head:tail], int(token[tail:])
+
+
 def _inputs_ready(action, chunks, split, ready) -> int | None:
     c, kind, i = action
     needs = []
