@@ -306,6 +306,7 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
             "autopart_ms_all": [1e3 * t for t in wall["autopart"]],
             "torch_ms_all": [1e3 * t for t in wall["torch"]],
             "nccl_lowered_ms_all": [1e3 * t for t in wall["nccl-lowered"]],
+            "floor_ms_all": [1e3 * t for t in wall["floor"]],
             "lowering": statistics.median(a / b for a, b in zip(wall["autopart"],
                                                                  wall["nccl-lowered"])),
             "load_before": load, "load_after": os.getloadavg()[0],

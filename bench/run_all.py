@@ -51,6 +51,12 @@ def _per_round(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b)]
 
 
+# the floor rows: how low any runtime of eager chunks can go against torch's step
+FLOOR = ("the compute floor (each rank's chunks run eagerly microbatch by microbatch, forward "
+         "then backward, no communication, no schedule) / torch.distributed.pipelining's step, "
+         "paired rounds, ")
+
+
 def _pipeline(out: dict) -> dict:
     rows = {f"pp {r['schedule']}": _per_round(r["autopart_ms_all"], r["torch_ms_all"])
             for r in out["results"]}
@@ -58,6 +64,9 @@ def _pipeline(out: dict) -> dict:
         if "nccl_lowered_ms_all" in r:
             rows[f"pp {r['schedule']} / nccl-lowered"] = _per_round(
                 r["autopart_ms_all"], r["nccl_lowered_ms_all"])
+        if "floor_ms_all" in r:     # from 2026-11-29
+            rows[f"pp {r['schedule']} floor / torch"] = _per_round(r["floor_ms_all"],
+                                                                  r["torch_ms_all"])
     return rows
 
 
@@ -100,11 +109,14 @@ BENCHMARKS = [
                       "layers n_embd=64, 32 microbatches of 1",
            "pp interleaved-1f1b": "the same, interleaved 1F1B v=2 (ScheduleInterleaved1F1B)"},
           _pipeline,
-          optional={f"pp {s} / nccl-lowered": "autopart's step with the action lists "
-                    "lowered for Gloo (receives posted early) / the same model lowered for NCCL "
-                    "(receives hoisted where the validator proves it), paired rounds, " + what
-                    for s, what in (("1f1b", "the pp 1f1b model"),
-                                    ("interleaved-1f1b", "the pp interleaved model"))}),
+          optional={**{f"pp {s} / nccl-lowered": "autopart's step with the action lists "
+                       "lowered for Gloo (receives posted early) / the same model lowered for NCCL "
+                       "(receives hoisted where the validator proves it), paired rounds, " + what
+                       for s, what in (("1f1b", "the pp 1f1b model"),
+                                       ("interleaved-1f1b", "the pp interleaved model"))},
+                    **{f"pp {s} floor / torch": FLOOR + what
+                       for s, what in (("1f1b", "the pp 1f1b model"),
+                                       ("interleaved-1f1b", "the pp interleaved model"))}}),
     Bench("pipeline-compute", "pipeline_vs_torch.py",
           lambda r: ["--steps", str(r), "--schedule", "1f1b", "--microbatches", "8",
                      "--microbatch-size", "8", "--config",
@@ -116,7 +128,8 @@ BENCHMARKS = [
           lambda out: {k.replace("pp 1f1b", "pp 1f1b compute-bound", 1): v
                        for k, v in _pipeline(out).items()},
           optional={"pp 1f1b compute-bound / nccl-lowered": "autopart's step lowered for Gloo / "
-                    "lowered for NCCL, the compute-bound model, paired rounds"}),
+                    "lowered for NCCL, the compute-bound model, paired rounds",
+                    "pp 1f1b compute-bound floor / torch": FLOOR + "the compute-bound model"}),
     Bench("tp", "tp_vs_dtensor.py", lambda r: ["--steps", str(r)],
           {"tp=2": "autopart / DTensor parallelize_module step (fwd+bwd+SGD), HF Llama 4 layers "
                    "h=256, batch 8x128"},
