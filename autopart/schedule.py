@@ -6,12 +6,9 @@ in a V (rank ``k`` for ``k < pp``, then ``2pp-1-k``). Actions print as torch.dis
 tokens: ``2F0`` is chunk 2's forward of microbatch 0, ``2B0`` its full backward, or split, ``2I0``
 its input gradient (what chunk 1 waits for) and ``2W0`` its weight gradient (needed only by the
 optimizer step); ``2SEND_F0`` / ``3RECV_F0`` move that forward's output from chunk 2 to chunk 3,
-``3SEND_B0`` / ``2RECV_B0`` move the gradient back. The runtime posts each maximal run of consecutive send/receive actions on a rank as one
-``batch_isend_irecv`` and waits for it, so a schedule is only valid if no rank can block
-forever under those (NCCL-like, rendezvous) semantics; :func:`validate` proves that by a dry run.
-
-The generators, validator, simulator and stage partitioner are C++ (``autopart._C``); this module
-holds the plain, printable data and the entry points.
+``3SEND_B0`` / ``2RECV_B0`` move the gradient back. Each run of consecutive sends/receives is one
+``batch_isend_irecv``; :func:`validate` proves by a dry run that no rank blocks forever under NCCL's
+(rendezvous) semantics. Generators, validator, simulator, partitioner: C++ (``autopart._C``).
 
 >>> s = make_schedule("1f1b", pp=2, microbatches=2)
 >>> print(s)
@@ -365,14 +362,9 @@ def simulate(
     ``latency + message_bytes / bandwidth`` once both sender and receiver have posted it; a rank's
     batch ends when its last message does (NCCL: a group's batches run in order on one stream).
 
-    ``sends_wait=False`` simulates the runtime on Gloo instead, where a post never waits: a rank
-    waits for nothing at a batch; the compute that reads a received tensor waits for it and for
-    every receive posted before it, the list's end for the rest and for its sends. Give it the
-    lists the runtime runs there, ``hoist_receives(schedule, independent_posts=True)`` (checked
-    deadlock-free under these semantics; NCCL's validator rejects their early receives). Fed the
-    action times measured in the same steps, it predicted each traced step of 1F1B, ZB-H1, ZB-V and
-    interleaved 1F1B at pp=2 within 1-5%, where NCCL's semantics over-predicted ZB-V by 8-11%
-    (bench/RESULTS.md 2026-11-29).
+    ``sends_wait=False``: Gloo's semantics (a post never waits; a compute waits for the receive it
+    reads and those posted before it), for ``hoist_receives(schedule, independent_posts=True)``,
+    the lists the runtime runs there (docs/schedules.md).
 
     >>> r = simulate(make_schedule("interleaved-1f1b", pp=4, microbatches=8, virtual_stages=2))
     >>> r.bubble == (4 - 1) / (2 * 8), r.peak_in_flight
@@ -540,9 +532,7 @@ def hoist_receives(schedule: Schedule, *, independent_posts: bool = False) -> Sc
     compute that consumes the receive two before it (_posted_early). Deadlock-free whenever the
     schedule is: the computes, the sends and the receives each keep their order, and each wait
     happens before the same compute as in the validated lists; only when a receive is posted
-    changes, which no peer waits on. Measured on Gloo, pp=2 (paired rounds against the NCCL
-    lowering, bench/RESULTS.md 2026-11-29): the step of 1F1B 4-13% faster, interleaved 1F1B
-    4-11%, where Gloo's rendezvous for a receive posted late ran on the critical path."""
+    changes, which no peer waits on. Measured gains: docs/schedules.md."""
     if independent_posts:
         return Schedule(schedule.name, schedule.pp, schedule.microbatches,
                         schedule.virtual_stages, tuple(map(_posted_early, schedule.ranks)))

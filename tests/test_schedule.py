@@ -19,7 +19,6 @@ from autopart.schedule import (
     Schedule,
     ScheduleError,
     balanced_partition,
-    hoist_receives,
     in_flight,
     make_schedule,
     simulate,
@@ -290,46 +289,6 @@ def test_simulation_matches_the_oracle_timing(name):
     for p, v, m in allowed_cases(name):
         r = unit_split(make_schedule(name, p, m, v))
         assert (r.makespan, r.ideal) == schedule_oracle.unit_time_makespan(name, p, m, v), (name, p, v, m)
-
-
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_gloo_simulation_matches_the_oracle(name):
-    """sends_wait=False (the runtime on Gloo) against schedule_oracle.posted_makespan, written
-    from the runtime's description: the lists the runtime runs there (receives posted early) and
-    the schedule's own, random per-chunk costs, with and without a message latency."""
-    rng = random.Random(name)
-    cases = [c for c in allowed_cases(name, max_pp=4) if c[2] <= 2 * c[0] + 1]
-    for p, v, m in cases:
-        s = make_schedule(name, p, m, v)
-        n = s.num_chunks
-        f, i, w = ([rng.uniform(0.5, 3.0) for _ in range(n)] for _ in range(3))
-        costs = {"F": f, "I": i, "W": w, "B": [a + b for a, b in zip(i, w)]}
-        for lists in (hoist_receives(s, independent_posts=True), s):
-            for latency in (0.0, 0.7):
-                got = simulate(lists, f, latency=latency, input_grad_cost=i, weight_grad_cost=w,
-                               sends_wait=False).makespan
-                want = schedule_oracle.posted_makespan(
-                    [[str(a) for a in r] for r in lists.ranks], lambda c, k: costs[k][c], latency)
-                assert got == pytest.approx(want, rel=1e-12), (name, p, v, m, latency)
-
-
-def test_gloo_semantics_accept_the_early_receives_nccl_refuses():
-    s = make_schedule("1f1b", 2, 4)
-    early = hoist_receives(s, independent_posts=True)
-    with pytest.raises(ScheduleError, match="deadlock"):
-        simulate(early)                               # NCCL: rank 0's first batch waits
-    r = simulate(early, 1.0, 2.0, sends_wait=False)   # Gloo: free messages, 1F1B's own bubble
-    assert (r.makespan, r.ideal) == (15.0, 12.0)
-
-
-def test_gloo_semantics_name_a_real_deadlock():
-    # rank 0 sends F0 only after B0, whose gradient rank 1 makes only after F0 arrives
-    s = Schedule("handmade", pp=2, microbatches=1, virtual_stages=1, ranks=(
-        tuple(map(Action.parse, ["0F0", "0RECV_B0", "0B0", "0SEND_F0"])),
-        tuple(map(Action.parse, ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]))))
-    with pytest.raises(ScheduleError, match=r"posting never waits(.|\n)*rank 0 is blocked at step 2 "
-                                            r"\(0B0\)(.|\n)*rank 1 is blocked at step 1 \(1F0\)"):
-        simulate(s, sends_wait=False)
 
 
 @pytest.mark.parametrize("name", ZERO_BUBBLE)
