@@ -81,6 +81,18 @@ class StepContext:
                             # backward finishes them (told before and after each compute)
 
 
+def posts_never_wait(device: torch.device) -> bool:
+    """Whether point-to-point transfers of tensors on `device` keep Gloo's contract: one work per
+    operation and posts that never wait, so the lists may post receives well ahead of their use
+    (autopart/schedule.py hoist_receives(independent_posts=True)). CPU tensors go through Gloo;
+    NCCL coalesces a batch into one work that runs in posting order on the group's stream, where
+    an early receive holds back every later batch. A batch_isend_irecv that keeps NCCL's contract
+    on CPU says so (`keeps_nccl_contract = True`: tests/nccl_contract.py), and then NCCL's lowering
+    runs: the code path of the GPUs, tested without them."""
+    return device.type == "cpu" and not getattr(dist.batch_isend_irecv, "keeps_nccl_contract",
+                                                False)
+
+
 def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
     """Run `actions` (this rank's list from the schedule) in order; returns microbatch losses."""
     sends: list = []        # (batch, indices of its sends): waited on at the step's end

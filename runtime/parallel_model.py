@@ -18,6 +18,7 @@ import torch.nn as nn
 from autopart.errors import AutopartError
 from autopart.materialize import RankWeights, initial_state
 from autopart.mesh import Mesh
+from autopart.runtime.executor import posts_never_wait
 from autopart.runtime.gradients import GradientReducer
 from autopart.runtime.param_shards import shard_parameters
 from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check_same_batch,
@@ -73,10 +74,10 @@ class ParallelModel:
             self.inductor = SegmentCompiler(cudagraphs=compile == "cudagraphs")
             self.program = compile_rank_program(self.program, self.inductor)
         self._params = self.program.parameters()
-        # receives posted before the computes that precede their use, where provably safe; on
-        # CPU tensors (Gloo: a work per operation, posts that never wait) with up to two
-        # receive buffers waiting ahead of their use
-        actions = hoist_receives(compiled.schedule, independent_posts=device.type == "cpu"
+        # receives posted before the computes that precede their use, where provably safe; under
+        # Gloo's contract (a work per operation, posts that never wait) with up to two receive
+        # buffers waiting ahead of their use
+        actions = hoist_receives(compiled.schedule, independent_posts=posts_never_wait(device)
                                  ).ranks[self.coords["pp"]]
         self._trace = Recorder(trace, rank, self.mesh.world_size) if trace else None
         self._step = StepDriver(plan, self.program, actions, compiled.program.inputs,

@@ -152,7 +152,9 @@ class BatchWork:
 
 
 def batch_isend_irecv(p2p_op_list: list) -> list[BatchWork]:
-    """torch.distributed.batch_isend_irecv as NCCL's coalescing branch behaves: one work."""
+    """torch.distributed.batch_isend_irecv as NCCL's coalescing branch behaves: one work (the
+    runtime reads `coalesces` and lowers its lists for NCCL: runtime/executor.py
+    posts_never_wait)."""
     c10d._check_p2p_op_list(p2p_op_list)
     group = p2p_op_list[0].group or c10d._get_default_group()
     works, landing, parts = [], [], []
@@ -176,7 +178,8 @@ def batch_isend_irecv(p2p_op_list: list) -> list[BatchWork]:
     return [work]
 
 
-batch_isend_irecv.keeps_nccl_contract = True    # the runtime's StepWatch reads it (no raise)
+# the runtime reads it: its StepWatch (waits that do not raise), its lowering (NCCL's)
+batch_isend_irecv.keeps_nccl_contract = True
 
 
 def _watchdog(what: str, deadline: float) -> None:

@@ -204,3 +204,19 @@ def test_a_dead_or_stuck_peer_is_named_under_the_contract(how, monkeypatch, capf
         assert re.search("autopart: " + waited + r": no progress for [0-9.]+ s \(the timeout is 10 s\)", text), text[-3000:]
         assert re.search(r"reported by rank 1: rank 1 was running 1F0 at step 2", text), text[-3000:]
     assert elapsed < 120, f"spawn took {elapsed:.0f} s"
+
+
+def test_the_runtime_lowers_for_nccl_under_its_contract():
+    """On CPU the runtime posts receives early (Gloo's contract); under tests/nccl_contract.py it
+    must run NCCL's lowering, the lists the GPUs run, or these tests would not test them."""
+    import torch
+    from autopart.runtime.executor import posts_never_wait
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    was = nccl_contract.installed()     # AUTOPART_TEST_NCCL_CONTRACT=1 installs it at import
+    try:
+        nccl_contract.uninstall()
+        assert posts_never_wait(cpu) and not posts_never_wait(cuda)
+        nccl_contract.install()
+        assert not posts_never_wait(cpu)
+    finally:
+        (nccl_contract.install if was else nccl_contract.uninstall)()
