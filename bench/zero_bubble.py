@@ -87,24 +87,28 @@ def measured_costs(pm, trace_path: str, steps: int = 1) -> list[dict]:
 
 
 def predicted_ms(schedule, costs: dict) -> tuple[float, float]:
-    """(simulated step time from measured per-action costs, unit-cost bubble). The simulator
+    """(simulated step time from measured per-action costs, unit-cost bubble); a message costs
+    what posting one took (Gloo: the sending rank's own time), when measured."""
+    from autopart import schedule as sched
+    unit = sched.simulate(schedule, forward_cost=1.0, input_grad_cost=1.0, weight_grad_cost=1.0)
+    return simulated_ms(schedule, costs, costs.get((-1, "SEND"), 0.0)), unit.bubble
+
+
+def simulated_ms(schedule, costs: dict, latency: float) -> float:
+    """The simulator's step from per (chunk, kind) action times and a per-message latency. It
     runs what the runtime runs here: the lists lowered for Gloo, under Gloo's semantics (a post
     never waits, a compute waits for the receive it reads: sends_wait=False); NCCL's semantics
     over-predicted ZB-V's step by 8-11% from the very action times of that step."""
     from autopart import schedule as sched
     n = schedule.num_chunks
-    f = [costs[(c, "F")] for c in range(n)]
-    # a message costs what posting one took (Gloo: the sending rank's own time), when measured
-    latency = costs.get((-1, "SEND"), 0.0)
     if (0, "I") in costs:
         halves = dict(input_grad_cost=[costs[(c, "I")] for c in range(n)],
                       weight_grad_cost=[costs[(c, "W")] for c in range(n)])
     else:
         halves = dict(backward_cost=[costs[(c, "B")] for c in range(n)])
-    sim = sched.simulate(sched.hoist_receives(schedule, independent_posts=True), forward_cost=f,
-                         latency=latency, sends_wait=False, **halves)
-    unit = sched.simulate(schedule, forward_cost=1.0, input_grad_cost=1.0, weight_grad_cost=1.0)
-    return sim.makespan, unit.bubble
+    return sched.simulate(sched.hoist_receives(schedule, independent_posts=True),
+                          forward_cost=[costs[(c, "F")] for c in range(n)], latency=latency,
+                          sends_wait=False, **halves).makespan
 
 
 def sim_over_measured(schedule, traced: list[dict]) -> tuple[float, dict]:
