@@ -114,7 +114,8 @@ def simulated_ms(schedule, costs: dict, latency: float) -> float:
 def sim_over_measured(schedule, traced: list[dict]) -> tuple[float, dict]:
     """(median over the traced steps of simulated / measured step, each step simulated from its
     own mean action times; the mean action times over all of them, for the table)."""
-    ratios = [predicted_ms(schedule, t["costs"])[0] / t["wall_ms"] for t in traced]
+    ratios = [simulated_ms(schedule, t["costs"], t["costs"].get((-1, "SEND"), 0.0)) / t["wall_ms"]
+              for t in traced]
     keys = traced[0]["costs"]
     mean = {k: statistics.mean(t["costs"][k] for t in traced) for k in keys}
     return statistics.median(ratios), mean

@@ -153,7 +153,7 @@ class BatchWork:
 
 def batch_isend_irecv(p2p_op_list: list) -> list[BatchWork]:
     """torch.distributed.batch_isend_irecv as NCCL's coalescing branch behaves: one work (the
-    runtime reads `coalesces` and lowers its lists for NCCL: runtime/executor.py
+    runtime reads `keeps_nccl_contract` below and lowers its lists for NCCL: runtime/executor.py
     posts_never_wait)."""
     c10d._check_p2p_op_list(p2p_op_list)
     group = p2p_op_list[0].group or c10d._get_default_group()

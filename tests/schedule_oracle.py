@@ -42,6 +42,21 @@ pair too; (7) pp-r-1 times (queued W, down backward); (8) the queued Ws.
 from __future__ import annotations
 
 
+def allowed_cases(name: str, max_pp: int = 8):
+    """Every (pp, v, m) with pp <= max_pp, v <= 4, m <= 4*pp that the schedule accepts."""
+    for pp in range(1, max_pp + 1):
+        for v in range(1, 5):
+            for m in range(1, 4 * pp + 1):
+                if name == "interleaved-1f1b" or (name == "zb-h1" and v > 1):
+                    if pp >= 2 and v >= 2 and m % pp == 0:
+                        yield pp, v, m
+                elif name in ("zb-v", "dualpipe-v"):
+                    if v == 2 and (name == "zb-v" or m >= 2 * pp):
+                        yield pp, v, m
+                elif v == 1:
+                    yield pp, v, m
+
+
 def compute_order(name: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> list[str]:
     if name == "gpipe":
         return gpipe(microbatches, rank)

@@ -29,21 +29,6 @@ CLASSIC = ("gpipe", "1f1b", "interleaved-1f1b")  # one fused backward (B) per ch
 ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipe-v")
 
 
-def allowed_cases(name: str, max_pp: int = 8):
-    """Every (pp, v, m) with pp <= max_pp, v <= 4, m <= 4*pp that the schedule accepts."""
-    for pp in range(1, max_pp + 1):
-        for v in range(1, 5):
-            for m in range(1, 4 * pp + 1):
-                if name == "interleaved-1f1b" or (name == "zb-h1" and v > 1):
-                    if pp >= 2 and v >= 2 and m % pp == 0:
-                        yield pp, v, m
-                elif name in ("zb-v", "dualpipe-v"):
-                    if v == 2 and (name == "zb-v" or m >= 2 * pp):
-                        yield pp, v, m
-                elif v == 1:
-                    yield pp, v, m
-
-
 def compute_tokens(schedule: Schedule, rank: int) -> list[str]:
     return [str(a) for a in schedule.ranks[rank] if a.kind.is_compute]
 
@@ -162,7 +147,7 @@ def test_single_rank_is_gradient_accumulation(name, order):
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_compute_order_matches_oracle(name):
-    for pp, v, m in allowed_cases(name):
+    for pp, v, m in schedule_oracle.allowed_cases(name):
         s = make_schedule(name, pp, m, v)
         for rank in range(pp):
             expected = schedule_oracle.compute_order(name, pp, m, v, rank)
@@ -171,7 +156,7 @@ def test_compute_order_matches_oracle(name):
 
 @pytest.mark.parametrize("name", CLASSIC)
 def test_every_allowed_case_is_valid_and_has_the_closed_form_bubble(name):
-    for pp, v, m in allowed_cases(name):
+    for pp, v, m in schedule_oracle.allowed_cases(name):
         s = make_schedule(name, pp, m, v)
         validate(s)
         # Integer costs keep every time exact: the bubble is (pp-1) chunk (forward + backward)s.
@@ -192,7 +177,7 @@ def test_interleaved_bubble_with_stage_cost_split_over_chunks(pp, v, m):
 
 @pytest.mark.parametrize("name", CLASSIC)
 def test_peak_in_flight_closed_forms(name):
-    for pp, v, m in allowed_cases(name):
+    for pp, v, m in schedule_oracle.allowed_cases(name):
         r = simulate(make_schedule(name, pp, m, v))
         if name == "gpipe":
             expected = [m] * pp
@@ -232,7 +217,7 @@ def test_schedule_names_come_from_the_cpp_core():
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_chunk_ranks(name):
-    for pp, v, m in allowed_cases(name, max_pp=5):
+    for pp, v, m in schedule_oracle.allowed_cases(name, max_pp=5):
         s = make_schedule(name, pp, m, v)
         expected = tuple(schedule_oracle.chunk_rank(name, pp, c) for c in range(pp * v))
         assert s.chunk_ranks == expected and [s.rank_of_chunk(c) for c in range(pp * v)] == list(expected)
@@ -267,7 +252,7 @@ def closed_form_bubble_time(name: str, p: int, v: int, m: int) -> int:
 
 @pytest.mark.parametrize("name", ZERO_BUBBLE)
 def test_zero_bubble_closed_forms(name):
-    for p, v, m in allowed_cases(name):
+    for p, v, m in schedule_oracle.allowed_cases(name):
         r = unit_split(make_schedule(name, p, m, v))
         assert r.ideal == 3 * v * m, (name, p, v, m)
         assert r.makespan - r.ideal == closed_form_bubble_time(name, p, v, m), (name, p, v, m)
@@ -286,14 +271,14 @@ def test_zb_h1_bubble_is_a_third_of_1f1b():
 def test_simulation_matches_the_oracle_timing(name):
     # The oracle times the orders itself (each compute as early as its inputs allow, free
     # messages): the lowering and the rendezvous simulator must not add any wait.
-    for p, v, m in allowed_cases(name):
+    for p, v, m in schedule_oracle.allowed_cases(name):
         r = unit_split(make_schedule(name, p, m, v))
         assert (r.makespan, r.ideal) == schedule_oracle.unit_time_makespan(name, p, m, v), (name, p, v, m)
 
 
 @pytest.mark.parametrize("name", ZERO_BUBBLE)
 def test_in_flight_matches_the_oracle(name):
-    for p, v, m in allowed_cases(name):
+    for p, v, m in schedule_oracle.allowed_cases(name):
         s = make_schedule(name, p, m, v)
         expected = [schedule_oracle.peak_in_flight(schedule_oracle.compute_order(name, p, m, v, r)) for r in range(p)]
         memory = in_flight(s)
@@ -304,7 +289,7 @@ def test_in_flight_matches_the_oracle(name):
 
 @pytest.mark.parametrize("name", ZERO_BUBBLE)
 def test_peak_in_flight_zero_bubble_closed_forms(name):
-    for p, v, m in allowed_cases(name):
+    for p, v, m in schedule_oracle.allowed_cases(name):
         peaks = in_flight(make_schedule(name, p, m, v)).peak_in_flight
         if name == "zb-h1":
             assert peaks == (min(p, m),) * p if v == 1 else (p * v,) * p, (p, v, m)  # 1F1B's rank 0
@@ -314,7 +299,7 @@ def test_peak_in_flight_zero_bubble_closed_forms(name):
 
 def test_every_backward_is_split_or_fused_once():
     for name in ZERO_BUBBLE:
-        for p, v, m in allowed_cases(name, max_pp=4):
+        for p, v, m in schedule_oracle.allowed_cases(name, max_pp=4):
             s = make_schedule(name, p, m, v)
             kinds = [(a.chunk, a.microbatch, a.kind) for actions in s.ranks for a in actions if a.kind.is_compute]
             for c in range(p * v):

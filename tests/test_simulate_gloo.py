@@ -19,7 +19,9 @@ def test_gloo_simulation_matches_the_oracle(name):
     from the runtime's description: the lists the runtime runs there (receives posted early) and
     the schedule's own, random per-chunk costs, with and without a message latency."""
     rng = random.Random(name)
-    for p, v, m in _cases(name):
+    for p, v, m in schedule_oracle.allowed_cases(name, max_pp=4):
+        if m > 2 * p + 1:
+            continue
         s = make_schedule(name, p, m, v)
         n = s.num_chunks
         f, i, w = ([rng.uniform(0.5, 3.0) for _ in range(n)] for _ in range(3))
@@ -51,14 +53,3 @@ def test_gloo_semantics_name_a_real_deadlock():
                                             r"\(0B0\)(.|\n)*rank 1 is blocked at step 1 \(1F0\)"):
         simulate(s, sends_wait=False)
 
-
-def _cases(name: str):
-    """Every (pp, v, m) with pp <= 4, v <= 3, m <= 2pp + 1 that the schedule accepts."""
-    for p in range(1, 5):
-        for v in range(1, 4):
-            for m in range(1, 2 * p + 2):
-                try:
-                    make_schedule(name, p, m, v)
-                except ScheduleError:
-                    continue
-                yield p, v, m
