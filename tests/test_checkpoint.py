@@ -305,6 +305,23 @@ def test_export_to_plain_model_safetensors(tmp_path, single_process_group):
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
 
 
+def test_export_writes_files_with_the_usual_mode(tmp_path, single_process_group):
+    """safetensors creates its file 0600; the export is a file like any other the user writes:
+    0666 less the umask (0644 under the default 022, 0640 under 027), config.json alike."""
+    import os
+
+    from autopart.runtime import checkpoint
+
+    _, _, _, path = _saved(tmp_path)
+    for umask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        old = os.umask(umask)
+        try:
+            files = checkpoint.export(path, tmp_path / f"out{umask:o}")
+        finally:
+            os.umask(old)
+        assert [oct(f.stat().st_mode & 0o777) for f in files] == [oct(mode)] * len(files), umask
+
+
 def test_export_refuses_an_out_it_cannot_write_before_reading(tmp_path, single_process_group, capsys):
     """OUT under a file, or a .safetensors path that is a directory: one line, exit 2, and checked
     before the checkpoint is read (the checkpoint here does not even exist)."""

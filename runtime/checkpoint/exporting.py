@@ -81,6 +81,9 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, *, verify: boo
                 save_file({k: v.contiguous() for k, v in state.items()}, str(temps[path]), metadata=meta)
             else:
                 temps[path].write_text(text)
+            # safetensors creates its file 0600; an exported model is meant to be shared like
+            # any file the user writes: the usual mode, 0666 less the umask
+            os.chmod(temps[path], 0o666 & ~_umask())
         for path, temp in temps.items():
             os.replace(temp, path)
     except BaseException:
@@ -103,6 +106,21 @@ def _check_writable(target: Path) -> None:
                             "directory or a path ending in .safetensors")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise AutopartError(f"export: cannot write under {parent} (permission denied); choose another OUT")
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (/proc), else by
+    setting and restoring it (the only portable way)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_marker(path: str | os.PathLike) -> dict:
