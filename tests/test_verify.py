@@ -233,6 +233,47 @@ def test_verify_passes_on_the_example_gpt_with_json(capsys):
     assert (report["rtol"], report["atol"]) == (1e-5, 1e-6)
 
 
+PRINTING_MODEL = """
+import os
+import torch, torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        print("number of parameters: 0.00M")          # as nanoGPT's model does
+        os.write(1, b"a write to file descriptor 1\\n")   # as C code would
+
+    def forward(self, x, y):
+        print("forward called")
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return ((x - y) ** 2).mean()
+
+
+def build(batch):
+    return Net(), (torch.randn(batch, 8),), torch.randn(batch, 8)
+"""
+
+
+def test_json_alone_on_stdout_when_the_model_prints(tmp_path):
+    """A model that prints when it is built and when it runs (here, in the rank processes and
+    while it is captured): under --json stdout is the JSON report alone, the prints on stderr."""
+    import subprocess
+    import sys
+    (tmp_path / "printing.py").write_text(PRINTING_MODEL)
+    out = subprocess.run([sys.executable, "-m", "autopart", "verify",
+                          f"{tmp_path / 'printing.py'}:build", "--mesh", "pp=2", "--batch", "4",
+                          "--steps", "1", "--json", *TIMEOUT], capture_output=True, text=True,
+                         timeout=450)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["world"] == 2
+    for said in ("number of parameters", "a write to file descriptor 1", "forward called"):
+        assert said in out.stderr, said
+
+
 def test_verify_reports_a_layout_that_differs(capsys, monkeypatch):
     """The plain copy gets one parameter nudged by 1e-3 (AUTOPART_VERIFY_PERTURB, read only by
     the command line for this test): verify must say FAIL, exit 1, and name the group."""

@@ -128,13 +128,16 @@ def _add_trace_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_trace(args: argparse.Namespace) -> int:
-    from autopart.cli.timeline import draw_trace, load_trace, trace_slices
+    from autopart.cli.timeline import draw_trace, load_trace, trace_slices, trace_steps
 
     trace = load_trace(args.file)
     draw_trace(trace, args.png)
     slices = trace_slices(trace)
     ranks = len({s.rank for s in slices})
-    print(f"{args.png}: {len(slices)} actions on {ranks} ranks over {max(s.end for s in slices):.4g} ms")
+    steps = trace_steps(trace)
+    over = f"{steps} step{'s' * (steps != 1)}, " if steps else ""
+    print(f"{args.png}: {len(slices)} actions on {ranks} ranks over {over}"
+          f"{max(s.end for s in slices):.4g} ms")
     return 0
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -64,7 +65,35 @@ def add_verify_command(subparsers) -> argparse.ArgumentParser:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Run `autopart verify`; 0 when the layout matches the plain model, 1 when it differs, 2 on
-    bad input (one line on stderr)."""
+    bad input (one line on stderr). Under --json stdout carries the JSON alone."""
+    if not args.json:
+        return _run(args)[0]
+    with _stdout_to_stderr():       # the user's model may print while it is built or captured
+        code, report = _run(args)
+    if report is not None:
+        print(json.dumps(report, indent=1))
+    return code
+
+
+@contextmanager
+def _stdout_to_stderr():
+    """Send whatever is written to stdout meanwhile, by this process (Python or C), or by the
+    rank processes it starts (they inherit file descriptor 1), to stderr; restore it after."""
+    sys.stdout.flush()
+    saved, python = os.dup(1), sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        sys.stdout = python
+
+
+def _run(args: argparse.Namespace) -> tuple[int, dict | None]:
+    """run_verify's work: (exit code, the JSON report under --json when there is one)."""
     try:
         job = _job(args)
         mesh = job["mesh"]
@@ -72,7 +101,7 @@ def run_verify(args: argparse.Namespace) -> int:
         _compile(prepared, job)
     except (AutopartError, ScheduleError, _UsageError) as e:
         print(f"autopart verify: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return 2, None
     notes = prepared["notes"]
     if not args.json:
         print(f"autopart verify {args.target}" + (f" --config {args.config}" if args.config else "")
@@ -95,9 +124,9 @@ def run_verify(args: argparse.Namespace) -> int:
         user = _user_error_in(text)
         if user is not None:            # a compile-time error every rank raised: bad input
             print(f"autopart verify: error: {user}", file=sys.stderr)
-            return 2
+            return 2, None
         print(f"autopart verify: the run failed:\n{text}", file=sys.stderr)
-        return 1
+        return 1, None
     report = V.merge(per_rank, mesh=mesh, steps=args.steps, optimizer=args.optimizer,
                      tolerance=job["tolerance"], notes=notes,
                      seconds=time.perf_counter() - start)
@@ -107,10 +136,9 @@ def run_verify(args: argparse.Namespace) -> int:
                     prepared["n_params"], "shrunk": prepared["shrunk"], "batch": job["batch"],
                     "schedule": job["parallel"]["schedule"],
                     "microbatches": job["parallel"]["microbatches"]})
-        print(json.dumps(out, indent=1))
-    else:
-        print("\n".join([n for n in report.notes if n not in notes] + report.lines(notes=False)))
-    return 0 if report.ok else 1
+        return (0 if report.ok else 1), out
+    print("\n".join([n for n in report.notes if n not in notes] + report.lines(notes=False)))
+    return (0 if report.ok else 1), None
 
 
 def _compile(prepared: dict, job: dict) -> None:
