@@ -36,6 +36,7 @@ import functools
 import torch
 import torch.fx as fx
 
+from autopart.aliasing import written_from_outside
 from autopart.analysis import detect_layers, evaluate
 from autopart.errors import AutopartError, node_error
 from autopart.ir import EP_LOCAL, META_EP, NodeCost, Program, StagePlan, sym_shape
@@ -141,10 +142,24 @@ def _stats_only(graph: fx.Graph) -> set:
 
 
 def _input_derived(graph: fx.Graph) -> set[str]:
-    """Nodes computed only from user inputs, buffers and constants: cheap to recompute anywhere."""
+    """Nodes computed only from user inputs, buffers and constants: cheap to recompute anywhere.
+    A tensor that a node computed from parameters writes in place (`mask[:, 1:] = h > 0`) is not:
+    each chunk recomputing it would miss the write."""
+    excluded: set[str] = set()
+    while True:
+        derived = _derived_from_inputs(graph, excluded)
+        more = written_from_outside(graph, derived)
+        if not more:
+            return derived
+        excluded |= more
+
+
+def _derived_from_inputs(graph: fx.Graph, excluded: set[str]) -> set[str]:
     params = {n.name for n in graph.nodes if n.op == "get_attr" and _is_param(graph, n)}
     derived: set[str] = set()
     for n in graph.nodes:
+        if n.name in excluded:
+            continue
         if n.op != "call_function" or not n.all_input_nodes:
             if n.op == "call_function" and not n.all_input_nodes:
                 derived.add(n.name)     # arange, zeros, ...: made from constants

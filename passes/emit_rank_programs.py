@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopart.aliasing import storage_root, writers_by_root
 from autopart.ir import META_TP, Boundary, ChunkProgram, Program, graph_module, sym_shape
 from autopart.localize import attribute
 from autopart.ops import p2p
@@ -46,6 +47,7 @@ class _GraphIndex:
         self.position = {n: i for i, n in enumerate(graph.nodes)}
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        self.writers = writers_by_root(graph)
         self.by_chunk: dict = {}
         for n in graph.nodes:
             c = chunk_of.get(n.name)
@@ -65,7 +67,7 @@ def _emit_chunk(program: Program, plan, c: int, graph: _GraphIndex) -> ChunkProg
     mine = graph.by_chunk.get(c, [])
     # the last chunk also computes outputs made from the inputs alone
     needed_repl = _replicated_needed(mine + ([out_node] if not send_names else []),
-                                     set(plan.replicated))
+                                     set(plan.replicated), graph.writers)
     inputs = _user_inputs(graph.placeholders, mine, needed_repl)
     b = _ChunkBuilder(program)
     received = [b.placeholder(nodes[name], name) for name in recv_names]
@@ -124,7 +126,10 @@ def _mark(g: fx.Graph, fn, node: fx.Node, peer: int, chunk: int, src: fx.Node) -
     return out
 
 
-def _replicated_needed(mine: list[fx.Node], replicated: set[str]) -> set[str]:
+def _replicated_needed(mine: list[fx.Node], replicated: set[str], writers: dict) -> set[str]:
+    """The replicated (input-derived) nodes `mine` reads, and what they read. A tensor written in
+    place (`start[:, 1:] = ...`, captured as a `copy_` into a view, with no users) takes its
+    writers along: without them the chunk would read the tensor unwritten."""
     need: set[str] = set()
     stack = [a for n in mine for a in n.all_input_nodes if a.name in replicated]
     while stack:
@@ -132,6 +137,7 @@ def _replicated_needed(mine: list[fx.Node], replicated: set[str]) -> set[str]:
         if n.name not in need:
             need.add(n.name)
             stack.extend(a for a in n.all_input_nodes if a.name in replicated)
+            stack.extend(w for w in writers.get(storage_root(n), ()) if w.name in replicated)
     return need
 
 
