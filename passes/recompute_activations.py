@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
+from autopart.aliasing import storage_root, written_args
 from autopart.analysis import layer_of
 from autopart.config import Config, choices
 from autopart.errors import AutopartError
@@ -230,6 +231,9 @@ def extract_region(gm: fx.GraphModule, region: list[fx.Node], name: str, layer: 
     outputs = [n for n in region if any(u not in rset for u in n.users)]
     if not outputs:
         return "the region's results are unused"
+    outside = [a.name for n in region for a in written_args(n) if storage_root(a) not in rset]
+    if outside:     # the recomputation would write them a second time, after they were read
+        return f"it writes in place into {outside}, made before it"
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first_use = min((u for n in outputs for u in n.users if u not in rset), key=order.__getitem__)
     late = [a.name for a in inputs if order[a] > order[first_use]]

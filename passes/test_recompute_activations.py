@@ -206,3 +206,41 @@ def test_bitwise_equal_to_no_recomputation(key, case, spawn_cache):
     problems = [f"{r['mode']} rank {r['rank']}: {p}" for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
     assert all(r["regions"] > 0 for r in results), "no region was recomputed"
+
+
+class _Accumulating(torch.nn.Module):
+    """Each layer writes in place into a running summary made before it (`acc.mul_(.5).add_`)."""
+
+    def __init__(self, width: int = 16, vocab: int = 32, n_layer: int = 4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n_layer))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        acc = torch.zeros(x.shape, dtype=h.dtype)
+        for fc in self.fcs:
+            h = h + torch.tanh(fc(h))
+            acc.mul_(0.5).add_(h.mean(-1))
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) + (acc * acc).mean()
+
+
+def test_a_layer_writing_into_a_tensor_made_before_it_is_not_recomputed():
+    """Recomputing it would write the summary a second time: before, backward crashed in torch
+    ("modified by an inplace operation"). Now the layer is skipped, named, and the gradients are
+    the plain model's."""
+    from autopart.passes.recompute_activations import rewrite_chunk
+    torch.manual_seed(0)
+    model, x = _Accumulating(), torch.randint(0, 32, (4, 8))
+    model(x, x).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    chunk = autopart.compile(model, autopart.Mesh(), (x, x)).programs[0].chunks[0]
+    new, _, skipped = rewrite_chunk(chunk, {layer: "full" for layer in chunk.layers})
+    assert skipped and all("writes in place into" in why for _, why in skipped), skipped
+    for p in new.gm.parameters():
+        p.grad = None
+    new.gm(x, x)[0].backward()
+    for n, p in new.gm.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-6)
