@@ -187,9 +187,25 @@ NEW_LIKE = G.NEW_LIKE
 @rule(*INPLACE)
 def _inplace_rule(node, x, s, pl, tp):
     out = _elementwise(node, pl, tp)
-    if isinstance(out, Need) and out.arg is node.args[0]:
-        raise NoRule(f"{node.target} writes into a replicated tensor with a sharded operand")
+    if isinstance(out, Need) and out.arg is node.args[0] and not written_fresh(node):
+        raise NoRule(f"{node.target} writes into a replicated tensor with a sharded operand, "
+                     "and that tensor is read after the write or through a view")
     return out
+
+
+def written_fresh(node: fx.Node) -> bool:
+    """Whether the tensor an in-place op writes (`mlp_output += attention_output`) is one the
+    graph computed (not an input, a weight or a view of another tensor) that nothing reads
+    after the write or through a view: writing into a local slice of it instead is then seen
+    only through the op's own output, which takes the shard of the operand added."""
+    target = node.args[0]
+    if target.op != "call_function" or target.target in G.ALIASING:
+        return False
+    before, n = set(), node.prev
+    while n is not target and n.op != "root":
+        before.add(n)
+        n = n.prev
+    return all(u is node or (u in before and u.target not in G.ALIASING) for u in target.users)
 
 
 @rule(*NEW_LIKE)
@@ -211,7 +227,37 @@ def _assert_metadata(node, x, s, pl, tp):
 @rule(*VIEWS)
 def _view(node, x, s, pl, tp):
     s = _need_shard(s, node)
-    return Shard(map_view(shape_of(x), shape_of(node), s.dim, tp), s.origin)
+    try:
+        return Shard(map_view(shape_of(x), shape_of(node), s.dim, tp), s.origin)
+    except NoRule:
+        fused = _fused_view(x, node, s, tp)
+        if fused is None:
+            raise
+        return fused
+
+
+def _fused_view(x, node, s: Shard, tp: int):
+    """A fused projection's features viewed (.., k, h, ..) with k not divisible by tp
+    (ModernBERT's Wqkv viewed (.., 3, -1, head_dim), the 3 being q|k|v): the weight is split
+    per section of features/k, so each rank's local features are its 1/tp of each section and
+    its local view is (.., k, h/tp, ..): the shard moves to h. None if the view is not that."""
+    ins, outs = shape_of(x), shape_of(node)
+    size = ins[s.dim] if ins else None
+    if s.origin is None or s.dim != len(ins) - 1 or not isinstance(size, int):
+        return None
+    start, lead = sympy.Mul(*(_expr(v) for v in ins[:-1])), sympy.Integer(1)
+    for e, d in enumerate(outs[:-1]):
+        if lead == start:
+            k, h = outs[e], outs[e + 1]
+            if not (isinstance(k, int) and isinstance(h, int) and k > 1 and k % tp and h % tp == 0):
+                return None
+            if sympy.Mul(*(_expr(v) for v in outs[e:])) != size or size % k:
+                return None
+            sections = (size // k,) * k
+            pieces = tuple((i * size // k, (i + 1) * size // k) for i in range(k))
+            return SplitOnShard(s.origin, sections, pieces), Shard(e + 1, s.origin)
+        lead = lead * _expr(d)
+    return None
 
 
 @rule(aten.flatten.using_ints, aten.unflatten.int, aten.view_as_complex.default,
@@ -289,6 +335,96 @@ def _slice_section(node, x, s, d, tp):
     return SplitOnShard(s.origin, sections, ((start, end),)), Shard(s.dim, s.origin)
 
 
+@rule(aten.stack.default)
+def _stack(node, x, s, pl, tp):
+    """torch.stack of tensors placed alike (interleaved rotary embeddings' `stack((a*cos -
+    b*sin, a*sin + b*cos), -1)`): the shard keeps its dim, one further when the new dim lies
+    before it; a replicated part is needed sliced like the others."""
+    parts = [a for a in node.args[0] if isinstance(a, fx.Node)]
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim(node))
+    shard = next(pl[a] for a in parts if isinstance(pl.get(a), Shard))
+    for a in parts:
+        if not isinstance(pl.get(a), Shard):
+            return Need(a, shard.dim)
+        if pl[a].dim != shard.dim:
+            raise NoRule("stacking tensors sharded along different dims")
+    return Shard(shard.dim + (1 if dim <= shard.dim else 0), shard.origin)
+
+
+@rule(aten.index.Tensor)
+def _index(node, x, s, pl, tp):
+    """x[idx] with index tensors (Falcon's `qkv[:, :, :, [-2]]`): indexing other dims keeps the
+    shard, its dim moved where the indexed dims' result goes (in their place when they are
+    adjacent, else in front); indexing the sharded dim needs a per-group index (_index_groups)."""
+    indices = list(node.args[1])
+    if any(isinstance(pl.get(i), Shard) for i in indices if isinstance(i, fx.Node)):
+        raise NoRule("an index tensor is sharded")
+    s = _need_shard(s, node)
+    at = [d for d, i in enumerate(indices) if i is not None]
+    if any(_dtype(indices[d]) in (torch.bool, torch.uint8) for d in at):
+        raise NoRule("a boolean mask indexes a sharded tensor")
+    if s.dim in at:
+        return _index_groups(node, x, s, at, tp)
+    k = ndim(node) - (ndim(x) - len(at))        # the dims the broadcast indices make
+    if at == list(range(at[0], at[-1] + 1)):
+        return Shard(s.dim if s.dim < at[0] else s.dim - len(at) + k, s.origin)
+    return Shard(k + s.dim - sum(d < s.dim for d in at), s.origin)
+
+
+def _dtype(node):
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _index_groups(node, x, s: Shard, at: list, tp: int):
+    """x[..., idx] along the sharded dim (n positions, n/tp per rank): runs on the shard when
+    idx is a constant whose tp blocks pick, each from its own rank's n/tp positions, the same
+    local positions; every rank then indexes its block with idx's first block (the rewrite
+    slices it)."""
+    if at != [s.dim] or s.origin is None:      # (a sequence shard: the rewrite keeps its index)
+        raise NoRule("an index over the sharded dim and other dims together, or of a sequence")
+    idx, n = constant_value(node.args[1][s.dim]), shape_of(x)[s.dim]
+    if idx is None or idx.dim() != 1 or not isinstance(n, int):
+        raise NoRule("an index of the sharded dim whose values are not a constant of one dim")
+    m, shown = idx.numel(), idx.tolist()[:8]
+    if m % tp or n % tp:
+        raise NoRule(f"the index {shown} picks {m} of the sharded dim's {n} positions, not a "
+                     f"multiple of tp={tp}: what it picks cannot be split over the ranks (a k/v "
+                     "head every query head shares stays whole: use a multiple of tp k/v heads)")
+    blocks = idx.remainder(n).view(tp, m // tp) - torch.arange(tp)[:, None] * (n // tp)
+    first = idx[: m // tp]
+    if not bool((blocks == first).all()) or not bool(((first >= 0) & (first < n // tp)).all()):
+        raise NoRule(f"the index {shown} of the sharded dim ({n} positions) does not pick the "
+                     f"same positions of each rank's {n // tp}, so no one program runs on every rank")
+    return Shard(s.dim, s.origin)
+
+
+def constant_value(node) -> torch.Tensor | None:
+    """The value of a constant tensor the graph holds (a lifted constant read by get_attr,
+    maybe through lift_fresh_copy), or None."""
+    while isinstance(node, fx.Node) and node.target is aten.lift_fresh_copy.default:
+        node = node.args[0]
+    gm = node.graph.owning_module if isinstance(node, fx.Node) else None
+    if node is None or node.op != "get_attr" or gm is None:
+        return None
+    try:
+        value = functools.reduce(getattr, node.target.split("."), gm)
+    except AttributeError:
+        return None
+    return value if isinstance(value, torch.Tensor) and not value.is_floating_point() else None
+
+
+@rule(aten.unbind.int)
+def _unbind(node, x, s, pl, tp):
+    """Unbinding another dim than the shard's (q, k, v out of a fused (.., 3, h, d) view)."""
+    s = _need_shard(s, node)
+    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim(x))
+    if d == s.dim:
+        raise NoRule(f"unbind along the sharded dim {d}")
+    out = Shard(s.dim - (1 if d < s.dim else 0), s.origin)
+    return tuple(out for _ in range(int(shape_of(x)[d])))
+
+
 @rule(aten.max.dim, aten.min.dim)
 def _max_dim(node, x, s, pl, tp):
     """(values, indices) over another dim than the shard's (GPT-OSS's attention sinks take the
@@ -301,7 +437,7 @@ def _max_dim(node, x, s, pl, tp):
     return (out, out)
 
 
-@rule(aten.expand.default)
+@rule(aten.expand.default, aten.broadcast_to.default)
 def _expand(node, x, s, pl, tp):
     return Shard(s.dim + (ndim(node) - ndim(x)), s.origin)
 

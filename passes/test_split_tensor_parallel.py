@@ -337,3 +337,62 @@ def test_per_head_layer_norms_are_batched_and_split(bias):
         torch.testing.assert_close(batched.gm(x)[0], model(x), rtol=1e-6, atol=1e-7)
     out, report = split_tensor_parallel(program, tp=2)
     assert report["replicated_linears"] == [] and set(out.tp.params) >= {"q.weight", "o.weight"}
+
+
+def _captured(name: str):
+    from tests.workers.common import Case, build
+    from tests.workers.tp_families import BUILDERS   # noqa: F401  (registers the builders)
+    model, loss_fn, inputs, target = build(Case(name, model=name))
+    return capture(model, inputs, loss_fn=loss_fn, target=target)
+
+
+def test_interleaved_rotary_stack_splits_a_llama_at_tp8():
+    """Rotary embeddings written `stack((a*cos - b*sin, a*sin + b*cos), -1).flatten(-2)` (an
+    aten.stack of two head-sharded tensors): every linear of an 8-head Llama splits at tp=8,
+    where before q and k stayed whole and tp=8 was refused."""
+    out, report = split_tensor_parallel(_captured("llama-interleaved"), tp=8)
+    assert report["replicated_linears"] == []
+    assert out.tp.params["layers.0.attention.wq.weight"] == ParamShard(0, (64,))
+    assert _counts(out.gm)["stack.default"] == 2 * 2 and _counts(out.gm)["scatter_to_tp"] == 0
+
+
+def test_fused_qkv_view_groups_index_and_in_place_accumulator():
+    """tests/workers/tp_families.Handwritten: a Wqkv viewed (.., 3, -1, d) splits per q|k|v
+    section with the heads; a projection read per group by `[:, :, [0, 2]]` of its 4 groups
+    (2 per rank) indexes each rank's block with [0]; `acc += up(h)` into a zeros accumulator
+    writes into this rank's own copy of its slice."""
+    out, report = split_tensor_parallel(_captured("handwritten"), tp=2)
+    assert report["replicated_linears"] == []
+    params = out.tp.params
+    assert params["wqkv.weight"] == ParamShard(0, (32, 32, 32))
+    assert params["wo.weight"] == ParamShard(1, (32,))
+    assert params["grouped.weight"] == ParamShard(0, (64,)) and params["down.weight"].dim == 1
+    assert params["up.weight"] == ParamShard(0, (64,)) and params["out.weight"].dim == 1
+    code = out.gm.code
+    assert "[None, None, slice_tensor]" in code, code     # the index's first 1/tp: [0]
+    assert "clone.default(scatter_to_tp)" in code and "add_.Tensor(clone_default" in code
+    view = next(n for n in out.gm.graph.nodes if n.target is torch.ops.aten.view.default
+                and -1 in n.args[1])
+    assert list(view.args[1][2:]) == [3, -1, 8]         # q|k|v, the local heads, head_dim
+
+
+def test_sharded_dim_index_that_misses_a_rank_names_why():
+    """An index that picks positions of the sharded dim some rank does not hold ([0, 1] of 4
+    groups: both on rank 0): the projection stays whole, and the refusal names the index, the
+    numbers and the source line."""
+    class Picks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            y = self.up(x).view(b, s, 4, 8)[:, :, [0, 1]].reshape(b, s, 16)
+            return self.down(y).pow(2).mean()
+
+    with pytest.raises(AutopartError) as err:
+        split_tensor_parallel(capture(Picks(), (torch.randn(2, 4, 16),)), tp=2)
+    text = str(err.value)
+    assert "the index [0, 1] of the sharded dim (4 positions) does not pick the same positions "\
+        "of each rank's 2" in text, text
+    assert "[:, :, [0, 1]]" in text and "remedy:" in text, text

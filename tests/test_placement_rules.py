@@ -27,7 +27,8 @@ def _place(fn, inputs, placements: dict, op, tp=2):
     """The placement `carry` gives the first node calling `op`, inputs placed as given."""
     ep = torch.export.export(_Fn(fn), tuple(inputs), strict=False)
     pl = {}
-    for i, n in enumerate(n for n in ep.graph.nodes if n.op == "placeholder"):
+    users = set(ep.graph_signature.user_inputs)     # not a lifted constant (an index list)
+    for i, n in enumerate(n for n in ep.graph.nodes if n.op == "placeholder" and n.name in users):
         pl[n] = placements.get(i, R)
     for n in ep.graph.nodes:
         if n.op != "call_function":
@@ -47,6 +48,13 @@ def x(*shape, dtype=torch.float32):
 def _expand_repeat_kv(t):          # repeat_kv: [B, T, Hkv, D] -> [B, T, 2*Hkv, D]
     b, s, h, d = t.shape
     return t[:, :, :, None, :].expand(b, s, h, 2, d).reshape(b, s, h * 2, d)
+
+
+def _add_into_viewed(a, b):      # a view of the tensor written, read after the write
+    c = a.clone()
+    seen = c.view(-1)
+    c.add_(b)
+    return seen * 2
 
 
 ROWS = [
@@ -125,8 +133,44 @@ ROWS = [
      NoRule),
     ("inplace-div-on-the-shard", lambda a, b: a.clone().div_(b), [x(2, 4, 8), x(8)],
      {0: S(1)}, aten.div_.Tensor, S(1)),
-    ("inplace-add-into-replicated", lambda a, b: a.clone().add_(b), [x(2, 4, 8), x(2, 4, 8)],
-     {1: S(1)}, aten.add_.Tensor, NoRule),
+    ("inplace-add-into-a-fresh-replicated-slices-it", lambda a, b: a.clone().add_(b),
+     [x(2, 4, 8), x(2, 4, 8)], {1: S(1)}, aten.add_.Tensor, "need0:1"),
+    ("inplace-add-into-replicated-read-through-a-view", _add_into_viewed,
+     [x(2, 4, 8), x(2, 4, 8)], {1: S(1)}, aten.add_.Tensor, NoRule),
+    ("inplace-add-into-an-input", lambda a, b: a.add_(b), [x(2, 4, 8), x(2, 4, 8)], {1: S(1)},
+     aten.add_.Tensor, NoRule),
+    ("stack-new-last-dim", lambda a, b: torch.stack((a, b), -1), [x(2, 4, 8), x(2, 4, 8)],
+     {0: S(1), 1: S(1)}, aten.stack.default, S(1)),
+    ("stack-new-dim-before-the-shard", lambda a, b: torch.stack((a, b), 0),
+     [x(2, 4, 8), x(2, 4, 8)], {0: S(1), 1: S(1)}, aten.stack.default, S(2)),
+    ("stack-needs-the-replicated-part-sliced", lambda a, b: torch.stack((a, b), -1),
+     [x(2, 4, 8), x(2, 4, 8)], {0: S(1)}, aten.stack.default, "need1:1"),
+    ("stack-shards-on-different-dims", lambda a, b: torch.stack((a, b), -1),
+     [x(2, 4, 4), x(2, 4, 4)], {0: S(1), 1: S(2)}, aten.stack.default, NoRule),
+    ("unbind-other-dim", lambda a: a.unbind(2)[0], [x(2, 4, 3, 4, 2)], {0: S(3)},
+     aten.unbind.int, (S(2), S(2), S(2))),
+    ("unbind-sharded-dim", lambda a: a.unbind(1)[0], [x(2, 4, 8)], {0: S(1)}, aten.unbind.int,
+     NoRule),
+    ("index-unsharded-dim-keeps-the-shard", lambda a: a[:, :, :, [1]],
+     [x(2, 4, 2, 3, 8)], {0: S(2)}, aten.index.Tensor, S(2)),
+    ("index-before-the-shard", lambda a: a[:, [0, 2, 3]], [x(2, 4, 8)], {0: S(2)},
+     aten.index.Tensor, S(2)),
+    ("index-two-dims-apart-go-in-front", lambda a: a[[0, 1], :, [0, 1]], [x(2, 4, 2)],
+     {0: S(1)}, aten.index.Tensor, S(1)),
+    ("index-by-a-mask", lambda a: a[:, torch.tensor([True, False, True, True])],
+     [x(2, 4, 8)], {0: S(2)}, aten.index.Tensor, NoRule),
+    ("index-sharded-dim-unknown-values", lambda a, i: a[:, i], [x(2, 4, 8), torch.tensor([0, 2])],
+     {0: S(1)}, aten.index.Tensor, NoRule),
+    ("index-by-a-sharded-index", lambda a, i: a[i], [x(8, 4), torch.tensor([[0, 2]])],
+     {1: S(1)}, aten.index.Tensor, NoRule),
+    ("broadcast-to-keeps-the-shard", lambda a: torch.broadcast_to(a, (2, 4, 3, 8)),
+     [x(2, 4, 1, 8)], {0: S(1)}, aten.broadcast_to.default, S(1)),
+    ("view-fused-qkv-with-a-split-dim", lambda a: a.view(2, 4, 3, 2, 4), [x(2, 4, 24)],
+     {0: S(2, "qkv")}, aten.view.default, "fused"),
+    ("view-fused-qkv-heads-not-divisible", lambda a: a.view(2, 4, 3, 1, 8), [x(2, 4, 24)],
+     {0: S(2, "qkv")}, aten.view.default, NoRule),
+    ("view-split-dim-of-no-projection", lambda a: a.view(2, 4, 3, 2, 4), [x(2, 4, 24)],
+     {0: S(2)}, aten.view.default, NoRule),
     ("copy-into-the-shard-slices-the-source", lambda a, b: a.clone().copy_(b),
      [x(2, 4, 8), x(2, 4, 8)], {0: S(1)}, aten.copy_.default, "need1:1"),
     ("select-shifts", lambda a: a[0], [x(2, 4, 8)], {0: S(2)}, aten.select.int, S(1)),
@@ -166,6 +210,10 @@ def test_rule(row):
         marker, part = out
         assert isinstance(marker, SplitOnShard) and marker.sections == (2, 6), marker
         assert marker.pieces == ((0, 2),) and part == S(2, "qkv")
+    elif expected == "fused":      # (.., 24) -> (.., 3, 2, 4): q|k|v sections, heads split
+        marker, part = out
+        assert isinstance(marker, SplitOnShard) and marker.sections == (8, 8, 8), marker
+        assert marker.pieces == ((0, 8), (8, 16), (16, 24)) and part == S(3, "qkv")
     elif isinstance(expected, str) and expected.startswith("need"):
         arg, dim = (int(v) for v in expected[4:].split(":"))
         assert isinstance(out, Need) and out.dim == dim, out

@@ -82,6 +82,7 @@ class _Region:
     sections: dict = field(default_factory=dict)
     pieces: dict = field(default_factory=dict)      # origin -> {[start, end) read as a tensor}
     scatters: dict = field(default_factory=dict)
+    indexed: dict = field(default_factory=dict)     # index node -> origin whose shard it picks
 
 
 class _Reject(Exception):
@@ -263,6 +264,10 @@ def _grow(seeds, committed, ctx, unpullable=frozenset()) -> _Region:
                 heapq.heappush(frontier, ctx.order[u.name])
     if not region.rows and not region.ces:
         raise _Reject(seeds[0].name, "no row-parallel linear or vocabulary-parallel loss closes it")
+    for name, origin in region.indexed.items():
+        if len(region.sections.get(origin, ())) > 1:      # its positions are not one block
+            raise _Reject(name, f"an index of the sharded dim of {origin}, which is cut in "
+                          f"sections {region.sections[origin]}")
     return region
 
 
@@ -328,6 +333,9 @@ def _carry_into(node, region, linears, tp, unpullable):
             marker, out = out
             _merge_sections(region, marker, node, tp)
         region.pl[node] = out
+        src = region.pl.get(node.args[0]) if node.target is aten.index.Tensor else None
+        if isinstance(src, Shard) and src.dim < len(node.args[1]) and node.args[1][src.dim] is not None:
+            region.indexed[node.name] = src.origin     # per-rank groups of one block (_grow)
         return None
     raise _Reject(node.name, "unresolvable sharding requirements")
 

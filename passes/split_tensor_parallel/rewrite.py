@@ -80,6 +80,10 @@ def _redistributed_inputs(g, node, plan, env, cache, comm) -> dict:
             if key not in cache:
                 cache[key] = _call(g, tp_ops.scatter_to_tp, (env[a], dim, comm), a, Shard(dim))
             local[a] = cache[key]
+            if node.target in G.INPLACE_ARITH and a is node.args[0]:
+                # written in place: its own copy (autograd refuses in-place writes into a view
+                # a custom Function returned, and another reader keeps the slice unwritten)
+                local[a] = _call(g, aten.clone.default, (cache[key],), a, Shard(dim))
         dim = plan.gathers.get((node.name, a.name))
         if dim is not None:
             key = ("gather", a.name, dim)
@@ -152,7 +156,7 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None
     if not isinstance(s, (Shard, tuple)):
         return
     t = old.target
-    if t in G.RESHAPES or t in G.BROADCASTS or t in NEW_LIKE:
+    if t in G.RESHAPES or t in G.BROADCASTS or t in NEW_LIKE or t is aten.broadcast_to.default:
         sizes = list(new.args[1])
         d = s.dim
         if isinstance(sizes[d], int) and sizes[d] != -1:
@@ -170,6 +174,8 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None
         if isinstance(src, Shard) and src.dim == dim and shape_of(old)[dim] != shape_of(old.args[0])[dim]:
             start, end = slice_range(old, int(shape_of(old.args[0])[dim]))   # one whole section
             new.args = (new.args[0], dim, start // tp, end // tp, *new.args[4:])
+    elif t is aten.index.Tensor:
+        _localize_index(new, old, plan)
     elif t is aten.split.Tensor:
         src = plan.placements.get(old.args[0])
         dim = old.args[2] if len(old.args) > 2 else 0
@@ -182,6 +188,20 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None
         dim = norm_dim(dim, ndim(old.args[0]))
         if isinstance(src, Shard) and src.dim == dim:
             new.args = (new.args[0], [v // tp for v in old.args[1]], *new.args[2:])
+
+
+def _localize_index(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None:
+    """x[..., idx] along x's sharded dim: each rank indexes its block with idx's first 1/tp
+    (placement._index_groups checked those are every rank's local positions)."""
+    src = plan.placements.get(old.args[0])
+    if not isinstance(src, Shard) or len(old.args[1]) <= src.dim or old.args[1][src.dim] is None:
+        return
+    indices = list(new.args[1])
+    idx = indices[src.dim]
+    with new.graph.inserting_before(new):
+        indices[src.dim] = new.graph.call_function(
+            aten.slice.Tensor, (idx, 0, 0, int(shape_of(old.args[1][src.dim])[0]) // plan.tp))
+    new.args = (new.args[0], indices, *new.args[2:])
 
 
 def _attr_targets(gm) -> list[str]:
