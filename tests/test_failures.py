@@ -13,7 +13,7 @@ import pytest
 
 from autopart.runtime.launch import spawn
 from tests.workers.equivalence import die_mid_step, mesh_mismatch
-from tests.workers.failure import mismatched_programs, nonfinite_loss
+from tests.workers.failure import killed_in_checkpoint, mismatched_programs, nonfinite_loss
 
 TIMEOUT_S = 10.0     # parallelize(timeout=...): bounds every wait of the training step
 PG_TIMEOUT = 300.0   # the default group's, deliberately longer: parallelize's own must apply
@@ -54,6 +54,26 @@ def test_the_survivors_error_names_the_action_the_peer_and_the_step():
     action = r"(was waiting for \dRECV_[FB]\d+ from|could not deliver \dSEND_[FB]\d+ to) rank 1"
     assert re.search(rf"rank 0 ({action}|was waiting for the batch \[[^\]]*{action}[^\]]*\]) "
                      r"at step 2", text), text[-3000:]
+
+
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_a_rank_killed_in_save_or_load_is_named_by_the_survivors(what, tmp_path):
+    """Rank 1 dies as DCP's save (load) begins: rank 0 once raised Gloo's bare "Connection closed
+    by peer" from DCP's gather; it must name the phase, the rank that went silent and a remedy,
+    within the timeout."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        spawn(killed_in_checkpoint, 2, what, 1, str(tmp_path / "ck"), TIMEOUT_S, timeout=240,
+              pg_timeout=PG_TIMEOUT)
+    text = str(info.value)
+    assert re.search(r"--- rank 1: exit code 13\b", text), text[-3000:]
+    m = re.search(rf"rank 0 failed after ([0-9.]+) s in {what}: (.*)", text)
+    assert m, text[-3000:]
+    assert float(m.group(1)) <= TIMEOUT_S + MARGIN_S, m.group(0)
+    assert m.group(2).startswith(f"PeerFailure: {what}: rank 0 failed after"), m.group(0)
+    assert f"no report from rank(s) [1]: dead, or stuck outside {what}" in text, text[-3000:]
+    assert f"remedy: restart every rank and {'resume' if what == 'save' else 'load'}" in text
+    assert time.monotonic() - start < 150
 
 
 @pytest.mark.parametrize("differ", ["model", "options"])

@@ -28,7 +28,8 @@ that dies on any rank leaves `path` as it was.
 The package, one job per module: `geometry.py` (a tensor as this rank's pieces), `planners.py`
 (DCP planners for those pieces), `held.py` (what a rank contributes: model, optimizer, RNG),
 `saving.py`, `checks.py` (marker and files), `loading.py`, `zero_state.py` (zero=1's flat slices),
-`exporting.py` (one process: the plain model's safetensors)."""
+`exporting.py` (one process: the plain model's safetensors), `peers.py` (a rank lost during save or
+load, named)."""
 from __future__ import annotations
 
 import torch.distributed.checkpoint as dcp  # noqa: F401  (checkpoint.dcp, as before the split)

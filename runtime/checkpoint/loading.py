@@ -13,6 +13,7 @@ from .checks import _check_same_model, _read_marker, _resolve, _verify
 from .geometry import _split_dim, sliced
 from .held import (_infos, _is_zero, _model_entries, _optimizer_name, _param_names,
                    _set_hyperparameters)
+from .peers import peers_named
 from .planners import _LoadPlanner
 from .saving import _enter
 from .zero_state import _prepare_zero_optimizer
@@ -31,8 +32,13 @@ def load(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
         extra = load(pm, "ckpt/step7", optimizer=opt)      # {"step": 7}
     """
     path = _resolve(Path(path).absolute())
-    rank, world = dist.get_rank(), dist.get_world_size()
     _enter(pm, "load")
+    with peers_named(pm, "load", path):        # a rank lost meanwhile is named
+        return _load(pm, path, optimizer, verify)
+
+
+def _load(pm, path: Path, optimizer, verify: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
     # every rank reads the marker; a problem on one rank is raised on all of them
     marker, problem = None, None
     try:

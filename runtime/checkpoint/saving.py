@@ -18,6 +18,7 @@ from .checks import _file_record, _read_marker
 from .geometry import FORMAT, MARKER, _OLD, _TMP
 from .held import (_describe_model, _hyperparameters, _model_entries, _optimizer_entries,
                    _optimizer_name, _rng_entries)
+from .peers import peers_named
 from .planners import _SavePlanner
 
 # -- save ------------------------------------------------------------------------------------------
@@ -35,8 +36,13 @@ def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
     """
     start = time.perf_counter()
     path = Path(path).absolute()
-    rank = dist.get_rank()
     _enter(pm, "save")
+    with peers_named(pm, "save", path):        # a rank lost meanwhile is named
+        return _save(pm, path, optimizer, extra, model, start)
+
+
+def _save(pm, path: Path, optimizer, extra, model, start: float) -> dict:
+    rank = dist.get_rank()
     # the temporary directory's name, the same on every rank; and rank 0's checks of `path` and
     # of `extra` (rank 0's is the one saved), in the first collective, so every rank raises alike
     # before anything is written

@@ -1,5 +1,5 @@
-"""Rank functions for tests/test_failures.py: programs that differ between ranks, and
-non-finite losses."""
+"""Rank functions for tests/test_failures.py: programs that differ between ranks, non-finite
+losses, and a rank killed during save or load."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -91,3 +91,31 @@ def save_on_one_rank(rank: int, world: int, hold_s: float, path: str) -> str:
         return f"no error after {time.perf_counter() - start:.1f} s"
     except autopart.AutopartError as e:
         return f"AutopartError after {time.perf_counter() - start:.1f} s: {e}"
+
+
+def killed_in_checkpoint(rank: int, world: int, what: str, victim: int, path: str,
+                         timeout_s: float) -> None:
+    """Rank function: Mesh(dp=world), one step, then pm.save(path) (what="save") or pm.load of
+    the checkpoint saved just before (what="load"), in which rank `victim` exits (os._exit(13),
+    as a killed process) where DCP's work begins. The others must raise within the timeout; the
+    error says how long after the start of `what` ("rank 0 failed after 0.4 s in save: ...")."""
+    import os
+    import time
+    import torch.distributed.checkpoint as dcp
+    import autopart
+
+    case = Case("dies-in-checkpoint", dp=world)
+    model, loss_fn, inputs, target = build(case)
+    pm = autopart.parallelize(model, autopart.Mesh(dp=world), inputs, loss_fn=loss_fn,
+                              target=target, timeout=timedelta(seconds=timeout_s))
+    pm.train_step(*inputs, target=target)
+    if what == "load":
+        pm.save(path)
+    if rank == victim:
+        setattr(dcp, what, lambda *args, **kwargs: os._exit(13))
+    started = time.monotonic()
+    try:
+        pm.save(path) if what == "save" else pm.load(path)
+    except Exception as e:
+        raise RuntimeError(f"rank {rank} failed after {time.monotonic() - started:.1f} s in "
+                           f"{what}: {type(e).__name__}: {e}") from e
