@@ -33,6 +33,7 @@ FAST_2 = [
     Case("gpt-cp2-allgather", cp=2, cp_attention="allgather", **GPT),
     Case("llama-cp2-ring-ignored", model="cp-llama", cp=2, optim="adamw", ignored="uneven", **SEQ),
     Case("hand-cp2-allgather", model="cp-hand", cp=2, cp_attention="allgather", **SEQ),
+    Case("llama-eager-cp2-ring", model="cp-llama-eager", cp=2, **SEQ),
     # sgd: the k bias gets a gradient that is 0 up to round-off (softmax ignores a shift of
     # the scores), which Adam would scale up to a full step of noise
     Case("padded-sdpa-cp2-ring", model="cp-pad-sdpa", cp=2, **SEQ),

@@ -184,9 +184,10 @@ def _from_matmul(node: fx.Node) -> bool:
 
 
 def _single_user_chain(node: fx.Node) -> fx.Node | None:
-    """The first op after `node` that is not a cast or a no-op dropout, along single users."""
-    while len(node.users) == 1:
-        (user,) = node.users
+    """The first op after `node` that is not a cast or a no-op dropout, along single users
+    (a dtype check that export adds after a cast, `_assert_tensor_metadata`, reads nothing on)."""
+    while len(users := _data_users(node)) == 1:
+        (user,) = users
         if user.target in CASTS or (user.target == aten.dropout.default
                                     and (not user.args[1] or not user.args[2])):
             node = user
@@ -195,10 +196,14 @@ def _single_user_chain(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _data_users(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if u.target not in G.CHECKS]
+
+
 def _chain_end(softmax: fx.Node, out: fx.Node) -> fx.Node:
     node = softmax
     while node not in out.args:
-        (node,) = node.users
+        (node,) = _data_users(node)
     return node
 
 

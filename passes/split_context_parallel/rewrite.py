@@ -16,12 +16,21 @@ import torch.fx as fx
 
 from autopart.ir import Program, graph_module
 from autopart.localize import attribute
+from autopart.ops import aten_groups as G
 from autopart.ops import cp as cp_ops
 
 aten = torch.ops.aten
 
 COMM = "cp_comm"
 KERNELS = {"ring": cp_ops.ring_attention, "allgather": cp_ops.allgather_kv_attention}
+
+
+def _impure(node: fx.Node) -> bool:
+    """fx's rule, except that a dropout of p=0 (HF's eager attention calls one on the
+    probabilities of a replaced core) draws nothing and may go."""
+    if node.target == aten.dropout.default and not node.args[1]:
+        return False
+    return node.is_impure()
 
 
 def rewrite(program: Program, cores: list, aranges: list, slices: list, cp: int,
@@ -42,9 +51,11 @@ def rewrite(program: Program, cores: list, aranges: list, slices: list, cp: int,
             env[node] = _arange(g, node, env, comm, positions)
         elif node in slices:
             env[node] = _table_rows(g, node, env, comm, positions)
+        elif node.target in G.CHECKS:
+            continue    # export's dtype asserts: one on a replaced core's softmax would keep it
         else:
             env[node] = g.node_copy(node, lambda n: env[n])
-    g.eliminate_dead_code()     # the masks and the replaced cores' inner ops
+    g.eliminate_dead_code(_impure)     # the masks and the replaced cores' inner ops
     g.lint()
     root = {n.target: attribute(gm, n.target) for n in g.nodes
             if n.op == "get_attr" and n.target != COMM}

@@ -71,13 +71,14 @@ class _Logits(nn.Module):
         return self.model(input_ids=idx, use_cache=False).logits
 
 
-def _llama(case, seed, device):
+def _llama(case, seed, device, attention: str = "sdpa"):
     import transformers
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128)
+                                   num_key_value_heads=2, max_position_embeddings=128,
+                                   attn_implementation=attention)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, 128, (case.batch, case.seq), generator=g)
     y = torch.randint(0, 128, (case.batch, case.seq), generator=g)
@@ -99,6 +100,8 @@ def _qwen2_moe(case, seed, device):
 FAMILIES.setdefault("cp-hand", _hand)
 FAMILIES.setdefault("cp-qwen2-moe", _qwen2_moe)
 FAMILIES.setdefault("cp-llama", _llama)
+# attention written out (matmul, HF's additive causal mask, softmax, matmul): its mask is causal
+FAMILIES.setdefault("cp-llama-eager", lambda case, seed, device: _llama(case, seed, device, "eager"))
 
 
 def run_cp_cases(rank: int, world: int, cases: list) -> list[dict]:
