@@ -1,21 +1,25 @@
-"""tests/nccl_contract.py keeps NCCL's point-to-point contract over Gloo: one work per
-batch_isend_irecv, receive buffers filled only when that work is waited on, a group's batches
-completed in posting order, and wait() that returns on a dead peer (the process is then aborted by
-the watchdog once the group's timeout has passed, as NCCL's does)."""
+"""tests/nccl_contract.py keeps NCCL's contract over Gloo: one work per batch_isend_irecv, a
+group's batches run in posting order and each completes only against its peer's matching batch (a
+list that deadlocks on NCCL deadlocks, reported in bounded time), receive buffers of every dtype
+and async collectives' outputs poisoned until waited on, and wait() that returns on a dead peer
+(the process is then aborted by the watchdog once the group's timeout has passed, as NCCL's is)."""
 from __future__ import annotations
 
+import math
 import os
-import time
 import re
+import time
 import subprocess
 import sys
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from autopart.runtime.launch import spawn
 from tests import nccl_contract
+from tests.workers import nccl_contract as workers
 from tests.workers.common import Case
 from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 from tests.composition import CCase
@@ -23,25 +27,104 @@ from tests.composition import CCase
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_contract_over_gloo(monkeypatch):
-    monkeypatch.setenv(nccl_contract.ENV, "1")  # ranks install it importing tests.workers.common
-    r0, r1 = spawn(nccl_contract.contract_checks, 2, 5.0, timeout=120, pg_timeout=30)
+DEADLOCK_S = 3.0       # the lists' groups' timeout: a deadlock is reported after it
+
+
+@pytest.fixture(scope="module")
+def checked():
+    """One spawn of tests/workers/nccl_contract.py contract_checks: (rank 0's, rank 1's)."""
+    with pytest.MonkeyPatch.context() as mp:    # ranks install it importing tests.workers.common
+        mp.setenv(nccl_contract.ENV, "1")
+        return spawn(workers.contract_checks, 2, 5.0, DEADLOCK_S, timeout=180, pg_timeout=30)
+
+
+def test_contract_over_gloo(checked):
+    r0, r1 = checked
     for r in (r0, r1):
         assert r["installed_by_env"], r
         assert r["gloo_works"] == 4 and r["gloo_ok"], r      # Gloo: one work per op
         assert r["contract_works"] == 1, r                    # NCCL: one work per batch
         assert r["poisoned_before_wait"] == [True, True], r  # delivered, not yet visible
         assert r["wait_returned"] is True and r["filled_after_wait"], r
-        assert r["in_order"] == (True, True) and r["earlier_filled_by_own_wait"], r
+        assert r["in_order"] == (True, True, True) and r["earlier_filled_by_own_wait"], r
     assert r0["dead_wait"] is True, r0                        # did not raise
     assert r0["dead_wait_s"] < 10 and r0["dead_buffer_poisoned"], r0
-    assert len(r0["dead_errors"]) == 1 and "recv from 1" in r0["dead_errors"][0], r0
+    assert "recv from 1" in r0["dead_errors"][0] and "did not complete" in r0["dead_errors"][0], r0
+
+
+def test_every_receive_dtype_is_poisoned_until_waited(checked):
+    """bool has no invalid value: until wait() a bool receive holds the opposite of what
+    arrived, an int64 one the dtype's largest value."""
+    for rank, r in enumerate(checked):
+        sent_by_peer = [[True, False, True, True][i] ^ bool(1 - rank) for i in range(4)]
+        ints = [1 + 10 * (1 - rank) + i for i in range(4)]
+        before, after = r["dtypes_before_wait"], r["dtypes_after_wait"]
+        assert before["torch.bool"] == [not b for b in sent_by_peer], r
+        assert before["torch.int64"] == [2 ** 63 - 1] * 4, r
+        assert after == {"torch.bool": sent_by_peer, "torch.int64": ints}, r
+
+
+def test_async_collectives_deliver_only_at_wait(checked):
+    """all_reduce, reduce_scatter_tensor (in place: the output a view of the input) and
+    all_gather_into_tensor with async_op=True: NaN until wait(), which returns, then the result
+    (worked out by hand from what each rank put in)."""
+    reduced = [3.0] * 4                                       # 1 + 2
+    rows = [[0 + 10, 1 + 11], [2 + 12, 3 + 13]]               # arange(4) + 10 * rank, summed
+    gathered = [7.0, 7.0, 8.0, 8.0]
+    for rank, r in enumerate(checked):
+        before = r["collectives_before_wait"]
+        assert all(math.isnan(x) for xs in before.values() for x in xs), r
+        assert r["collective_waits"] == [True] * 3, r
+        assert r["collectives_after_wait"] == {"all_reduce": reduced, "reduce_scatter": rows[rank],
+                                               "all_gather": gathered}, r
+    r0 = checked[0]
+    assert r0["dead_collective_wait"] is True and r0["dead_collective_poisoned"], r0
+    assert any("async allreduce failed" in e for e in r0["dead_errors"]), r0
+
+
+def test_a_list_that_deadlocks_on_nccl_deadlocks_under_the_contract(checked):
+    """tests/workers/nccl_contract.py DEADLOCK: each rank's first batch holds a receive whose
+    send is in the peer's second batch. NCCL never completes it; under the contract each rank's
+    first batch is reported, naming the receive that got nothing, once the group's timeout has
+    passed, and its second never runs. SAFE, the same transfers batched pairwise, delivers all."""
+    for rank, r in enumerate(checked):
+        safe, stuck = r["safe"], r["deadlock"]
+        assert not safe["errors"], safe
+        assert safe["received"] == {a: [workers.carried(a.replace("RECV", "SEND"))] * 4
+                                    for a in safe["received"]}, safe
+        assert len(safe["received"]) == 2, safe
+        first = re.escape("batch [send to {0}, recv from {0}, recv from {0}] (batch 1 on its "
+                          "group's stream) did not complete: recv #2 from {0}: nothing arrived"
+                          .format(1 - rank))
+        assert len(stuck["errors"]) == 2, stuck
+        assert re.search(f"^rank {rank}: {first}", stuck["errors"][0]), stuck
+        assert "batch 2 on its group's stream) never ran" in stuck["errors"][1], stuck
+        stuck_recv = "0RECV_B1" if rank == 0 else "1RECV_F1"
+        assert all(math.isnan(x) for x in stuck["received"][stuck_recv]), stuck
+        assert stuck["wait_s"] < DEADLOCK_S + 20, stuck       # bounded: the group's timeout
+
+
+def test_contract_counts_are_per_case():
+    """under_contract gives each case what it posted (the `batches > 0` check of a pipeline
+    case must be able to fail in a spawn's second case)."""
+    posts = {"a": 3, "b": 0}
+
+    def fn(rank, world, cases):     # stands for a rank function whose cases post batches
+        for c in cases:
+            nccl_contract.stats["batches"] += posts[c.name]
+        return [{"case": c.name, "rank": rank, "problems": []} for c in cases]
+    was = nccl_contract.installed()
+    try:
+        out = workers.under_contract(fn, 0, 1, [SimpleNamespace(name=n) for n in posts])
+    finally:
+        (nccl_contract.install if was else nccl_contract.uninstall)()
+    assert {r["case"]: r["contract"]["batches"] for r in out} == posts, out
 
 
 @pytest.mark.full      # 15 s of spawn for the test aid's own abort path
 def test_watchdog_aborts_after_the_timeout():
     with pytest.raises(RuntimeError, match=f"rank 0: exit code {nccl_contract.ABORT_EXIT_CODE}"):
-        spawn(nccl_contract.watchdog_check, 2, 2.0, timeout=120, pg_timeout=30)
+        spawn(workers.watchdog_check, 2, 2.0, timeout=120, pg_timeout=30)
 
 
 def test_runtime_posts_point_to_point_only_in_batches():
@@ -70,8 +153,9 @@ def test_the_runtime_sends_no_unbatched_point_to_point():
 
 # -- the equivalence cases, under the contract ----------------------------------------------------
 # Fast tier: the pipelines whose batches mix sends and receives (1F1B, interleaved, zb-v), and one
-# tensor-parallel, one expert-parallel and one ZeRO case (their collectives keep Gloo's behaviour;
-# what changes under the contract is every point-to-point transfer around them).
+# tensor-parallel, one expert-parallel and one ZeRO case (their sync collectives keep Gloo's
+# behaviour; the async ones, the gradient buckets' all-reduces and ZeRO's reduce-scatters, deliver
+# only at wait()).
 # Full tier: every case of the pipeline, zero-bubble, tensor- and expert-parallel equivalence
 # suites and the composition matrix (every schedule with tp, sp, dp, ep, ZeRO, recompute, bf16,
 # compile), each group in one spawn as in its own file.
@@ -93,13 +177,14 @@ FAST_2 = [
 
 def _assert_ran_under_contract(case, ranks: list[dict]) -> None:
     """The case equals the plain model (a transfer that failed left NaN in its buffers: the
-    comparison sees it) and its pipeline's transfers went through the contract. The failed
-    transfers of the spawn (any case: the count is per process) are shown with a failure."""
+    comparison sees it), its pipeline's transfers and its data-parallel gradients' async
+    collectives went through the contract (counted per case). The case's failed transfers are
+    shown with a failure."""
     failed = sorted({e for r in ranks for e in r.get("contract", {}).get("errors", ())})
     try:
         assert_all_ranks_equal_plain(case, ranks)
     except AssertionError as e:
-        raise AssertionError(f"{e}\ntransfers that failed under the contract in this spawn: "
+        raise AssertionError(f"{e}\ntransfers that failed under the contract in this case: "
                              f"{failed or 'none'}") from None
     for r in ranks:
         assert "contract" in r, f"{case.name}: rank {r['rank']} did not run under the contract"
@@ -107,12 +192,15 @@ def _assert_ran_under_contract(case, ranks: list[dict]) -> None:
         # (tests/composition.py checked the refusal in assert_all_ranks_equal_plain's problems)
         if case.pp > 1 and not getattr(case, "refused", ()):
             assert r["contract"]["batches"] > 0, f"{case.name}: no batch went through the contract"
+        if case.dp > 1 and not getattr(case, "refused", ()):
+            assert r["contract"]["collectives"] > 0, \
+                f"{case.name}: no async collective went through the contract"
 
 
 @pytest.mark.parametrize("case", FAST_2, ids=[c.name for c in FAST_2])
 def test_equivalence_under_the_contract(case, spawn_cache):
     results = run_group(spawn_cache, ("nccl-contract", "fast", 2), FAST_2,
-                        rank_fn=nccl_contract.run_cases)
+                        rank_fn=workers.run_cases)
     _assert_ran_under_contract(case, results[case.name])
 
 
@@ -152,7 +240,7 @@ FULL = [pytest.param(key, c.name, id=f"{key[0]}-{c.name}", marks=pytest.mark.ful
 def test_every_equivalence_case_under_the_contract(key, name, spawn_cache):
     cases, fn = FULL_GROUPS[key]
     results = run_group(spawn_cache, ("nccl-contract", *key), cases, timeout=1200,
-                        rank_fn=partial(nccl_contract.under_contract, fn))
+                        rank_fn=partial(workers.under_contract, fn))
     _assert_ran_under_contract(next(c for c in cases if c.name == name), results[name])
 
 
