@@ -177,36 +177,62 @@ def group_of(name: str) -> str:
 
 
 def local_view(pm, rank: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """name, plain tensor -> the part of it `rank` holds (its tensor-parallel shard, its
-    experts: rows ep_rank*E/ep .. of dim 0, ep_rank = dp index mod ep, or both)."""
-    from autopart.localize import shard_tensor
-    shards, tp = pm.compiled.plan.tp_shards, pm.mesh.tp
-    experts, ep = pm.compiled.plan.ep_shards, pm.mesh.ep
-    tp_rank = pm.mesh.coords(rank)["tp"]
-    ep_rank = pm.mesh.coords(rank)["dp"] % ep
+    """name, plain tensor -> the part of it `rank` holds: its experts (dim 0 cut in ep equal
+    parts, part dp index mod ep), then its tensor-parallel shard (the shard's dim cut section by
+    section, the tp index's 1/tp of each). Sliced here by the placement alone (which dim, which
+    sections), not by autopart/localize.py, which cut the rank's tensors: a wrong cut there
+    must show as a difference, not be repeated on the plain side."""
+    plan, mesh = pm.compiled.plan, pm.mesh
+    at = mesh.coords(rank)
+    cuts = [(plan.ep_shards, mesh.ep, at["dp"] % mesh.ep), (plan.tp_shards, mesh.tp, at["tp"])]
 
     def view(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name in experts:     # experts first, then each expert's tp shard (localize's order)
-            tensor = tensor.chunk(ep, dim=0)[ep_rank]
-        if name not in shards:
-            return tensor
-        return shard_tensor(tensor, shards[name].dim, shards[name].sections, tp, tp_rank)
+        for shards, parts, index in cuts:      # experts first, then each expert's tp shard
+            if parts > 1 and name in shards:
+                tensor = _part_of_sections(tensor, shards[name].dim, shards[name].sections,
+                                           parts, index)
+        return tensor
     return view
+
+
+def _part_of_sections(tensor: torch.Tensor, dim: int, sections, parts: int, index: int
+                      ) -> torch.Tensor:
+    """Rows [start + index * n, start + (index + 1) * n) of `dim` of each section (n = its
+    length / parts), joined in order."""
+    rows, start = [], 0
+    for length in sections:
+        if length % parts:
+            raise AutopartError(f"a section of {length} along dim {dim} does not divide into "
+                                f"{parts} parts")
+        n = length // parts
+        rows.extend(range(start + index * n, start + (index + 1) * n))
+        start += length
+    return tensor.index_select(dim, torch.tensor(rows, dtype=torch.long, device=tensor.device))
 
 
 def held_view(pm, rank: int) -> Callable[[str, torch.Tensor], torch.Tensor]:
     """name, plain tensor -> what `pm.named_parameters()` holds of it between steps: its
-    `local_view`, and under zero=3 only this rank's 1-D slice of that (runtime/param_shards.py:
-    elements [lo, hi) of the flattened local tensor, ShardLayout.own)."""
+    `local_view`, and under zero=3 (docs/memory.md, ZeRO) for a trainable parameter only this
+    rank's chunk of that, flattened: padded to a multiple of the replica group's size d and cut
+    in d, chunk i for the group's i-th rank (dense parameters: the dp x cp ranks of this one's
+    pp and tp; experts: those also holding its experts). Computed here, not read from the
+    runtime's layout."""
     view = local_view(pm, rank)
     if pm.zero != 3:
         return view
-    owned = {name: (lo, hi) for lay in pm._grads.zero_layouts
-             for name, _, lo, hi, _ in lay.spans()}
+    mesh, experts = pm.mesh, pm.compiled.plan.ep_shards
+    dense = mesh.group("dp", rank)
+    same_experts = next((g for g in mesh.ep_replica_groups() if rank in g), dense)
+    trainable = {n for n, p in pm.named_parameters() if p.requires_grad}
 
     def held(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        lo, hi = owned.get(name, (0, 0))
-        return view(name, tensor).reshape(-1)[lo:hi]
+        local = view(name, tensor)
+        if name not in trainable:
+            return local
+        group = same_experts if name in experts and mesh.ep > 1 else dense
+        flat, i = local.reshape(-1), sorted(group).index(rank)
+        chunk = -(-flat.numel() // len(group))
+        return flat[min(i * chunk, flat.numel()):min((i + 1) * chunk, flat.numel())]
     return held
 
 

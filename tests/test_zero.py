@@ -99,7 +99,7 @@ def test_zero2_keeps_the_slice_only():
     in_flight = 4 * max(sizes) + IN_FLIGHT * 4 * BUCKET
     for r in spawn(one_step, 2, timeout=300):
         one, two = r[1], r[2]
-        assert one["err"] < 1e-6 and two["err"] < 1e-6, (one["err"], two["err"])
+        assert not one["problems"] and not two["problems"], one["problems"] + two["problems"]
         assert one["grad_none"] == [] and len(two["grad_none"]) == len(sizes)
         assert full <= one["kept"] < full + 64, (one["kept"], full)      # + the loss
         assert shard <= two["kept"] < shard + 64, (two["kept"], shard)

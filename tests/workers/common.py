@@ -243,18 +243,69 @@ def _compare(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol: floa
     return float(err.max()) if err.numel() else 0.0
 
 
-def held_view(pm, rank: int):
-    """name, plain tensor -> what pm.named_parameters() holds of it (zero=3: a 1-D slice)."""
-    from autopart.verification import held_view
-    return held_view(pm, rank)
-
-
 def _local_view(pm, rank: int):
-    """name, plain tensor -> the part of it this rank holds (its tensor-parallel shard, or its
-    experts: rows ep_rank*E/ep .. of dim 0, ep_rank = dp index mod ep): the product's mapping,
-    the one `autopart verify` compares with (autopart/verification.py)."""
-    from autopart.verification import local_view
-    return local_view(pm, rank)
+    """name, plain tensor -> the part of it this rank holds, cut here from the placement alone
+    (the shard's dim and sections, the rank's mesh coordinates), never by autopart's own slicing
+    (autopart/localize.py cuts the rank's tensors, autopart/verification.py `verify`'s plain
+    side): its experts first (E / ep of dim 0, those of ep index dp % ep), then its tp shard
+    (each section of the dim in tp equal parts, part tp index)."""
+    plan, mesh = pm.compiled.plan, pm.mesh
+    at = mesh.coords(rank)
+
+    def view(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if mesh.ep > 1 and name in plan.ep_shards:
+            tensor = torch.chunk(tensor, mesh.ep, dim=0)[at["dp"] % mesh.ep]
+        if mesh.tp > 1 and name in plan.tp_shards:
+            tensor = _chunk_sections(tensor, plan.tp_shards[name], mesh.tp, at["tp"])
+        return tensor
+    return view
+
+
+def _chunk_sections(tensor: torch.Tensor, shard, parts: int, index: int) -> torch.Tensor:
+    """torch.chunk's part `index` of each of the shard's sections along its dim, concatenated
+    (a fused q|k|v weight: this rank's heads of q, of k and of v)."""
+    bounds = [0]
+    for length in shard.sections:
+        assert length % parts == 0, (shard, parts)
+        bounds.append(bounds[-1] + length)
+    return torch.cat([torch.chunk(tensor[(slice(None),) * shard.dim + (slice(a, b),)], parts,
+                                  dim=shard.dim)[index] for a, b in zip(bounds, bounds[1:])],
+                     dim=shard.dim)
+
+
+def held_view(pm, rank: int):
+    """name, plain tensor -> what pm.named_parameters() holds of it between steps: `_local_view`,
+    and under zero=3 (docs/memory.md: each trainable parameter flattened, padded to a multiple
+    of its replica group's size d and cut in d; replica i owns chunk i) this rank's chunk of it.
+    The replica group and index from the mesh coordinates: dense parameters over dp x cp
+    (index dp * cp + cp), experts over the dp // ep ranks holding the same ones (index
+    (dp // ep) * cp + cp)."""
+    local = _local_view(pm, rank)
+    if pm.zero != 3:
+        return local
+    mesh, at = pm.mesh, pm.mesh.coords(rank)
+    trainable = {n for n, p in pm.named_parameters() if p.requires_grad}
+
+    def held(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in trainable:
+            return local(name, tensor)
+        flat = local(name, tensor).reshape(-1)
+        if mesh.ep > 1 and name in pm.compiled.plan.ep_shards:
+            size, i = mesh.dp // mesh.ep * mesh.cp, at["dp"] // mesh.ep * mesh.cp + at["cp"]
+        else:
+            size, i = mesh.dp * mesh.cp, at["dp"] * mesh.cp + at["cp"]
+        return zero_chunk(flat, size, i)
+    return held
+
+
+def zero_chunk(flat: torch.Tensor, size: int, index: int) -> torch.Tensor:
+    """Replica `index`'s ZeRO chunk of a flattened tensor (docs/memory.md): the flat tensor padded
+    with zeros to a multiple of `size`, torch.chunk'ed in `size`, the padding dropped again."""
+    n = flat.numel()
+    padded = torch.cat([flat, flat.new_zeros(-n % size)])
+    chunk = torch.chunk(padded, size)[index]
+    start = index * chunk.numel()
+    return chunk[:max(0, min(chunk.numel(), n - start))]
 
 
 def renamed_gpt_module():

@@ -10,15 +10,17 @@ import torch
 
 import autopart
 from tests.test_zero_buckets import BUCKET, LiveBytes, build
+from tests.workers.common import ATOL, RTOL, _compare
 
 MICROBATCHES = 2
 
 
 def one_step(rank: int, world: int, levels: tuple = (1, 2)) -> dict:
     """Per level: the peak bytes alive during train_step above what was alive before it, the
-    bytes it leaves alive (the gradients it keeps), `.grad` of every parameter, and how far this
-    rank's gradient (zero=2: its slice, zero=1: its chunks of `.grad`) is from the plain
-    model's chunks."""
+    bytes it leaves alive (the gradients it keeps), `.grad` of every parameter, and what differs
+    from the plain model's gradient: after each of two train_steps under zero=1 each full-shaped
+    `.grad` (this rank's chunks, zeros elsewhere), then under both levels the gradient that one
+    SGD step at lr 1 subtracts from every parameter (each rank's reduced slice, all-gathered)."""
     model, loss_fn, x = build()
     ref = copy.deepcopy(model)
     loss_fn(ref(x), x).backward()
@@ -29,30 +31,55 @@ def one_step(rank: int, world: int, levels: tuple = (1, 2)) -> dict:
                                   loss_fn=loss_fn, target=x, zero=zero,
                                   microbatches=MICROBATCHES, zero_bucket_size=BUCKET,
                                   timeout=timedelta(seconds=120))
+        opt = pm.optimizer(torch.optim.SGD, lr=1.0)
+        problems: list[str] = []
         pm.train_step(x, target=x)          # the first step lays out the buckets: not measured
-        pm.optimizer(torch.optim.SGD, lr=0.0).zero_grad()
+        if zero == 1:
+            problems += zero1_grad_problems(pm, plain, rank, world, "step 1")
+        opt.zero_grad()
         with LiveBytes() as counter:
             pm.train_step(x, target=x)
         grads = {n: p.grad for n, p in pm.named_parameters()}
+        if zero == 1:
+            problems += zero1_grad_problems(pm, plain, rank, world, "step 2")
+        problems += stepped_grad_problems(pm, opt, plain, f"zero={zero} step 2")
         out[zero] = {"peak": counter.peak, "kept": counter.live,
                      "grad_none": sorted(n for n, g in grads.items() if g is None),
-                     "err": _slice_error(pm, plain, zero)}
+                     "problems": problems}
     return out
 
 
-def _slice_error(pm, plain: dict, zero: int) -> float:
-    """The largest |difference| between this rank's reduced gradient and the plain model's, over
-    the elements this rank owns (ShardLayout.spans: elements [lo, hi) of each parameter)."""
-    err = 0.0
-    for lay in pm._grads.zero_layouts:
-        for name, p, lo, hi, at in lay.spans():
-            want = plain[name].reshape(-1)[lo:hi]
-            got = lay.grad[at:at + hi - lo] if zero == 2 else p.grad.reshape(-1)[lo:hi]
-            err = max(err, float((got - want).abs().max()))
-            if zero == 1:   # the elements it does not own are zeros
-                rest = torch.cat([p.grad.reshape(-1)[:lo], p.grad.reshape(-1)[hi:]])
-                err = max(err, float(rest.abs().max()) if rest.numel() else 0.0)
-    return err
+def zero1_grad_problems(pm, plain: dict, index: int, size: int, what: str) -> list[str]:
+    """zero=1 (docs/memory.md): `.grad` of every parameter is full-shaped and holds the plain
+    gradient in the elements replica `index` of `size` owns, zeros elsewhere. Owned: the
+    flattened parameter padded to a multiple of `size`, torch.chunk'ed in `size`, chunk
+    `index` (computed here, not read from the runtime's layout)."""
+    problems: list[str] = []
+    for name, p in pm.named_parameters():
+        if p.grad is None:
+            problems.append(f"{what}: zero=1 left .grad of {name} None")
+            continue
+        flat = plain[name].reshape(-1)
+        n = flat.numel()
+        owned = torch.chunk(torch.arange(n + (-n % size)), size)[index]
+        owned = owned[owned < n]
+        want = torch.zeros_like(flat)
+        want[owned] = flat[owned]
+        _compare(f"{what} .grad of {name} ({owned.numel()} elements owned)", p.grad.reshape(-1),
+                 want, RTOL, ATOL, problems)
+    return problems
+
+
+def stepped_grad_problems(pm, opt, plain: dict, what: str) -> list[str]:
+    """One step of `opt` (SGD, lr 1, no momentum or decay: p -= grad) must move every parameter
+    by the plain model's gradient: each rank's slice of the reduced gradient, all-gathered."""
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    opt.step()
+    problems: list[str] = []
+    for name, p in pm.named_parameters():
+        _compare(f"{what}: the gradient SGD subtracted from {name}", before[name] - p.detach(),
+                 plain[name], RTOL, ATOL, problems)
+    return problems
 
 
 def zero3_held(rank: int, world: int) -> dict:
