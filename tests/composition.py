@@ -111,7 +111,8 @@ class Combo:
                      schedule=self.schedule, virtual_stages=V_SCHEDULES.get(self.schedule, 1),
                      microbatches=MICROBATCHES, recompute=self.recompute, zero=self.zero,
                      precision=self.precision, compile=self.compile, reuse=self.reuse == "on",
-                     noise=noise, clip=None if self.precision == "bf16" else 0.05,
+                     noise=noise, routed=self.model == "hf-mixtral",
+                     clip=None if self.precision == "bf16" else 0.05,
                      ignored="uneven" if self.labels == "ignored" else "",
                      refused=refusal(vars(self)))
 
@@ -194,6 +195,7 @@ class CCase(common.Case):
     compile: bool = False
     reuse: bool = True
     noise: str = "none"          # bf16 only: which workers/precision.BOUNDS applies
+    routed: bool = False         # bf16 only: experts' routers (workers/precision.PARAM_BOUNDS)
     round_cuts: bool = True      # bf16 only: the reference rounds at the pipeline cuts
     refused: tuple = ()          # what parallelize's error must say (empty: it must train)
     memory_budget: str | None = None   # zero=3: lets the gather pass keep groups gathered
@@ -262,7 +264,7 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
     """Rank function: each case against the plain model (fp32:
     tests/workers/equivalence.equivalence; bf16: tests/workers/precision.bf16_equivalence, against
     the written-out bf16 recipe)."""
-    from tests.workers.precision import run_bf16_cases
+    from tests.workers.precision import Wire, run_bf16_cases
     out = []
     for case in cases:
         os.environ["AUTOPART_LAYER_REUSE"] = "1" if case.reuse else "0"
@@ -271,8 +273,10 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
             continue
         if case.precision == "bf16":
             [result] = run_bf16_cases(rank, world, [case])
-        else:
-            [result] = run_cases(rank, world, [case])
+        else:   # the wire too: an fp32 run must send no bf16 (judged in the test process)
+            with Wire() as wire:
+                [result] = run_cases(rank, world, [case], wire)
+            result["wire"] = wire.report()
         out.append(result)
         if any(p.startswith("raised on rank") for p in result["problems"]):
             out += [{"case": c.name, "rank": rank,

@@ -64,3 +64,152 @@ def test_the_constraints_refuse_what_cannot_run():
     assert not cm.allowed({"zero": 3, "dp": 1})
     assert not cm.allowed({"tp": "2", "dp": 2, "compile": True})      # 8 ranks of Inductor
     assert cm.allowed({"tp": "2+sp", "dp": 2, "ep": 2, "model": "hf-mixtral"})
+
+
+# -- the bf16 and compiled cases' checks can fail (no processes) ----------------------------------
+
+def _recipe_grads(microbatch: int | None) -> dict:
+    """Step-1 gradients of the tied GPT under the bf16 recipe, `microbatch` rows at a time
+    (None: the plain fp32 model) on one thread (a tiny model's bf16 kernels on two threads of
+    a loaded machine take 50x as long)."""
+    import torch
+    from tests.workers.common import build
+    from tests.workers.precision import reference_step
+    model, loss_fn, inputs, target = build(cm.CCase("x", model="c-gpt-tied", batch=8, seq=16))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if microbatch is None:
+            loss_fn(model(*inputs), target).backward()
+        else:
+            reference_step(model, inputs, target, loss_fn, microbatch, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _found(ours: dict, ref: dict, fp32: dict, by_param: dict | None = None) -> dict:
+    """What tests/workers/precision._measure finds for step-1 gradients `ours` (and, as SGD
+    without clipping moves each parameter by lr x its gradient, for step 1's change)."""
+    from tests.workers.precision import _rel, per_parameter
+    order = list(ref)
+
+    def rel(a, b):
+        return _rel([a[n] for n in order], [b[n] for n in order])
+    found = {"errors": rel(ours, ref), "gap": rel(fp32, ref), "apart": rel(ours, fp32),
+             "by_param": by_param or per_parameter(ours, ref)}
+    return {k: {"grad": v, "step1": v} for k, v in found.items()}
+
+
+def test_one_small_gradient_zeroed_or_doubled_fails_the_bf16_check():
+    """The loose classes' bounds are per parameter: on the tied GPT each LayerNorm gradient
+    holds under 1% of the gradient norm, so zeroing or doubling one moves the whole model's
+    relative error by less than the class's bound (checked here), but its own by 100%: every
+    such change fails, under each loose class and the routed bounds. Another valid bf16 recipe
+    (other microbatches: other GEMM shapes) passes."""
+    import torch
+    from tests.workers.precision import BOUNDS, PER_PARAMETER, _rel, bound_problems
+    ref, other, fp32 = _recipe_grads(2), _recipe_grads(4), _recipe_grads(None)
+    assert any(not torch.equal(other[n], ref[n]) for n in ref), "the recipes must differ"
+    base = _found(other, ref, fp32)["by_param"]["grad"]
+    norms = {n: float(g.norm()) for n, g in ref.items()}
+    total = sum(v * v for v in norms.values()) ** 0.5
+    small = [n for n, v in norms.items() if v < 0.01 * total]
+    assert len(small) >= 18, small       # every LayerNorm weight and bias among them
+    classes = [(c, False) for c in PER_PARAMETER] + [("moe", True)]
+    changed = [(name, {**other, name: other[name] * factor}) for name in small
+               for factor in (0.0, 2.0)]
+    for name, ours in [("", other)] + changed:
+        by_param = {**base, name: _rel([ours[name]], [ref[name]])} if name else base
+        found = _found(ours, ref, fp32, by_param)
+        for noise, routed in classes:
+            assert found["errors"]["grad"] <= BOUNDS[noise], (noise, name)  # the global check
+            problems = bound_problems(noise, found, routed)
+            if not name:
+                assert problems == [], f"another valid recipe must pass: {problems}"
+            else:
+                assert any(f"grad of {name}:" in p for p in problems), (noise, name)
+
+
+def test_an_fp32_run_fails_the_bf16_check():
+    """Gradients computed in fp32 are as far from the bf16 recipe as another bf16 recipe's, so
+    no bound on that distance tells them apart; the guard on the distance from the fp32 plain
+    model does, in every class."""
+    from tests.workers.precision import BOUNDS, bound_problems
+    ref, fp32 = _recipe_grads(2), _recipe_grads(None)
+    for noise in BOUNDS:
+        problems = bound_problems(noise, _found(fp32, ref, fp32))
+        assert any("did not compute in bf16" in p for p in problems), (noise, problems)
+
+
+def _ranks(case, wire: dict, inductor=None) -> list[dict]:
+    return [{"case": case.name, "rank": r, "problems": [], "wire": wire, "inductor": inductor}
+            for r in range(case.world)]
+
+
+def test_the_wire_and_inductor_reports_are_read():
+    """A rank result whose wire shows fp32 pipeline transfers for a bf16 case, bf16 in an fp32
+    case, gradients reduced in bf16, or compile=True without Inductor's artifacts fails, though
+    its own problems list is empty."""
+    bf16 = CASES["hf-gpt2-untied-interleaved-1f1b-tp2-dp1-rc-full-bf16-compiled-noreuse-ignored"]
+    fp32 = CASES["gpt-tied-gpipe-tp1-dp2-zero1"]
+    assert bf16.precision == "bf16" and bf16.compile and bf16.tp == 2 and fp32.dp == 2
+    ran = {"artifacts": 3, "segments": 6, "fallbacks": {}}
+    good_bf16 = {"isend": {"bfloat16": {1: 2}}, "irecv": {"bfloat16": {1: 2}},
+                 "all_reduce": {"bfloat16": {1: 2}, "float32": {1: 1}}}
+    good_fp32 = {"isend": {"float32": {1: 2}}, "irecv": {"float32": {1: 2}},
+                 "grad_reduce_scatter": {"float32": {8: 1}}}
+    assert_all_ranks_equal_plain(bf16, _ranks(bf16, good_bf16, ran))
+    assert_all_ranks_equal_plain(fp32, _ranks(fp32, good_fp32))
+    bad = [(bf16, {**good_bf16, "isend": {"float32": {1: 2}}}, ran),
+           (bf16, {**good_bf16, "all_reduce": {"float32": {1: 2}}}, ran),
+           (bf16, None, ran),
+           (bf16, good_bf16, None),
+           (bf16, good_bf16, {**ran, "fallbacks": {"layer 0": "no"}}),
+           (fp32, {**good_fp32, "irecv": {"bfloat16": {1: 2}}}, None),
+           (fp32, {**good_fp32, "grad_reduce_scatter": {}}, None)]
+    for case, wire, inductor in bad:
+        with pytest.raises(AssertionError):
+            assert_all_ranks_equal_plain(case, _ranks(case, wire, inductor))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_step1_gradients_are_compared_at_every_zero_level(monkeypatch, zero):
+    """held_grads (both harnesses' step-1 gradient check) at zero >= 1: replica 1 of 2 holds
+    elements [6, 12) of a 12-element gradient and [3, 5) of a 5-element one, reduced (zero=1:
+    in the full-shaped .grad, zero=2: in the layout's slice); a wrong held element is found, an
+    element another replica holds is not this rank's to compare."""
+    import types
+    import torch
+    import torch.distributed as dist
+    from autopart.runtime.sharding import ShardLayout
+    from tests.workers.common import ATOL, RTOL, _compare
+    from tests.workers.equivalence import held_grads
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group: 1)
+    g = torch.Generator().manual_seed(0)
+    plain = {n: torch.nn.Parameter(torch.randn(shape, generator=g))
+             for n, shape in (("a", (4, 3)), ("b", (5,)))}
+    for p in plain.values():
+        p.grad = torch.randn(p.shape, generator=g)
+    ours = {n: torch.nn.Parameter(p.detach().clone()) for n, p in plain.items()}
+    lay = ShardLayout(ours, list(ours), group=object())
+    pm = types.SimpleNamespace(zero=zero, _grads=types.SimpleNamespace(zero_layouts=[lay]),
+                               named_parameters=lambda: list(ours.items()))
+
+    def problems(corrupt_at: int) -> list[str]:
+        grads = [plain[n].grad.clone() for n in ours]
+        grads[0].view(-1)[corrupt_at] += 1.0
+        if zero == 1:
+            for p, grad in zip(ours.values(), grads):
+                p.grad = grad
+        else:
+            lay.grad = lay.slice_of(grads)
+        got, want = held_grads(pm, lambda name, t: t, plain)
+        assert {n: t.numel() for n, t in want.items()} == {"a": 6, "b": 2}
+        found: list[str] = []
+        for name in want:
+            _compare(f"step 1 grad of {name}", got[name], want[name], RTOL, ATOL, found)
+        return found
+    assert problems(corrupt_at=2) == []          # replica 0's element: not held here
+    assert any("grad of a" in p for p in problems(corrupt_at=8))

@@ -18,7 +18,7 @@ import pytest
 import autopart
 from autopart.errors import AutopartError
 from tests.workers.common import build
-from tests.workers.equivalence import run_group
+from tests.workers.equivalence import claim_problems, run_group
 from tests.workers.precision import BCase, run_bf16_cases
 
 # 4 layers, n_embd 32, vocab 128, seq 16, global batch 8 (tests/workers/common.py gpt_config)
@@ -52,8 +52,11 @@ def _results(name: str, cache) -> list[dict]:
 @pytest.mark.full
 @pytest.mark.parametrize("name", list(BY_NAME))
 def test_bf16_matches_the_recipe_on_the_plain_model(name, spawn_cache):
+    """Within the bounds, and the wire and Inductor's report as the case claims
+    (tests/workers/equivalence.claim_problems)."""
     for r in _results(name, spawn_cache):
-        assert not r["problems"], f"{name} rank {r['rank']}:\n" + "\n".join(r["problems"])
+        problems = r["problems"] + claim_problems(BY_NAME[name], r)
+        assert not problems, f"{name} rank {r['rank']}:\n" + "\n".join(problems)
 
 
 @pytest.mark.full
@@ -78,9 +81,12 @@ def test_pipeline_transfers_carry_bf16(name, spawn_cache):
 
 @pytest.mark.full
 def test_gradients_reduce_in_fp32(spawn_cache):
-    for name, collective in (("gpt4-dp2", "all_reduce"), ("gpt4-dp2-zero1", "reduce_scatter")):
+    for name, collective in (("gpt4-dp2", "grad_all_reduce"),
+                             ("gpt4-dp2-zero1", "grad_reduce_scatter")):
         for r in _results(name, spawn_cache):
-            assert set(r["wire"][collective]) == {"float32"}, (name, r["wire"][collective])
+            # (float64 too where a norm is reduced: no bf16)
+            assert "float32" in r["wire"][collective], (name, r["wire"][collective])
+            assert "bfloat16" not in r["wire"][collective], (name, r["wire"][collective])
 
 
 @pytest.mark.full

@@ -21,9 +21,10 @@ import torch
 
 from tests.workers.common import (ATOL, RTOL, Case, _compare, _local_view, build, gpt_config,
                                   held_view)
+from tests.workers.precision import _inductor_report
 
-__all__ = ["api_checks", "assert_all_ranks_equal_plain", "die_mid_step", "equivalence",
-           "mesh_mismatch", "run_cases", "run_group"]
+__all__ = ["api_checks", "assert_all_ranks_equal_plain", "claim_problems", "die_mid_step",
+           "equivalence", "held_grads", "mesh_mismatch", "run_cases", "run_group"]
 
 
 # -- the equivalence harness ----------------------------------------------------------------------
@@ -46,19 +47,25 @@ def _optimizer(kind: str, model):
     return make(torch.optim.Adam, lr=1e-3)
 
 
-def _compare_slices(pm, ref_params: dict, mine, problems: list[str]) -> None:
-    """zero=2: this rank's slice of each reduced gradient (runtime/sharding.ShardLayout.spans:
-    elements [lo, hi) of the flattened local tensor) against the same elements of the plain
-    gradient's local view; `.grad` must be None."""
-    for lay in pm._grads.zero_layouts:
+def held_grads(pm, local, plain: dict) -> tuple[dict, dict]:
+    """The step-1 gradient this rank holds after train_step, and the same elements of the plain
+    model's (`plain`: name -> its parameter), as {name: tensor} each. zero=0: each parameter's
+    gradient (`local`: this rank's tp/ep shard of the plain one). zero >= 1: the elements of each
+    parameter that this rank's ZeRO slice owns (runtime/sharding.ShardLayout.spans), reduced:
+    zero=1 in the full-shaped `.grad`, zero=2 and 3 in the layout's slice; a parameter in no
+    layout whole. None and all-zero gradients are the same to an optimizer without weight decay."""
+    def grad(p):
+        return p.grad.detach() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+    layouts = pm._grads.zero_layouts if pm.zero else ()
+    laid_out = {n for lay in layouts for n in lay.names}
+    got = {n: grad(p) for n, p in pm.named_parameters() if n not in laid_out}
+    want = {n: local(n, grad(plain[n])) for n in got}
+    for lay in layouts:
         for name, p, lo, hi, at in lay.spans():
-            r = ref_params[name].grad
-            want = mine(name, r).reshape(-1)[lo:hi] if r is not None else torch.zeros(hi - lo)
-            got = lay.grad[at:at + hi - lo] if lay.grad is not None else torch.zeros(hi - lo)
-            _compare(f"step 1 grad slice of {name} [{lo}:{hi}]", got, want, RTOL, ATOL, problems)
-    kept = [n for n, p in pm.named_parameters() if p.grad is not None]
-    if kept:
-        problems.append(f"zero=2 kept .grad of {kept[:3]}")
+            got[name] = lay.grad[at:at + hi - lo] if lay.grad is not None else \
+                grad(p).reshape(-1)[lo:hi]
+            want[name] = local(name, grad(plain[name])).reshape(-1)[lo:hi]
+    return got, want
 
 
 def _param_atol(case: Case) -> float:
@@ -75,8 +82,10 @@ def _param_atol(case: Case) -> float:
     return ATOL
 
 
-def equivalence(case: Case, rank: int) -> dict:
-    """Train `case` for case.steps steps, parallel and plain; return what differs (none: equal)."""
+def equivalence(case: Case, rank: int, wire=None) -> dict:
+    """Train `case` for case.steps steps, parallel and plain; return what differs (none: equal).
+    `wire` (tests/workers/precision.Wire, entered by the caller) also records pm's gradient
+    reducer."""
     import autopart
 
     start = time.perf_counter()
@@ -95,6 +104,8 @@ def equivalence(case: Case, rank: int) -> dict:
                               sequence_parallel=case.sequence_parallel,
                               timeout=timedelta(seconds=120), **options(case))
     compile_s = time.perf_counter() - start
+    if wire is not None:
+        wire.attach(pm)
     zero = options(case).get("zero", 0)
     opt, ref_opt = _optimizer(case.optim, pm), _optimizer(case.optim, ref)
     mine = _local_view(pm, rank)        # the plain tensor -> this rank's shard of it
@@ -119,16 +130,12 @@ def equivalence(case: Case, rank: int) -> dict:
         if step == 1:
             # a parameter forward never reads has no gradient and never changes: no rank needs it
             used = sorted(n for n, p in ref_params.items() if p.grad is not None)
-            # (zero=1 reduces each replica's slice of .grad only: its parameters are compared;
-            # zero=2 keeps only the slice: compared element for element)
-            if zero >= 2:
-                _compare_slices(pm, ref_params, mine, problems)
-            for name, p in pm.named_parameters() if not zero else ():
-                # None and all-zero gradients are the same to an optimizer without weight decay
-                g, r = p.grad, ref_params[name].grad
-                _compare(f"step 1 grad of {name}", g if g is not None else torch.zeros_like(p),
-                         mine(name, r) if r is not None else torch.zeros_like(p), RTOL, ATOL,
-                         problems)
+            got, want = held_grads(pm, mine, ref_params)
+            for name in want:      # at every zero level: the elements this rank holds, reduced
+                _compare(f"step 1 grad of {name}", got[name], want[name], RTOL, ATOL, problems)
+            kept = [n for n, p in pm.named_parameters() if p.grad is not None]
+            if zero >= 2 and kept:
+                problems.append(f"zero={zero} kept .grad of {kept[:3]}")
         if step == 2 and case.clip is not None:
             norm = pm.clip_grad_norm_(case.clip)
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.clip)
@@ -164,7 +171,7 @@ def equivalence(case: Case, rank: int) -> dict:
             "ep_sharded": sorted(pm.compiled.plan.ep_shards),
             "total_numel": sum(p.numel() for p in ref_params.values()), "max_err": max_err,
             "chunks": [c.chunk for c in pm.program.chunks], "compile_s": compile_s,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "inductor": _inductor_report(pm)}
 
 
 def names_read(pm) -> list[str]:
@@ -179,14 +186,14 @@ def names_read(pm) -> list[str]:
     return sorted(names)
 
 
-def run_cases(rank: int, world: int, cases: list[Case]) -> list[dict]:
+def run_cases(rank: int, world: int, cases: list[Case], wire=None) -> list[dict]:
     """Rank function: every case in turn (all of this world size). A case that raises is recorded;
     the cases after it are not run, since a peer may be stuck in that case's communication."""
     out = []
     for i, case in enumerate(cases):
         assert case.world == world, (case, world)
         try:
-            out.append(equivalence(case, rank))
+            out.append(equivalence(case, rank, wire))
         except Exception:  # noqa: BLE001  (reported by the test process, per case)
             out.append({"case": case.name, "rank": rank,
                         "problems": [f"raised on rank {rank}:\n{traceback.format_exc()}"]})
@@ -202,10 +209,64 @@ PG_TIMEOUT = 120.0      # the default process group's (parallelize is given its 
 
 
 def assert_all_ranks_equal_plain(case: Case, ranks: list[dict]) -> None:
-    """Every rank of `case` reported, and none found a difference from the plain model."""
+    """Every rank of `case` reported, none found a difference from the plain model, and what the
+    ranks report as data (the wire, Inductor's work) is what the case claims."""
     assert sorted(r["rank"] for r in ranks) == list(range(case.world)), f"{case.name}: ranks?"
-    problems = [f"rank {r['rank']}: {p}" for r in ranks for p in r["problems"]]
+    problems = [f"rank {r['rank']}: {p}" for r in ranks
+                for p in r["problems"] + claim_problems(case, r)]
     assert not problems, f"{case}\n" + "\n".join(problems)
+
+
+def claim_problems(case, r: dict) -> list[str]:
+    """A rank result's data against what the case claims, judged here so that none goes unread:
+    a case naming its precision (tests/composition.CCase, tests/workers/precision.BCase) must
+    show the dtypes that precision puts on the wire; compile=True, that Inductor compiled the
+    programs. A refused case trained nothing."""
+    if getattr(case, "refused", ()):
+        return []
+    out = wire_problems(case, r.get("wire")) if hasattr(case, "precision") else []
+    if getattr(case, "compile", False):
+        out += inductor_problems(r.get("inductor"))
+    return out
+
+
+def wire_problems(case, wire: dict | None) -> list[str]:
+    """What the collectives carried (tests/workers/precision.Wire.report) against the case's
+    precision. fp32: no bf16 anywhere. bf16: the compute's tensors travel in bf16 (the pipeline's
+    and cp's transfers, tp's activation collectives, ep's token exchange), gradients reduce over
+    the replicas in fp32 (the recipe: tests/workers/precision.py)."""
+    if wire is None:
+        return ["no record of what the collectives carried (wire): the dtypes were not checked"]
+    has = {kind: set(dtypes) for kind, dtypes in wire.items()}
+    if case.precision == "fp32":
+        out = [f"{k} carried bfloat16 in an fp32 run: {wire[k]}" for k in has
+               if "bfloat16" in has[k]]
+    else:
+        sends = ["isend", "irecv"] if case.pp > 1 or case.cp > 1 else []
+        sends += (["all_gather", "reduce_scatter"] if case.sequence_parallel
+                  else ["all_reduce"]) if case.tp > 1 else []
+        sends += ["all_to_all"] if case.ep > 1 else []
+        out = [f"{k} carried no bfloat16 ({wire.get(k)}): bf16 compute sends bf16" for k in sends
+               if "bfloat16" not in has.get(k, ())]
+        out += [f"{k} carried float32 ({wire[k]}): every floating transfer is bf16" for k in
+                ("isend", "irecv") if "float32" in has.get(k, ())]
+    reduced = has.get("grad_all_reduce", set()) | has.get("grad_reduce_scatter", set())
+    if "bfloat16" in reduced:
+        out.append(f"gradients reduced in bfloat16: {wire}")
+    if case.dp * case.cp > 1 and "float32" not in reduced:
+        out.append(f"no fp32 gradient reduction over the replicas: {wire}")
+    return out
+
+
+def inductor_problems(report: dict | None) -> list[str]:
+    """compile=True: every rank's programs ran Inductor's artifacts, none of them eager."""
+    if report is None:
+        return ["compile=True, but the rank has no Inductor report: its programs ran eager"]
+    out = [f"eager fallback {label}: {why}" for label, why in report["fallbacks"].items()]
+    if report["artifacts"] < 1 or report["segments"] < 1:
+        out.append(f"Inductor compiled {report['artifacts']} artifacts for "
+                   f"{report['segments']} segments")
+    return out
 
 
 def run_group(cache: dict, key, cases: list, timeout: float = SPAWN_TIMEOUT,
