@@ -20,7 +20,8 @@ from autopart.config import Config, from_options
 from autopart.errors import AutopartError
 from autopart.materialize import RankWeights, is_meta
 from autopart.mesh import Mesh
-from autopart.runtime.groups import check_world_size, rank0_order
+from autopart.one_program import capture_once
+from autopart.runtime.groups import check_world_size
 from autopart.runtime.parallel_model import DEFAULT_TIMEOUT, ParallelModel
 from autopart.runtime.trace import trace_path
 
@@ -101,7 +102,9 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     example_inputs = tuple(t.to(to) for t in example_inputs)
     target = target.to(to) if target is not None else None
     compiled = compile_model(model, mesh, example_inputs, loss_fn=loss_fn, target=target,
-                             config=cfg, agree_order=rank0_order,
+                             config=cfg,
+                             capture_once=lambda capture: capture_once(
+                                 capture, model, (*example_inputs, target)),
                              trace_device=torch.device(device.type) if meta else None)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)

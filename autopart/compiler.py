@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import re
 import time
 from collections.abc import Mapping
@@ -152,9 +153,9 @@ class Compiled:
     activation_runs: Any = field(repr=False, default=None)
     # what train_step must be given, per input: shapes, dtypes, embedding tables (capture.py)
     input_specs: tuple = field(repr=False, default=())
-    # a hash of the captured graph's structure in the agreed order (node_order.structure):
-    # ranks whose programs differ while this agrees traced the same forward, so their options
-    # or autopart versions differ (runtime/groups.check_same_program says which)
+    # a hash of the captured graph's code (parallelize: the one rank 0 captured): ranks whose
+    # programs differ while this agrees received the same capture, so their options or autopart
+    # versions differ (runtime/groups.check_same_program says which)
     traced: str = field(repr=False, default="")
     # the program check's report: {"checked": distinct programs run, "skipped": [...]}
     check: dict = field(repr=False, default_factory=dict)
@@ -202,7 +203,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
             dump_dir: str | None = None, recompute: str | None = None,
             memory_budget: str | int | None = None, optimizer: str | None = None,
             precision: str | None = None, zero: int | None = None, cp_attention: str | None = None,
-            agree_order: Callable[[list], list] | None = None,
+            capture_once: Callable[[Callable[[], Program]], Program] | None = None,
             trace_device: torch.device | str | None = None) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
 
@@ -210,10 +211,9 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     defaults are written): pass `config=Config(...)`, or any of them as keywords, which override
     the config's. A wrong value fails here, before anything is traced.
 
-    `agree_order` (parallelize passes one): given the structure of the captured graph (each
-    node's key and inputs), returns the structure every rank must use (rank 0's), so that a
-    forward whose op order depends on the process (a loop over a Python set) compiles one
-    program on every rank (autopart/node_order.py).
+    `capture_once` (parallelize passes one): given the capture (a function of no arguments
+    returning the captured Program), returns the Program every rank compiles: rank 0 captures,
+    the others receive its graph (autopart/one_program.py).
 
     `trace_device` (a meta-device model; parallelize passes the ranks' device type): trace its
     forward as if on that device, so code that branches on a tensor's device takes the ranks'
@@ -239,16 +239,14 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
                             "sequence_parallel")
     the_schedule = sched.make_schedule(cfg.schedule, mesh.pp, cfg.microbatches, cfg.virtual_stages)
     _check_zero(cfg.zero, mesh, the_schedule)
-    program = _capture(model, example_inputs, loss_fn, target, mbs, trace_device)
-    traced = ""
-    if agree_order is not None:
-        import hashlib
-        from autopart import node_order
-        mine = node_order.structure(program.gm.graph)
-        agreed = agree_order(mine)
-        program, changed = node_order.follow(program, agreed)
-        # follow rebuilds the graph as `agreed` describes, or leaves it as it was
-        traced = hashlib.sha1(repr(agreed if changed else mine).encode()).hexdigest()[:16]
+
+    def captured() -> Program:
+        return _capture(model, example_inputs, loss_fn, target, mbs, trace_device)
+
+    program = captured() if capture_once is None else capture_once(captured)
+    # what check_same_program compares when the ranks' programs differ
+    traced = "" if capture_once is None else hashlib.sha1(
+        device_free(program.gm.code).encode()).hexdigest()[:16]
     # what train_step must be given; before the passes rewrite the embeddings
     specs = input_specs(program, example_inputs + ((target,) if target is not None else ()))
     passes = pass_list(mesh, cfg, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,

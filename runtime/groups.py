@@ -101,21 +101,6 @@ def enter_together(groups: RankGroups, what: str) -> None:
             "shards)") from e
 
 
-def rank0_order(structure: list) -> list:
-    """The captured graph's structure as rank 0 traced it (collective, on the default group):
-    one all-gather of a short hash when every rank traced the same graph, rank 0's broadcast
-    from rank 0 when some did not (autopart/node_order.py)."""
-    import hashlib
-    mine = hashlib.sha1(repr(structure).encode()).hexdigest()
-    hashes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, mine)
-    if len(set(hashes)) == 1:
-        return structure
-    ref = [structure]
-    dist.broadcast_object_list(ref, src=0)
-    return ref[0]
-
-
 def _differing(digest: str, groups: RankGroups, verb: str) -> str:
     """'' when every rank's `digest` is the same (one all-gather), else which ranks hold which:
     'ranks [0] <verb> ab12; ranks [1] <verb> cd34'."""
@@ -160,18 +145,20 @@ def check_same_program(digest: str, groups: RankGroups, traced: str = "") -> Non
         return
     captured = _differing(traced, groups, "traced") if traced else ""
     if captured:
-        cause = (f"They traced different forwards ({captured}), before any pass ran.\n  remedy: "
-                 "every rank must build the same model and pass example inputs of the same "
-                 "shapes. If they do, the forward's ops depend on the process: code branching "
-                 "on a set's or dict's iteration order, id() or hash() (where only the order of "
-                 "the ops differs, as in a loop over a set, every rank already takes rank 0's "
-                 "order); set PYTHONHASHSEED to one value on every rank, or iterate in a fixed "
-                 "order (sorted())")
+        cause = (f"They traced different forwards ({captured}), before any pass ran: "
+                 "parallelize gives every rank rank 0's capture, but a rank whose model or "
+                 "example inputs differ from rank 0's (parameter names, shapes or dtypes; input "
+                 "shapes or dtypes) traces its own.\n  remedy: every rank must build the same "
+                 "model and pass example inputs of the same shapes (a forward whose ops depend "
+                 "on the process, such as a loop over a set in PYTHONHASHSEED's order, needs "
+                 "nothing: the ranks compile rank 0's capture)")
     else:
-        cause = ("They traced the same forward, so what differs is how it was compiled.\n  "
-                 "remedy: pass the same parallelize options (mesh, microbatches, schedule, "
-                 "recompute, memory_budget, zero, precision, ...) on every rank, and run one "
-                 "autopart and torch version everywhere")
+        cause = ("They traced the same forward (rank 0's capture), so what differs is how it "
+                 "was compiled.\n  remedy: pass the same parallelize options (mesh, "
+                 "microbatches, schedule, recompute, memory_budget, zero, precision, ...) on "
+                 "every rank, and run one autopart and torch version everywhere; if they are "
+                 "the same, a compiler pass depends on the process: please report it with this "
+                 "message")
     raise AutopartError(f"the ranks compiled different programs ({parts}). {cause}")
 
 
