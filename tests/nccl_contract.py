@@ -154,13 +154,14 @@ class _Transfer:
     peer: int                         # the peer's rank in the group
     tag: int
     seq: int
+    rank: int                         # the peer's global rank (what messages name)
     private: torch.Tensor | None = None     # where a receive lands
     works: list = field(default_factory=list)
     keep: list = field(default_factory=list)    # the control messages' tensors, while in flight
 
     def __str__(self) -> str:
         return f"{'send' if self.send else 'recv'} #{self.seq} {'to' if self.send else 'from'} " \
-               f"{self.peer}"
+               f"{self.rank}"
 
 
 class _Stuck(RuntimeError):
@@ -181,7 +182,8 @@ class _Stream:
     def transfer(self, op) -> _Transfer:
         send = op.op is c10d.isend
         self.count[send][op.group_peer] += 1
-        return _Transfer(send, op.tensor, op.group_peer, op.tag, self.count[send][op.group_peer])
+        return _Transfer(send, op.tensor, op.group_peer, op.tag, self.count[send][op.group_peer],
+                         op.peer)
 
     def post(self, work: "BatchWork") -> None:
         with self.cond:
@@ -249,9 +251,7 @@ class BatchWork:
                 poison(t.tensor, arrived=t.private)
 
     def fail(self, why: str) -> None:
-        self.failed = f"rank {dist.get_rank()}: {self.describe()} {why}"
-        errors.append(self.failed)
-        _watchdog(self.failed, self.posted + _timeout_of(self.group).total_seconds())
+        _record(self, f"rank {dist.get_rank()}: {self.describe()} {why}")
 
     # -- the caller's ----------------------------------------------------------------------------
     def wait(self, timeout=None) -> bool:   # noqa: ARG002  (the Work signature)
@@ -299,9 +299,10 @@ def _send_when_posted(group, sends: list[_Transfer]) -> None:
         except RuntimeError as e:
             raise _Stuck(f"{t}: the peer's matching receive was never posted "
                          f"({_first_line(e)})") from e
-        if token.tolist() != [t.seq, t.tensor.numel()]:
-            raise _Stuck(f"{t} of {t.tensor.numel()} elements met the peer's receive "
-                         f"#{token[0]} of {token[1]}")
+        seq, numel = token.tolist()
+        if (seq, numel) != (t.seq, t.tensor.numel()):
+            raise _Stuck(f"{t} of {t.tensor.numel()} elements met the peer's receive #{seq} of "
+                         f"{numel}")
         t.works.append(c10d.isend(t.tensor, group=group, tag=t.tag, group_dst=t.peer))
 
 
@@ -378,9 +379,7 @@ class CollectiveWork:
         try:
             self._work.wait()
         except RuntimeError as e:           # the peer died or timed out: NCCL would not raise
-            self.failed = f"rank {dist.get_rank()}: {self.what} failed: {_first_line(e)}"
-            errors.append(self.failed)
-            _watchdog(self.failed, self.posted + _timeout_of(self.group).total_seconds())
+            _record(self, f"rank {dist.get_rank()}: {self.what} failed: {_first_line(e)}")
             return True
         with torch.no_grad():
             for private, user in self._landing:
@@ -419,6 +418,13 @@ def _stream_ordered(torch_method):
         return CollectiveWork(group, work, list(zip(privates, users)),
                               f"async {torch_method.__name__}")
     return collective
+
+
+def _record(work, failure: str) -> None:
+    """`work` (a BatchWork or CollectiveWork) failed: recorded, and NCCL's watchdog armed."""
+    work.failed = failure
+    errors.append(failure)
+    _watchdog(failure, work.posted + _timeout_of(work.group).total_seconds())
 
 
 def _watchdog(what: str, deadline: float) -> None:
