@@ -1,12 +1,14 @@
 """Analysis: per-node FLOPs, bytes and activation sizes as sympy expressions in b (batch) and
-s (sequence length), so one analysis serves every microbatch size; and repeated-layer detection.
+s (sequence length), so one analysis serves every microbatch size; and the repeated layers, found
+from the graph's structure (detect_layers).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
+import itertools
 import operator
-import re
 from dataclasses import dataclass
 
 import sympy
@@ -34,7 +36,8 @@ _PER_ELEMENT = {aten.layer_norm.default: 8, aten.native_layer_norm.default: 8,
 
 @dataclass(frozen=True)
 class Layer:
-    """One repeated block: `path` (module path, e.g. transformer.h.3), its nodes and signature."""
+    """One repeated block (detect_layers): `path` names it (the module its nodes share, e.g.
+    transformer.h.3, else layer.<i>), `nodes` are its node names in graph order."""
     path: str
     nodes: tuple[str, ...]
     signature: str           # equal signatures = same graph (the same layer, compiled once)
@@ -127,29 +130,280 @@ def _evaluate(expr, b: int, s: int) -> float:
     return float(sympy.sympify(expr).subs({BATCH: b, SEQ: s}))
 
 
-def detect_layers(program: Program) -> list[Layer]:
-    """The repeated blocks: children `prefix.0 .. prefix.N` of one container with equal graphs.
+# -- layers: the graph's repeated structure ------------------------------------------------
 
-    Chooses the container with the most numbered children; a model with no such container has
-    no layers (every op is its own unit for the cut pass).
+META_LAYER = "autopart_layer"  # node.meta: the Layer.path of the node's layer (None: no layer)
+_PERIODS_TRIED = 16      # candidate periods per range: the commonest parameter-read spacings
+
+
+def detect_layers(program: Program) -> list[Layer]:
+    """The repeated blocks, found from the graph's structure alone, in graph order.
+
+    The nodes computed from a trainable parameter (the stream: what the layers compute, not the
+    masks and positions made from the inputs), in graph order, each labelled by its op and its
+    arguments' kinds (constants by value, a parameter by its shape). A group of layers is a run
+    of k >= 2 consecutive copies of one period whose labels repeat and whose dataflow repeats
+    (each argument read `period` nodes later in the next copy, or the same value read by both),
+    each copy reading parameters and the next reading its output. The group covering the most
+    nodes is taken first, then the ranges before and after it are searched again (an encoder's
+    layers, then a decoder's). Where a copy starts is where the fewest values cross: the
+    residual stream between layers. A block next to a group with the same parameter shapes,
+    chained to it, is a layer of it too, with its own signature (an activation swapped).
+    Module paths only name a layer found so (the deepest module all its nodes share), never
+    decide one: names lie (numbered submodules that are not layers, layers without numbers),
+    the graph does not. Every call_function node gets meta[META_LAYER] (its layer's path or
+    None), which layer_of reads. Near-linear in the nodes: a few passes per candidate period.
     """
-    groups: dict[str, dict[int, list[fx.Node]]] = {}
-    for node in program.gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        for path in _paths(node):
-            m = re.fullmatch(r"(.*?)\.?(\d+)", path)
-            if m:
-                groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(node)
-    if not groups:
-        return []
-    prefix = max(groups, key=lambda p: (len(groups[p]), -len(p)))
-    layers = []
-    for idx in sorted(groups[prefix]):
-        nodes = groups[prefix][idx]
-        sig = hashlib.sha1(repr([(_op_name(n), _arg_kinds(n)) for n in nodes]).encode()).hexdigest()[:12]
-        layers.append(Layer(f"{prefix}.{idx}" if prefix else str(idx), tuple(n.name for n in nodes), sig))
+    graph = program.gm.graph
+    stream = _parameter_stream(graph)
+    shape = _Structure(graph, stream)
+    layers = [Layer("", tuple(n.name for n in stream[a:b]), shape.signature(a, b))
+              for a, b in shape.layers(0, len(stream))]
+    layers = _with_inputs_only_they_read(graph, layers, set(stream))
+    layers = _named(graph, layers)
+    _mark(graph, layers)
     return layers
+
+
+def _parameter_stream(graph: fx.Graph) -> list[fx.Node]:
+    """The call_function nodes computed (transitively) from a trainable parameter, in order."""
+    reached: set[fx.Node] = {n for n in graph.nodes if n.op == "get_attr" and _trainable(graph, n)}
+    out = []
+    for n in graph.nodes:
+        if n.op == "call_function" and any(a in reached for a in n.all_input_nodes):
+            reached.add(n)
+            out.append(n)
+    return out
+
+
+def _trainable(graph: fx.Graph, node: fx.Node) -> bool:
+    t = _attr_value(graph, node)
+    return isinstance(t, torch.nn.Parameter) and t.requires_grad
+
+
+def _attr_value(graph: fx.Graph, node: fx.Node):
+    try:
+        return functools.reduce(getattr, node.target.split("."), graph.owning_module)
+    except AttributeError:
+        return None
+
+
+class _Structure:
+    """The stream's labels and dataflow, and the search for repeated runs in it."""
+
+    def __init__(self, graph: fx.Graph, stream: list[fx.Node]):
+        self.graph, self.pos = graph, {n: i for i, n in enumerate(stream)}
+        self.keys: dict = {}
+        self.names: dict = {}               # label -> key, built once for signature()
+        self.labels, self.args, self.params = [], [], []
+        for n in stream:
+            flat = _flatten((n.args, n.kwargs))
+            kinds = tuple(self._kind(a) for a in flat)
+            self.labels.append(self.keys.setdefault((_op_name(n), kinds), len(self.keys)))
+            self.args.append([a for a in flat if isinstance(a, fx.Node)])
+            self.params.append(tuple(k for a, k in zip(flat, kinds) if isinstance(a, fx.Node)
+                                     and a.op == "get_attr" and _trainable(graph, a)))
+        self.reads = [bool(k) for k in self.params]
+        self.cross = _crossing_counts(stream, self.pos)
+
+    def _kind(self, a):
+        if not isinstance(a, fx.Node):
+            return a if isinstance(a, (int, float, bool, str, type(None))) else str(a)
+        if a.op == "get_attr":
+            t = _attr_value(self.graph, a)
+            return ("attr", tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__)
+        return "value"     # an input, or computed: which one is checked along the dataflow (_same)
+
+    def signature(self, a: int, b: int) -> str:
+        """Equal for stream[a:b] and any span of the same labels (a layer and its copies)."""
+        if len(self.names) != len(self.keys):
+            self.names = {v: k for k, v in self.keys.items()}
+        text = repr([self.names[x] for x in self.labels[a:b]])
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+    def layers(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The spans [a, b) of the layers in stream[lo:hi], in order: each group's copies, and
+        the variants next to them (_variant)."""
+        found = self._best(lo, hi) if hi - lo >= 2 else None
+        if found is None:
+            return []
+        start, p, copies = found
+        first, end = start, start + p * copies
+        while first - p >= lo and self._variant(first - p, p):
+            first -= p
+        while end + p <= hi and self._variant(end - p, p):
+            end += p
+        return [*self.layers(lo, first), *((a, a + p) for a in range(first, end, p)),
+                *self.layers(end, hi)]
+
+    def _variant(self, a: int, p: int) -> bool:
+        """stream[a:a+p] and stream[a+p:a+2p] are two layers of one stack whose ops may differ
+        (an activation swapped): the same parameter shapes in the same order, the second reading
+        the first."""
+        if [k for k in self.params[a:a + p] if k] != [k for k in self.params[a + p:a + 2 * p] if k]:
+            return False
+        return any(a <= self.pos[x] < a + p for i in range(a + p, a + 2 * p)
+                   for x in self.args[i] if x in self.pos)
+
+    def _best(self, lo: int, hi: int):
+        """The group covering the most nodes of stream[lo:hi] (the shorter period on a tie)."""
+        runs = []
+        for p in self._periods(lo, hi):
+            same = [x == y for x, y in zip(self.labels[lo:hi - p], self.labels[lo + p:hi])]
+            runs += [((b - a + p) // p * p, -p, a, b) for a, b in _runs(same, lo) if b - a >= p]
+        for _, p, a, b in sorted(runs, reverse=True)[:_PERIODS_TRIED]:
+            found = self._refined(a, b, -p)
+            if found is not None:
+                return found
+        return None
+
+    def _periods(self, lo: int, hi: int) -> list[int]:
+        """The commonest spacings between consecutive nodes of one label that read a parameter:
+        a layer's period is the spacing of each label it holds once."""
+        last: dict[int, int] = {}
+        count: collections.Counter = collections.Counter()
+        for i in range(lo, hi):
+            if self.reads[i]:
+                label = self.labels[i]
+                if label in last:
+                    count[i - last[label]] += 1
+                last[label] = i
+        return [p for p, _ in count.most_common(_PERIODS_TRIED)]
+
+    def _refined(self, a: int, b: int, p: int):
+        """Within a run of equal labels (stream[i] ~ stream[i + p] for i in [a, b)), the longest
+        run whose dataflow repeats too, started where the fewest values cross; None if it is no
+        group of layers (fewer than two copies, no parameter, copies not chained)."""
+        same = [self._same(i, p) for i in range(a, b)]
+        longest = max(_runs(same, a), key=lambda r: r[1] - r[0], default=None)
+        if longest is None:
+            return None
+        found = self._phase(a, *longest, p)
+        if found is None:
+            return None
+        start, copies = found
+        if not any(self.reads[start:start + p]):
+            return None
+        first = range(start, start + p)
+        if not any(self.pos[x] in first for i in range(start + p, start + 2 * p)
+                   for x in self.args[i] if x in self.pos):
+            return None                  # the copies are side by side, not one after the other
+        return start, p, copies
+
+    def _same(self, i: int, p: int) -> bool:
+        """Node i + p reads what node i reads, shifted by one copy (or the very same value)."""
+        for x, y in zip(self.args[i], self.args[i + p]):
+            if x is not y and (x in self.pos or y in self.pos) \
+                    and self.pos.get(y, -1) - self.pos.get(x, -1) != p:
+                return False
+        return True
+
+    def _phase(self, lo: int, a: int, b: int, p: int):
+        """(start, copies) of the group whose copies after the first lie in [a, b + p), where
+        each node matches the next copy's (_same): the start with the fewest values crossing
+        between copies, then the most copies, then the earliest; None if no two copies. The
+        first copy may begin up to a period before a: its reads of what precedes it (the
+        embedding where later copies read the copy before) are the chain, not a mismatch."""
+        best = None
+        for s in range(max(lo, a - p), min(a + p, b)):
+            copies = 1 + (b - s) // p if s >= a else \
+                2 + (b - s - p) // p if self._first_copy_matches(s, p) else 0
+            if copies >= 2:
+                best = min(best or (float("inf"),), (self.cross[s + p], -copies, s))
+        return (best[2], -best[1]) if best else None
+
+    def _first_copy_matches(self, s: int, p: int) -> bool:
+        for i in range(s, s + p):
+            if self.labels[i] != self.labels[i + p]:
+                return False
+            for x, y in zip(self.args[i], self.args[i + p]):
+                if x is not y and (x in self.pos or y in self.pos) \
+                        and self.pos.get(y, -1) - self.pos.get(x, -1) != p \
+                        and not (self.pos.get(x, -1) < s <= self.pos.get(y, -1) < s + p):
+                    return False
+        return True
+
+
+def _flatten(args) -> list:
+    if isinstance(args, (tuple, list)):
+        return [x for a in args for x in _flatten(a)]
+    if isinstance(args, dict):
+        return [x for k in sorted(args) for x in [k, *_flatten(args[k])]]
+    return [args]
+
+
+def _runs(flags: list[bool], offset: int) -> list[tuple[int, int]]:
+    """The maximal runs [a, b) of True in flags, as positions offset + index."""
+    out, begin = [], None
+    for i, f in enumerate(flags):
+        if f and begin is None:
+            begin = i
+        elif not f and begin is not None:
+            out.append((offset + begin, offset + i))
+            begin = None
+    if begin is not None:
+        out.append((offset + begin, offset + len(flags)))
+    return out
+
+
+def _crossing_counts(stream: list[fx.Node], pos: dict) -> list[int]:
+    """cross[g]: stream values made before position g and read at or after it (a difference
+    array: O(n))."""
+    diff = [0] * (len(stream) + 2)
+    for i, n in enumerate(stream):
+        last = max((pos.get(u, len(stream)) for u in n.users), default=i)
+        if last > i:
+            diff[i + 1] += 1
+            diff[last + 1] -= 1
+    return list(itertools.accumulate(diff))[:len(stream) + 1]
+
+
+def _with_inputs_only_they_read(graph: fx.Graph, layers: list[Layer], stream: set) -> list[Layer]:
+    """Each layer with the nodes made from the inputs alone that only it reads (a mask the layer
+    builds for itself); one read by several layers or outside them belongs to none."""
+    owner = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    extra: dict[int, list[str]] = {}
+    for n in reversed(graph.nodes):
+        if n.op != "call_function" or n in stream or not n.users:
+            continue
+        users = {owner.get(u.name, -1) if u.op == "call_function" else -1 for u in n.users}
+        if len(users) == 1 and -1 not in users:
+            owner[n.name] = users.pop()
+            extra.setdefault(owner[n.name], []).append(n.name)
+    if not extra:
+        return layers
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    return [Layer(layer.path, tuple(sorted([*layer.nodes, *extra.get(i, [])], key=order.get)),
+                  layer.signature) for i, layer in enumerate(layers)]
+
+
+def _named(graph: fx.Graph, layers: list[Layer]) -> list[Layer]:
+    """Each layer named by the deepest module all its nodes share (transformer.h.3), for display;
+    `layer.<i>` where that is no module or another layer's too."""
+    nodes = {n.name: n for n in graph.nodes}
+    names = []
+    for layer in layers:
+        common = None
+        for name in layer.nodes:
+            paths = _paths(nodes[name])
+            if paths:
+                common = paths if common is None else _common_prefix(common, paths)
+        names.append(common[-1] if common else "")
+    count = collections.Counter(names)
+    return [Layer(name if name and count[name] == 1 else f"layer.{i}", layer.nodes, layer.signature)
+            for i, (name, layer) in enumerate(zip(names, layers))]
+
+
+def _common_prefix(a: list, b: list) -> list:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[:n]
+
+
+def _mark(graph: fx.Graph, layers: list[Layer]) -> None:
+    owner = {name: layer.path for layer in layers for name in layer.nodes}
+    for n in graph.nodes:
+        if n.op == "call_function":
+            n.meta[META_LAYER] = owner.get(n.name)
 
 
 def _paths(node: fx.Node) -> list[str]:
@@ -160,16 +414,18 @@ def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def _arg_kinds(node: fx.Node) -> tuple:
-    # Constants (head counts, sizes) are part of a layer's identity; node names are not.
-    return tuple(a if isinstance(a, (int, float, str, bool)) else type(a).__name__ for a in node.args)
-
-
 def layer_of(node: fx.Node, layer_paths: set[str]) -> str | None:
+    """The layer among `layer_paths` that `node` belongs to: detect_layers' mark (META_LAYER).
+    A node it never saw (the planner's one-layer profile, which names its layers by their
+    module list; a node a later pass made without copying the mark) is matched by its module
+    path."""
+    if META_LAYER in node.meta:
+        layer = node.meta[META_LAYER]
+        return layer if layer in layer_paths else None
     for p in _paths(node):
         if p in layer_paths:
             return p
     return None
 
 
-__all__ = ["Layer", "analyze", "node_cost", "evaluate", "detect_layers", "layer_of"]
+__all__ = ["Layer", "META_LAYER", "analyze", "node_cost", "evaluate", "detect_layers", "layer_of"]

@@ -274,11 +274,14 @@ def _expert_gaps(compute) -> set[int]:
 
 def _cut_candidates(compute, cost, cross_bytes, layers,
                     banned: set[int] = frozenset()) -> tuple[list[int], float]:
-    """Gaps where only the residual stream is live, and its size (bytes per microbatch).
+    """Gaps where only the residual stream is live, and its size (bytes per microbatch; with
+    several groups of layers, the least group's).
 
     With repeated layers, no gap lies before the first layer starts or after the last one ends:
     a chunk holding only the embedding lookup (or only the head) would idle a pipeline rank,
-    yet costs so little that a min-max partition is indifferent to it."""
+    yet costs so little that a min-max partition is indifferent to it. Each group of layers
+    (a run of one signature) has its own residual stream: a decoder's carries the encoder's
+    output beside its own, so one floor for all would leave no cut point in the decoder."""
     total = sum(cost)
     prefix, acc = [], 0.0
     for c in cost:
@@ -287,15 +290,22 @@ def _cut_candidates(compute, cost, cross_bytes, layers,
     body = [g for g in range(1, len(compute))
             if 0.02 * total <= prefix[g] <= 0.98 * total and g not in banned]
     floor = min((cross_bytes[g] for g in body), default=min(cross_bytes[1:len(compute)]))
-    lo, hi = 1, len(compute) - 1
-    if layers:
-        pos = {n.name: i for i, n in enumerate(compute)}
-        spans = [(min(pos[n] for n in layer.nodes if n in pos),
-                  max(pos[n] for n in layer.nodes if n in pos)) for layer in layers]
-        lo, hi = spans[0][0] + 1, spans[-1][1]
-        floor = _typical_layer_floor(spans, cross_bytes, banned, floor)
-    return [g for g in range(lo, hi + 1)
-            if cross_bytes[g] <= floor * _TOLERANCE and g not in banned], floor
+    if not layers:
+        return [g for g in range(1, len(compute))
+                if cross_bytes[g] <= floor * _TOLERANCE and g not in banned], floor
+    pos = {n.name: i for i, n in enumerate(compute)}
+    spans = [(min(pos[n] for n in layer.nodes if n in pos),
+              max(pos[n] for n in layer.nodes if n in pos)) for layer in layers]
+    out, lo, floors = [], spans[0][0] + 1, []
+    for group in _groups(layers):
+        group_spans = [spans[i] for i in group]
+        group_floor = _typical_layer_floor(group_spans, cross_bytes, banned, floor)
+        floors.append(group_floor)
+        hi = group_spans[-1][1] + 1 if group[-1] < len(layers) - 1 else spans[-1][1]
+        out += [g for g in range(lo, hi + 1)
+                if cross_bytes[g] <= group_floor * _TOLERANCE and g not in banned]
+        lo = hi + 1
+    return out, min(floors)
 
 
 def _typical_layer_floor(spans, cross_bytes, banned, default: float) -> float:
@@ -309,6 +319,17 @@ def _typical_layer_floor(spans, cross_bytes, banned, default: float) -> float:
                          if g < len(cross_bytes) and g not in banned), default=default)
                     for a, b in spans)
     return minima[len(minima) // 2] if minima else default
+
+
+def _groups(layers) -> list[list[int]]:
+    """The indices of the layers in runs of equal signature (an encoder's, a decoder's)."""
+    out: list[list[int]] = []
+    for i, layer in enumerate(layers):
+        if out and layers[out[-1][-1]].signature == layer.signature:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def _check_every_chunk_has_parameters(graph, chunk_of, chunk_ranks, n_params: int) -> None:

@@ -1,0 +1,119 @@
+"""Layers found from the graph's repeated structure (autopart.analysis.detect_layers), never
+from module paths: a model whose numbered modules are not layers and whose layers carry no
+number; Hugging Face Whisper (a group of encoder layers, then a group of decoder layers that
+all read the encoder's output) cut at pp=2 by cost, and trained against the plain model.
+
+Fast tier: python -m pytest -m "not full" tests/test_layers_by_dataflow.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopart.analysis import analyze, detect_layers, layer_of
+from autopart.capture import capture
+from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
+from tests.workers.common import Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain
+from tests.workers.layers import build_whisper, run_layer_group
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), \
+            nn.Linear(2 * width, width)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
+class _Misnamed(nn.Module):
+    """The layers are alpha, beta and gamma: no number in their names. The numbered modules
+    are no layers: stem.0 .. stem.3 (a Sequential of four different modules), layer1 and
+    layer2 (the head's two linears, of different shapes). A reading of module paths groups
+    `stem.<i>` (or `layer<i>`) as the repeated blocks."""
+
+    def __init__(self, vocab: int = 64, width: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.stem = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                  nn.Linear(2 * width, width), nn.LayerNorm(width))
+        self.alpha, self.beta, self.gamma = _Block(width), _Block(width), _Block(width)
+        self.layer1, self.layer2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, vocab)
+
+    def forward(self, x, target):
+        h = self.gamma(self.beta(self.alpha(self.stem(self.emb(x)))))
+        logits = self.layer2(torch.tanh(self.layer1(h)))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+BLOCKS = ("alpha", "beta", "gamma")
+
+
+def _module_nodes(program, path: str) -> set[str]:
+    """The compute nodes the user's module `path` ran (its forward, as torch.export recorded it)."""
+    return {n.name for n in program.gm.graph.nodes if n.op == "call_function"
+            and path in {p for p, _ in (n.meta.get("nn_module_stack") or {}).values()}}
+
+
+def test_layers_are_found_where_module_names_lie():
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (2, 8))
+    program = capture(_Misnamed(), (x, x))
+    layers = detect_layers(program)
+    assert [layer.path for layer in layers] == list(BLOCKS)
+    for layer, name in zip(layers, BLOCKS):
+        assert set(layer.nodes) == _module_nodes(program, name), name
+    assert len({layer.signature for layer in layers}) == 1
+    stem = _module_nodes(program, "stem")
+    assert stem and all(layer_of(n, set(BLOCKS)) is None for n in program.gm.graph.nodes
+                        if n.name in stem)
+    # the cut keeps to the layers found: three chunks, one block each (nothing cut in the stem)
+    out, _ = cut_pipeline_stages(program.replace(costs=analyze(program)), chunk_ranks=(0, 1, 2))
+    assert out.stages.chunk_layers == tuple((name,) for name in BLOCKS)
+
+
+WHISPER = Case("whisper-pp2", model="whisper", pp=2, microbatches=2)
+
+
+def _param_numel(model) -> dict[str, int]:
+    return {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_whisper_layers_and_a_pp2_cut_by_cost():
+    """Whisper's two groups of layers are found (the conv stem's conv1 and conv2 are not a
+    group), and the pp=2 cut leaves neither rank more than 60% of the parameters (each chunk
+    counted with every parameter its nodes read: the tied embedding in both)."""
+    model, loss_fn, inputs, target = build_whisper(WHISPER)
+    program = capture(model, inputs, loss_fn=loss_fn, target=target)
+    layers = detect_layers(program)
+    assert [layer.path for layer in layers] == \
+        [f"model.model.encoder.layers.{i}" for i in range(4)] + \
+        [f"model.model.decoder.layers.{i}" for i in range(4)]
+    nodes, sizes = {n.name: n for n in program.gm.graph.nodes}, _param_numel(model)
+    for layer in layers:        # each reads exactly the parameters of its module
+        read = {a.target for n in layer.nodes for a in nodes[n].all_input_nodes
+                if a.op == "get_attr" and a.target in sizes}
+        assert read == {p for p in sizes if p.startswith(layer.path + ".")}, layer.path
+    out, _ = cut_pipeline_stages(program.replace(costs=analyze(program)), chunk_ranks=(0, 1),
+                                 microbatch_size=WHISPER.batch // WHISPER.microbatches)
+    chunk_of, graph = out.stages.chunk_of, program.gm.graph
+    held = [0, 0]
+    for n in graph.nodes:
+        if n.op == "get_attr" and n.target in sizes:
+            for c in {chunk_of[u.name] for u in n.users if u.name in chunk_of}:
+                held[c] += sizes[n.target]
+    assert max(held) / sum(sizes.values()) <= 0.6, held
+
+
+@pytest.mark.full
+def test_whisper_pp2_trains_like_the_plain_model(spawn_cache):
+    """3 SGD steps at pp=2 against the unmodified model (losses, first gradients, clipped norm,
+    parameters), and the parameters each rank really holds: at most 60% of the model's."""
+    ranks = run_layer_group(spawn_cache, ("layers-by-dataflow", 2), [WHISPER])[WHISPER.name]
+    assert_all_ranks_equal_plain(WHISPER, ranks)
+    total = ranks[0]["total_numel"]
+    assert sum(r["held_numel"] for r in ranks) >= total
+    assert max(r["held_numel"] for r in ranks) / total <= 0.6, [r["held_numel"] for r in ranks]
