@@ -516,11 +516,13 @@ def _elementwise(node, pl, tp):
     if len(dims) != 1:
         raise NoRule(f"operands sharded along different dims {sorted(dims)}")
     dim = dims.pop()
-    origin = next(iter(shard_dims))[0]
     for a in node.all_input_nodes:
         if not isinstance(pl.get(a), Shard) and ndim(a) > 0 and _aligned_dim(a, out_nd, dim) is not None:
             return Need(a, _aligned_dim(a, out_nd, dim))
-    return Shard(dim, pl[origin].origin)
+    # the projection's name, never a locally sliced operand's None (a set's order picked either,
+    # and a split keyed by None cut no weight)
+    return Shard(dim, next((pl[a].origin for a in node.all_input_nodes
+                            if isinstance(pl.get(a), Shard) and pl[a].origin), None))
 
 
 def _sdpa(node, pl):

@@ -396,3 +396,28 @@ def test_sharded_dim_index_that_misses_a_rank_names_why():
     assert "the index [0, 1] of the sharded dim (4 positions) does not pick the same positions "\
         "of each rank's 2" in text, text
     assert "[:, :, [0, 1]]" in text and "remedy:" in text, text
+
+
+class _ScaledFused(torch.nn.Module):
+    """A fused projection times a replicated per-feature scale before its split into three
+    (Falcon-H1's `in_proj(x) * mup_vector`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+        self.register_buffer("scale", torch.arange(48.0))
+
+    def forward(self, x):
+        a, b, c = (self.up(x) * self.scale).split([16, 16, 16], -1)
+        return self.down(a * torch.sigmoid(b) + c).pow(2).mean()
+
+
+def test_replicated_operand_of_a_fused_projection_before_its_cut_is_refused():
+    """Each rank holds 1/tp of each of the three sections, so the scale's contiguous half is
+    not what meets it: this was split silently (the scale sliced [0:24] on rank 0 against
+    features 0:8, 16:24, 32:40; or, by the hash seed, the weight cut contiguously), now the
+    projection stays whole and the refusal says why."""
+    with pytest.raises(AutopartError) as err:
+        split_tensor_parallel(capture(_ScaledFused(), (torch.randn(2, 4, 16),)), tp=2)
+    assert "scale (replicated) meets linear's output, which is cut in sections (16, 16, 16)" \
+        in str(err.value), err.value

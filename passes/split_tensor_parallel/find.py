@@ -264,11 +264,27 @@ def _grow(seeds, committed, ctx, unpullable=frozenset()) -> _Region:
                 heapq.heappush(frontier, ctx.order[u.name])
     if not region.rows and not region.ces:
         raise _Reject(seeds[0].name, "no row-parallel linear or vocabulary-parallel loss closes it")
+    _check_sections(region, ctx)
+    return region
+
+
+def _check_sections(region, ctx) -> None:
+    """A tensor that spans a projection cut in sections holds, per rank, 1/tp of each section,
+    not one contiguous 1/tp: neither a replicated operand sliced contiguously to meet it
+    (a `* scale` over the fused features before their split) nor an index of per-rank blocks
+    reads it right."""
     for name, origin in region.indexed.items():
-        if len(region.sections.get(origin, ())) > 1:      # its positions are not one block
+        if len(region.sections.get(origin, ())) > 1:
             raise _Reject(name, f"an index of the sharded dim of {origin}, which is cut in "
                           f"sections {region.sections[origin]}")
-    return region
+    for (name, arg), dim in region.scatters.items():
+        node = ctx.nodes[name]
+        p = region.pl.get(node)
+        sections = region.sections.get(p.origin, ()) if isinstance(p, Shard) else ()
+        if len(sections) > 1 and p.dim == ndim(node) - 1 and shape_of(node)[-1] == sum(sections):
+            raise _Reject(name, f"{arg} (replicated) meets {p.origin}'s output, which is cut in "
+                          f"sections {sections}, before the cut: a rank's share of it is not "
+                          "one contiguous slice")
 
 
 @dataclass
