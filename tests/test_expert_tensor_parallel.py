@@ -3,7 +3,8 @@ split like a dense MLP (first expert matmul column-parallel, second row-parallel
 over tp before the combine), every tp rank holding all experts (no ep) or its ep share of them.
 examples/switch.py (stacked experts, bmm) and unmodified Hugging Face Mixtral / Qwen3-MoE (grouped
 matmuls of sorted rows, fused gate|up): every step's loss, the first step's gradients, the
-clipped norm and every parameter after 3 SGD steps, fp32 (tests/workers/equivalence.equivalence).
+clipped norm and every parameter after 3 SGD steps, fp32 (tests/workers/equivalence.equivalence);
+and which experts, and which part of each, every rank's compiled program holds, by value.
 
 Fast tier: python -m pytest -m "not full" tests/test_expert_tensor_parallel.py
 Full matrix: python -m pytest tests/test_expert_tensor_parallel.py
@@ -50,25 +51,54 @@ def test_matches_plain_model(case: Case, spawn_cache):
     assert_all_ranks_equal_plain(case, _results(case, spawn_cache))
 
 
-def _expert_numels(case: Case) -> dict[str, int]:
-    """The plain model's expert weights (stacked over experts: 3-D) and their sizes."""
+def _experts_held(case: Case):
+    """Compile `case` (one process) with every parameter random, so each expert, and each tp
+    part of it, is unique: per rank, per plain expert weight (stacked over experts: 3-D) the
+    rank holds, which plain expert each of its local experts is, by value (None: none), the
+    tp part cut by the independent section slicing (tests/workers/common.py) at the rank's
+    tp index."""
     from tests.workers import family  # noqa: F401  (registers qwen3-moe)
-    model = build(case)[0]
-    return {n: p.numel() for n, p in model.named_parameters() if p.dim() == 3}
+    from tests.workers.common import _chunk_sections
+    model, loss_fn, inputs, target = build(case)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    plain = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() == 3}
+    mesh = autopart.Mesh(tp=case.tp, dp=case.dp, ep=case.ep, pp=case.pp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = autopart.compile(model, mesh, inputs, loss_fn=loss_fn, target=target,
+                             microbatches=case.microbatches)
+    found = {}
+    for rank, program in c.programs.items():
+        tp_rank = mesh.coords(rank)["tp"]
+        for name, held in program.parameters().items():
+            if name not in plain:
+                continue
+            shard = c.plan.tp_shards.get(name) if case.tp > 1 else None
+            whole = plain[name]
+            parts = [whole[e:e + 1] if shard is None else
+                     _chunk_sections(whole[e:e + 1], shard, case.tp, tp_rank)
+                     for e in range(whole.shape[0])]
+            found[rank, name] = (held.numel(), [
+                next((e for e, part in enumerate(parts) if torch.equal(held[j:j + 1], part)), None)
+                for j in range(held.shape[0])])
+    return mesh, plain, found
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_each_rank_holds_its_share_of_every_expert(case: Case, spawn_cache):
-    """Each rank really holds 1/(tp * ep) of every expert weight: at tp=2 without ep, half of
-    each expert (all experts), at tp=2 x ep=2 a quarter (half the experts, each halved)."""
-    experts = _expert_numels(case)
-    assert experts, case.name
-    for r in _results(case, spawn_cache):
-        held = {n: v for n, v in r["held"].items() if n in experts}
-        assert set(held) <= set(experts) and held, (case.name, r["rank"], sorted(r["held"]))
-        for name, numel in held.items():
-            assert numel * case.tp * case.ep == experts[name], (case.name, r["rank"], name, numel)
-            assert name in r["tp_sharded"], (case.name, name)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[] if c.name == "switch-tp2"
+                                               else [pytest.mark.full]) for c in EQUAL])
+def test_each_rank_holds_its_share_of_every_expert(case: Case):
+    """Each rank holds 1/(tp * ep) of every expert weight, and which experts by value: those of
+    its ep index (dp mod ep: experts k*E/ep .. (k+1)*E/ep - 1, in order), each its tp index's
+    part; every expert weight held by some rank. At tp=2 without ep: half of every expert."""
+    mesh, plain, found = _experts_held(case)
+    assert plain and found, case.name
+    assert {name for _, name in found} == set(plain), sorted(set(plain) - {n for _, n in found})
+    for (rank, name), (numel, experts) in found.items():
+        count, k = plain[name].shape[0] // case.ep, mesh.coords(rank)["dp"] % case.ep
+        assert numel * case.tp * case.ep == plain[name].numel(), (rank, name, numel)
+        assert experts == list(range(k * count, (k + 1) * count)), (rank, name, experts)
 
 
 def test_expert_all_reduce_is_needed(spawn_cache):

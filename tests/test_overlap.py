@@ -3,9 +3,12 @@ real processes, with buckets small enough (tests/workers/overlap.py SMALL_BUCKET
 test GPT into several:
 
 - the run still equals the plain model (losses, step-1 gradients, clipped norm, parameters);
-- a train_step and clip_grad_norm_ make no host sync but two that are not the gradients': the
-  embedding ids' range (check_step_inputs: one aminmax, read by two int()) and the token count
-  of the token-weighted loss (step_loss_scale: one int(), the loss scale is a Python float);
+- a train_step and clip_grad_norm_ make exactly these host syncs, none for the gradients: the
+  embedding ids' range (check_step_inputs: one aminmax, read by two int()), the token count of
+  the token-weighted loss (step_loss_scale: one int(), the loss scale is a Python float) and,
+  in parallelize's default configuration (nonfinite="raise"), the reduced [loss, flags] read by
+  one tolist (runtime/nonfinite.py `flagged`: the step must know before the optimizer runs);
+  with nonfinite="ignore" not that one;
 - the trace shows a bucket's all-reduce posted before the rank's last backward action ended,
   with pp=1 (posted from autograd's hook inside the one fused backward) and with pp=2; and
   ZeRO's reduce-scatter likewise (zero=2 at dp=2, zero=1 at pp=2 x dp=2).
@@ -37,6 +40,8 @@ CASES = [pytest.param(c, id=c.name) for c in CASES_2 + CASES_4]
 # generator expression), step_loss_scale `int(torch.stack(counts).sum())`
 EXPECTED_SYNCS = ["__int__ at step.py (<genexpr>)", "__int__ at step.py (<genexpr>)",
                   "__int__ at step.py (step_loss_scale)"]
+# the default nonfinite="raise": one more, runtime/nonfinite.py `loss, flags = reduced.tolist()`
+DEFAULT_SYNCS = EXPECTED_SYNCS + ["tolist at nonfinite.py (flagged)"]
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +65,12 @@ def test_equals_plain_model_with_small_buckets(case, spawn_cache, trace_dir):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_no_host_sync_but_the_input_check(case, spawn_cache, trace_dir):
+def test_host_syncs_are_the_input_check_and_by_default_the_nonfinite_flag(case, spawn_cache,
+                                                                          trace_dir):
     for r in _results(case, spawn_cache, trace_dir):
-        where = [s.split(":")[0] + " " + s.split(" ")[-1] for s in r["syncs"]]   # no line
-        assert where == EXPECTED_SYNCS, f"rank {r['rank']} synced: {r['syncs']}"
+        for key, expected in (("syncs_default", DEFAULT_SYNCS), ("syncs", EXPECTED_SYNCS)):
+            where = [s.split(":")[0] + " " + s.split(" ")[-1] for s in r[key]]   # no line
+            assert sorted(where) == sorted(expected), f"rank {r['rank']} {key}: {r[key]}"
 
 
 @pytest.mark.parametrize("case", CASES)

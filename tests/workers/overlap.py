@@ -20,9 +20,9 @@ SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
 
 
 def overlap_cases(rank: int, world: int, cases: list[Case], trace_dir: str) -> list[dict]:
-    """Per case: the equivalence run with small buckets, then a run counting the host syncs of
-    its second train_step and clip_grad_norm_, then a traced run of 2 steps (rank 0 returns the
-    trace's events)."""
+    """Per case: the equivalence run with small buckets, then two runs counting the host syncs of
+    their second train_step and clip_grad_norm_ (parallelize's defaults; nonfinite="ignore"),
+    then a traced run of 2 steps (rank 0 returns the trace's events)."""
     from autopart.runtime import gradients, optimizer
     gradients.BUCKET_BYTES = SMALL_BUCKET
     optimizer.DEFAULT_BUCKET_SIZE = SMALL_BUCKET // 4    # ZeRO's buckets count fp32 elements
@@ -30,7 +30,8 @@ def overlap_cases(rank: int, world: int, cases: list[Case], trace_dir: str) -> l
     for case in cases:
         try:
             result = equivalence(case, rank)
-            result["syncs"] = counted_syncs(case, rank)
+            result["syncs_default"] = counted_syncs(case, rank, {})
+            result["syncs"] = counted_syncs(case, rank, {"nonfinite": "ignore"})
             result["events"] = traced(case, rank, Path(trace_dir) / f"{case.name}.json")
             result["buckets"] = len(_buckets[-1])
         except Exception:  # noqa: BLE001  (reported by the test process, per case)
@@ -44,22 +45,24 @@ def overlap_cases(rank: int, world: int, cases: list[Case], trace_dir: str) -> l
 _buckets: list = []
 
 
-def _parallelize(case: Case, trace: str | None = None):
+def _parallelize(case: Case, trace: str | None = None, nonfinite: str = "ignore"):
     import autopart
     model, loss_fn, inputs, target = build(case)
     pm = autopart.parallelize(model, autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp, ep=case.ep),
                               inputs,
                               loss_fn=loss_fn, target=target, microbatches=case.microbatches,
                               schedule=case.schedule, virtual_stages=case.virtual_stages,
-                              zero=getattr(case, "zero", 0), nonfinite="ignore", trace=trace,
-                              timeout=timedelta(seconds=120))
+                              zero=getattr(case, "zero", 0), trace=trace,
+                              timeout=timedelta(seconds=120),
+                              **({} if nonfinite is None else {"nonfinite": nonfinite}))
     return pm, inputs, target
 
 
-def counted_syncs(case: Case, rank: int) -> list[str]:
-    """'method at file:line' for each host sync of train_step (the second: the first also
-    checks every rank got the same batch) and clip_grad_norm_."""
-    pm, inputs, target = _parallelize(case)
+def counted_syncs(case: Case, rank: int, options: dict) -> list[str]:
+    """'method at file:line (function)' for each host sync of train_step (the second: the first
+    also checks every rank got the same batch) and clip_grad_norm_, parallelized with `options`
+    ({}: parallelize's own defaults)."""
+    pm, inputs, target = _parallelize(case, nonfinite=options.get("nonfinite"))
     pm.train_step(*inputs, target=target)
     pm.clip_grad_norm_(1.0)
     seen: list[str] = []

@@ -90,11 +90,14 @@ def zero3_held(rank: int, world: int) -> dict:
 
 
 def zero3_held_once(rank: int, world: int, **options) -> dict:
-    """zero=3 on dp=`world`: the bytes of full parameter storage a rank holds, sampled after
-    every gather, release and all-gather post of the step (runtime/param_shards.py); the
-    storages' own sizes (`untyped_storage().nbytes()`: what is allocated, not what autopart
-    thinks it holds) plus the all-gather buffers in flight; the all-gathers the step posted.
-    Also the memory model's count and what `pm.parameters()` hold."""
+    """zero=3 on dp=`world`: the bytes of parameter storage a rank holds, sampled after every
+    gather, release and all-gather post of the step (runtime/param_shards.py: only the moments
+    to look), measured below autopart's records: the storages the rank's Parameter objects
+    reference (`untyped_storage().nbytes()`, each storage once: the slice store between uses,
+    a full storage while gathered) plus the all-gather buffers in flight (what the dispatcher
+    saw `_post` allocate and torch has not freed, LiveBytes); before, during and after the
+    second step; the all-gathers it posted. Also the memory model's count and what
+    `pm.parameters()` hold."""
     from tests.workers.common import Case, build as build_case
     model, loss_fn, inputs, target = build_case(Case("zero3-held", model="gpt4"))
     x = inputs[0]
@@ -103,19 +106,23 @@ def zero3_held_once(rank: int, world: int, **options) -> dict:
                               timeout=timedelta(seconds=120), **options)
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
     sharded = pm._sharded
+    params = list({id(p): p for c in pm.program.chunks for p in c.gm.parameters()}.values())
+    posted = LiveBytes(active=False)        # counts only inside _post: the gather buffers
     samples: list[int] = []
 
     def held() -> int:
-        full = sum(d.untyped_storage().nbytes() for lay in sharded.layouts
-                   for d in sharded.data[id(lay)])
-        buffers = {id(e[3]): e[3] for e in sharded.pending.values()}
-        return full + sum(b.untyped_storage().nbytes() for b in buffers.values())
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+        return sum(storages.values()) + posted.live
 
     for name in ("gather", "release", "_post"):
         real = getattr(sharded, name)
 
-        def sampled(*a, _real=real, **k):
-            out = _real(*a, **k)
+        def sampled(*a, _real=real, _post=name == "_post", **k):
+            posted.active = _post
+            try:
+                out = _real(*a, **k)
+            finally:
+                posted.active = False
             samples.append(held())
             return out
         setattr(sharded, name, sampled)
@@ -123,13 +130,14 @@ def zero3_held_once(rank: int, world: int, **options) -> dict:
     opt.step()
     opt.zero_grad()
     samples.clear()
-    gathers = sharded.gathers
-    pm.train_step(x, target=target)          # the second step: measured
+    gathers, before = sharded.gathers, held()
+    with posted:
+        pm.train_step(x, target=target)          # the second step: measured
     during = max(samples)
     after_step = held()
     opt.step()
-    return {"during": during, "after_step": after_step, "after_optimizer": held(),
-            "gathers": sharded.gathers - gathers,
+    return {"before": before, "during": during, "after_step": after_step,
+            "after_optimizer": held(), "gathers": sharded.gathers - gathers,
             "freed_after": [a for rows in pm.compiled.program.param_groups.values()
                             for _, a in rows],
             "samples": len(samples), "predicted": pm.compiled.memory[rank]["params"],
