@@ -130,6 +130,25 @@ def test_refuses_what_it_cannot_split(how, says):
         assert s in text, text
 
 
+def test_refuses_a_recurrent_hybrid_for_its_recurrence():
+    """Falcon-H1's Mamba-2 layers (a causal conv1d, then a chunked scan) carry state along the
+    sequence; the refusal names that conv1d and why, not only the fixed length the export was
+    left with (the message before)."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.FalconH1Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=4,
+        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16)
+    from tests.workers.cp import _Logits
+    with pytest.raises(AutopartError) as err:
+        _compile(_Logits(transformers.FalconH1ForCausalLM(cfg)), torch.randint(0, 96, (2, 32)))
+    text = str(err.value)
+    for s in ["carries state along the sequence", "conv1d", "modeling_falcon_h1.py", "remedy:"]:
+        assert s in text, text
+
+
 def test_refuses_a_sequence_not_divisible_by_2cp():
     from tests.workers.cp import HandLM
     with pytest.raises(AutopartError, match=r"2\*cp = 8 equal chunks(.|\n)*30 tokens(.|\n)*remedy"):

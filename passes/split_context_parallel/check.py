@@ -47,6 +47,7 @@ def check_sequence_length(program: Program, cp: int, tp: int, sequence_parallel:
     into 2*cp equal chunks (and S/cp into tp under sequence parallelism)."""
     seq = program.seq_len
     if seq is None or SEQ not in program.symbols.values():
+        _refuse_a_recurrence(program, cp, seq)
         raise AutopartError(
             f"context parallelism (cp={cp}) runs each rank's program on its share of the "
             "sequence, but the model was captured with a fixed sequence length (the export "
@@ -65,6 +66,33 @@ def check_sequence_length(program: Program, cp: int, tp: int, sequence_parallel:
             f"sequence parallelism splits each cp rank's {seq // cp} tokens over tp={tp} ranks: "
             f"not divisible.\n  remedy: a sequence length that is a multiple of {cp * tp * 2}")
     return seq
+
+
+RECURRENCES = CONVS | {aten.cumsum.default, aten.cumprod.default}
+
+
+def _refuse_a_recurrence(program: Program, cp: int, seq: int | None) -> None:
+    """A model whose export fixed the sequence length often does so because it carries state
+    along the sequence (Mamba's causal conv1d and chunked scan, linear attention's recurrence):
+    that, not the fixed length, is the reason cp cannot split it. Named when an op runs a
+    convolution or a running sum along a dim of exactly the sequence's length."""
+    weighted: set[fx.Node] = set()       # computed from parameters: the model's activations
+    for node in program.gm.graph.nodes:
+        if (node.op == "get_attr" and node.target in program.params) or \
+                any(a in weighted for a in node.all_input_nodes):
+            weighted.add(node)
+        if node not in weighted or node.target not in RECURRENCES or seq is None:
+            continue        # (a cumsum of the mask's positions is no recurrence of the model's)
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        dims = _mixed_dims(node, program.symbols) if val is not None else None
+        if dims and any(int(val.shape[d]) == seq for d in dims if -val.dim() <= d < val.dim()):
+            raise node_error(
+                node, f"context parallelism (cp={cp}) gives each rank its own {seq // max(cp, 1)}"
+                f"-token share of the {seq}-token sequence, but this {_name(node)} carries "
+                "state along the sequence (a recurrent layer: a causal convolution or a scan "
+                "over positions, as in Mamba or linear attention), so a rank's tokens depend on "
+                "every earlier rank's; autopart does not pass that state between cp ranks",
+                "drop the cp axis for this model (tp, pp and dp split it)")
 
 
 def check_loss(program: Program, cp: int) -> None:
