@@ -178,7 +178,8 @@ def test_step1_gradients_are_compared_at_every_zero_level(monkeypatch, zero):
     """held_grads (both harnesses' step-1 gradient check) at zero >= 1: replica 1 of 2 holds
     elements [6, 12) of a 12-element gradient and [3, 5) of a 5-element one, reduced (zero=1:
     in the full-shaped .grad, zero=2: in the layout's slice); a wrong held element is found, an
-    element another replica holds is not this rank's to compare."""
+    element another replica holds is not this rank's to compare. (The layout's own group is
+    faked as 2 ranks; the chunks are cut by the test's rule.)"""
     import types
     import torch
     import torch.distributed as dist
@@ -205,7 +206,7 @@ def test_step1_gradients_are_compared_at_every_zero_level(monkeypatch, zero):
                 p.grad = grad
         else:
             lay.grad = lay.slice_of(grads)
-        got, want = held_grads(pm, lambda name, t: t, plain)
+        got, want = held_grads(pm, lambda name, t: t, plain, lambda name: (2, 1))
         assert {n: t.numel() for n, t in want.items()} == {"a": 6, "b": 2}
         found: list[str] = []
         for name in want:

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 
 from tests.workers.common import (ATOL, RTOL, Case, _compare, _local_view, build, gpt_config,
-                                  held_view)
+                                  held_view, zero_chunk)
 from tests.workers.precision import _inductor_report
 
 __all__ = ["api_checks", "assert_all_ranks_equal_plain", "claim_problems", "die_mid_step",
@@ -47,25 +47,45 @@ def _optimizer(kind: str, model):
     return make(torch.optim.Adam, lr=1e-3)
 
 
-def held_grads(pm, local, plain: dict) -> tuple[dict, dict]:
+def held_grads(pm, local, plain: dict, replica) -> tuple[dict, dict]:
     """The step-1 gradient this rank holds after train_step, and the same elements of the plain
     model's (`plain`: name -> its parameter), as {name: tensor} each. zero=0: each parameter's
-    gradient (`local`: this rank's tp/ep shard of the plain one). zero >= 1: the elements of each
-    parameter that this rank's ZeRO slice owns (runtime/sharding.ShardLayout.spans), reduced:
-    zero=1 in the full-shaped `.grad`, zero=2 and 3 in the layout's slice; a parameter in no
-    layout whole. None and all-zero gradients are the same to an optimizer without weight decay."""
+    gradient (`local`: this rank's tp/ep shard of the plain one). zero >= 1: this rank's ZeRO
+    chunk of each parameter in a layout, cut here (`replica(name)`: (group size, index);
+    tests/workers/common.zero_chunk), reduced: zero=1 in the full-shaped `.grad`, zero=2 and 3
+    at the parameter's place in the layout's slice; a parameter in no layout whole. None and
+    all-zero gradients are the same to an optimizer without weight decay."""
     def grad(p):
         return p.grad.detach() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
     layouts = pm._grads.zero_layouts if pm.zero else ()
+    params = dict(pm.named_parameters())
     laid_out = {n for lay in layouts for n in lay.names}
-    got = {n: grad(p) for n, p in pm.named_parameters() if n not in laid_out}
+    got = {n: grad(p) for n, p in params.items() if n not in laid_out}
     want = {n: local(n, grad(plain[n])) for n in got}
     for lay in layouts:
-        for name, p, lo, hi, at in lay.spans():
-            got[name] = lay.grad[at:at + hi - lo] if lay.grad is not None else \
-                grad(p).reshape(-1)[lo:hi]
-            want[name] = local(name, grad(plain[name])).reshape(-1)[lo:hi]
+        places = {name: at for name, _, _, _, at in lay.spans()}
+        for name in lay.names:
+            want[name] = zero_chunk(local(name, grad(plain[name])).reshape(-1), *replica(name))
+            n = want[name].numel()
+            if lay.grad is None:
+                got[name] = zero_chunk(grad(params[name]).reshape(-1), *replica(name))
+            else:   # (a chunk the layout does not place: an empty tensor, a shape mismatch)
+                at = places.get(name)
+                got[name] = lay.grad[at:at + n] if at is not None else lay.grad[:0]
     return got, want
+
+
+def zero_replica(pm, rank: int):
+    """name -> (size, index) of this rank in the parameter's ZeRO replica group, from the mesh
+    coordinates as tests/workers/common.held_view has them: dense parameters over dp x cp,
+    experts over the dp // ep ranks holding the same ones."""
+    mesh, at = pm.mesh, pm.mesh.coords(rank)
+
+    def replica(name: str) -> tuple[int, int]:
+        if mesh.ep > 1 and name in pm.compiled.plan.ep_shards:
+            return mesh.dp // mesh.ep * mesh.cp, at["dp"] // mesh.ep * mesh.cp + at["cp"]
+        return mesh.dp * mesh.cp, at["dp"] * mesh.cp + at["cp"]
+    return replica
 
 
 def _param_atol(case: Case) -> float:
@@ -130,7 +150,7 @@ def equivalence(case: Case, rank: int, wire=None) -> dict:
         if step == 1:
             # a parameter forward never reads has no gradient and never changes: no rank needs it
             used = sorted(n for n, p in ref_params.items() if p.grad is not None)
-            got, want = held_grads(pm, mine, ref_params)
+            got, want = held_grads(pm, mine, ref_params, zero_replica(pm, rank))
             for name in want:      # at every zero level: the elements this rank holds, reduced
                 _compare(f"step 1 grad of {name}", got[name], want[name], RTOL, ATOL, problems)
             kept = [n for n, p in pm.named_parameters() if p.grad is not None]
@@ -233,8 +253,8 @@ def claim_problems(case, r: dict) -> list[str]:
 def wire_problems(case, wire: dict | None) -> list[str]:
     """What the collectives carried (tests/workers/precision.Wire.report) against the case's
     precision. fp32: no bf16 anywhere. bf16: the compute's tensors travel in bf16 (the pipeline's
-    and cp's transfers, tp's activation collectives, ep's token exchange), gradients reduce over
-    the replicas in fp32 (the recipe: tests/workers/precision.py)."""
+    transfers all of them, cp's ring, tp's activation collectives, ep's token exchange),
+    gradients reduce over the replicas in fp32 (the recipe: tests/workers/precision.py)."""
     if wire is None:
         return ["no record of what the collectives carried (wire): the dtypes were not checked"]
     has = {kind: set(dtypes) for kind, dtypes in wire.items()}
@@ -248,8 +268,9 @@ def wire_problems(case, wire: dict | None) -> list[str]:
         sends += ["all_to_all"] if case.ep > 1 else []
         out = [f"{k} carried no bfloat16 ({wire.get(k)}): bf16 compute sends bf16" for k in sends
                if "bfloat16" not in has.get(k, ())]
-        out += [f"{k} carried float32 ({wire[k]}): every floating transfer is bf16" for k in
-                ("isend", "irecv") if "float32" in has.get(k, ())]
+        # (cp's ring carries its dk, dv sums in fp32 over the same sends: pipeline only)
+        out += [f"{k} carried float32 ({wire[k]}): every pipeline transfer is bf16" for k in
+                ("isend", "irecv") if case.cp == 1 and "float32" in has.get(k, ())]
     reduced = has.get("grad_all_reduce", set()) | has.get("grad_reduce_scatter", set())
     if "bfloat16" in reduced:
         out.append(f"gradients reduced in bfloat16: {wire}")

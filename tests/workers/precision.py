@@ -225,7 +225,7 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
     (over the whole model, and per parameter), the fp32-vs-bf16 gaps, the dtypes on the wire,
     Inductor's report, and problems (none: within BOUNDS and PARAM_BOUNDS)."""
     import autopart
-    from tests.workers.equivalence import held_grads
+    from tests.workers.equivalence import held_grads, zero_replica
 
     start = time.perf_counter()
     model, loss_fn, inputs, target = build(case)
@@ -271,8 +271,9 @@ def bf16_equivalence(case: BCase, rank: int) -> dict:
         if bad:
             problems.append(f"step {step}: .grad not fp32 for {bad}")
         if step == 1:    # at every zero level: the elements of each gradient this rank holds
-            got, want = held_grads(pm, local, theirs)
-            _measure("grad", got, want, held_grads(pm, local, theirs32)[1], found)
+            replica = zero_replica(pm, rank)
+            got, want = held_grads(pm, local, theirs, replica)
+            _measure("grad", got, want, held_grads(pm, local, theirs32, replica)[1], found)
         for o in opts:
             o.step(), o.zero_grad()
         if step == 1:
