@@ -72,7 +72,9 @@ ASYNC_COLLECTIVES = ("allreduce", "all_gather_single", "reduce_scatter_single")
 
 TORCH_BATCH_ISEND_IRECV = c10d.batch_isend_irecv    # torch's own, whatever is installed later
 errors: list[str] = []          # transfers and collectives that failed; wait() returned anyway
-stats = {"batches": 0, "ops": 0, "waits": 0, "collectives": 0}
+# "unflagged": batches posted while torch.distributed.batch_isend_irecv was a wrapper over this one
+# without its keeps_nccl_contract: the runtime then lowered its lists for Gloo, not NCCL
+stats = {"batches": 0, "ops": 0, "waits": 0, "collectives": 0, "unflagged": 0}
 _original = None
 _torch_collectives: dict = {}   # method name -> torch's, while installed
 # id(group) -> (group, its _Stream): the group is held, so that its id is never reused
@@ -350,6 +352,7 @@ def batch_isend_irecv(p2p_op_list: list) -> list[BatchWork]:
             poison(t.tensor)
     stats["batches"] += 1
     stats["ops"] += len(p2p_op_list)
+    stats["unflagged"] += not getattr(dist.batch_isend_irecv, "keeps_nccl_contract", False)
     what = ", ".join(f"{'send to' if op.op is c10d.isend else 'recv from'} {op.peer}"
                      for op in p2p_op_list)
     work = BatchWork(group, transfers, f"batch [{what}]")

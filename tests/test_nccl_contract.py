@@ -192,6 +192,10 @@ def _assert_ran_under_contract(case, ranks: list[dict]) -> None:
         # (tests/composition.py checked the refusal in assert_all_ranks_equal_plain's problems)
         if case.pp > 1 and not getattr(case, "refused", ()):
             assert r["contract"]["batches"] > 0, f"{case.name}: no batch went through the contract"
+        assert r["contract"]["unflagged"] == 0, \
+            f"{case.name}: rank {r['rank']} posted {r['contract']['unflagged']} batches through a " \
+            "wrapper of batch_isend_irecv that hides keeps_nccl_contract: the runtime lowered " \
+            "its lists for Gloo, not NCCL (functools.wraps keeps the flag)"
         if case.dp > 1 and not getattr(case, "refused", ()):
             assert r["contract"]["collectives"] > 0, \
                 f"{case.name}: no async collective went through the contract"
