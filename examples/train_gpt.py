@@ -1,10 +1,11 @@
 """Train the tiny GPT on a small text corpus with pipeline x data parallelism, then compare with
-the plain single-process model on the same batches.
+the plain single-process model on the same batches, and save a checkpoint (out/ckpt).
 
     python examples/train_gpt.py                  # starts 4 rank processes itself (pp=2 x dp=2)
     torchrun --nproc-per-node 4 examples/train_gpt.py   # or let torchrun start them
     torchrun --nproc-per-node 4 examples/train_gpt.py --device cuda   # 4 GPUs, NCCL
     python examples/train_gpt.py --precision bf16 --steps 50   # bf16 against the fp32 curve
+    autopart export out/ckpt out/gpt-tiny          # the checkpoint as the plain model's safetensors
 
 Characters are tokens (bytes, vocabulary 256). Every rank sees the same global batch;
 autopart takes each rank's data-parallel shard and microbatches from it.
@@ -73,6 +74,11 @@ def train_parallel(rank: int, world: int, args) -> list[float]:
         if rank == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}  {x.numel() / seconds:8.0f} tokens/s",
                   flush=True)
+    if args.save:       # collective: every rank writes its own shards, rank 0 the marker
+        pm.save(args.save, optimizer=opt, extra={"step": args.steps})
+        if rank == 0:
+            print(f"saved checkpoint {args.save}; as the plain model's safetensors: "
+                  f"autopart export {args.save} OUT/", flush=True)
     return losses
 
 
@@ -107,24 +113,32 @@ def compare(parallel: list[float], plain: list[float], precision: str = "fp32") 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mesh", default="pp=2,dp=2")
-    p.add_argument("--config", default="tiny")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--schedule", default="1f1b")
-    p.add_argument("--virtual-stages", type=int, default=1)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mesh", default="pp=2,dp=2", help="the layout, e.g. pp=2,dp=2 or tp=2,pp=2 "
+                   "(default pp=2,dp=2)")
+    p.add_argument("--config", default="tiny", help="a GPT config of examples/gpt.py, with "
+                   "overrides, e.g. tiny,n_layer=8 (default tiny)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
+    p.add_argument("--batch", type=int, default=16, help="global batch in sequences (default 16)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
+    p.add_argument("--schedule", default="1f1b", help="the pipeline schedule (default 1f1b; "
+                   "see autopart schedule --help)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank (default 1)")
     # 3e-3 trains this model faster but chaotically: two runs that differ only in the order of
     # fp32 sums (parallel vs plain) drift apart by ~1e-3 after 20 steps. At 1e-3 they agree to
     # round-off (5e-7) over the whole run.
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: parallelize(precision='bf16'), compared with the fp32 plain model")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before all ranks are killed")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: each rank on cuda:LOCAL_RANK over NCCL; cpu: Gloo")
+    p.add_argument("--save", default="out/ckpt", metavar="DIR",
+                   help="the checkpoint directory written after the last step (default out/ckpt; "
+                        "an empty string saves none)")
     return p.parse_args(argv)
 
 

@@ -101,3 +101,23 @@ def test_plan_picture_says_one_unit(gpt3, figures, tmp_path):
     assert "cost units" not in title and "seconds" not in title, title
     makespan = float(re.search(r"([0-9.e+-]+) s$", title).group(1))
     assert makespan == pytest.approx(timeline.get_xlim()[1], rel=1e-2), title
+
+
+def test_readme_shows_every_command_with_flags_it_takes():
+    """README's "The command line" has one example per command (a newcomer found `compile`'s
+    alone): each `autopart ...` line there parses with the real parser, names files that exist,
+    and every command has one. (Each was run by hand; running them all here would take minutes.)"""
+    import shlex
+
+    from autopart.cli import build_parser
+    section = (ROOT / "README.md").read_text().split("## The command line")[1].split("\n## ")[0]
+    block = section.split("```bash\n")[1].split("```")[0]
+    lines = [ln.split("#")[0].strip() for ln in block.splitlines()]
+    commands = [shlex.split(ln) for ln in lines if ln.startswith("autopart ")]
+    parser = build_parser()
+    for argv in commands:
+        args = parser.parse_args(argv[1:])             # exits (SystemExit) on a flag it lacks
+        target = getattr(args, "target", None)
+        assert target is None or (ROOT / target.split(":")[0]).is_file(), argv
+    choices = next(a for a in parser._actions if a.dest == "command").choices
+    assert {argv[1] for argv in commands} == set(choices), sorted(choices)

@@ -168,9 +168,13 @@ def trace_title(trace: dict) -> str:
     busy = [sum(s.end - s.start for s in slices if s.rank == r and s.kind in COMPUTE_KINDS) for r in range(ranks)]
     idle = 1 - max(busy) / span if span > 0 else 0.0
     steps = trace_steps(trace)
-    timing = (f"{span:.3g} ms" if steps is None else f"one step, {span:.3g} ms" if steps == 1
-              else f"{steps} steps in {span:.3g} ms ({span / steps:.3g} ms a step)")
+    timing = (f"{_ms(span)} ms" if steps is None else f"one step, {_ms(span)} ms" if steps == 1
+              else f"{steps} steps in {_ms(span)} ms ({_ms(span / steps)} ms a step)")
     return f"measured: {ranks} ranks, {timing}, busiest rank idle {idle:.1%}"
+
+
+def _ms(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"     # 1508, not 1.51e+03
 
 
 def trace_steps(trace: dict) -> int | None:
