@@ -404,11 +404,10 @@ def constant_value(node) -> torch.Tensor | None:
     maybe through lift_fresh_copy), or None."""
     while isinstance(node, fx.Node) and node.target is aten.lift_fresh_copy.default:
         node = node.args[0]
-    gm = node.graph.owning_module if isinstance(node, fx.Node) else None
-    if node is None or node.op != "get_attr" or gm is None:
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
         return None
     try:
-        value = functools.reduce(getattr, node.target.split("."), gm)
+        value = functools.reduce(getattr, node.target.split("."), node.graph.owning_module)
     except AttributeError:
         return None
     return value if isinstance(value, torch.Tensor) and not value.is_floating_point() else None
