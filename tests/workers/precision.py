@@ -10,9 +10,8 @@ capacity and auxiliary loss depend on which tokens share a microbatch.
 """
 from __future__ import annotations
 
-import functools
-
 import copy
+import functools
 import time
 import traceback
 from dataclasses import dataclass
