@@ -67,3 +67,28 @@ def test_views_are_what_the_ranks_hold_and_do_not_follow_localize(case, monkeypa
         for rank, names in _differing(c, pm, plain, view_of).items():
             held = set(c.programs[rank].parameters())
             assert set(names) == sharded & held, (which, rank, sorted(names))
+
+
+def test_zero3_chunks_partition_each_shard_and_verify_agrees():
+    """zero=3's held views (tests/workers/common.py `held_view`, autopart/verification.py's):
+    for every trainable parameter, the dp replicas' chunks laid end to end are the rank's shard
+    flattened, each chunk ceil(n / dp) elements (the last ones shorter), and the two views, each
+    computed on its own, agree on every rank. (What the runtime really holds is compared with
+    them on real ranks: tests/test_zero.py.)"""
+    from tests.workers.common import held_view
+    case = Case("gpt4-tp2xdp2", model="gpt4", tp=2, dp=2)
+    c, shim, plain = _compiled(case)
+    for rank, program in c.programs.items():
+        params = dict(program.parameters())
+        pm = SimpleNamespace(compiled=c, mesh=shim.mesh, zero=3,
+                             named_parameters=lambda params=params: params.items())
+        ours, verify, local = held_view(pm, rank), verification.held_view(pm, rank), \
+            _local_view(pm, rank)
+        at = pm.mesh.coords(rank)
+        replicas = [pm.mesh.rank(pp=at["pp"], dp=d, tp=at["tp"]) for d in range(case.dp)]
+        for name in params:
+            chunks = [held_view(pm, r)(name, plain[name]) for r in replicas]
+            flat = local(name, plain[name]).reshape(-1)
+            assert torch.equal(torch.cat(chunks), flat), name
+            assert chunks[0].numel() == -(-flat.numel() // case.dp), name
+            assert torch.equal(ours(name, plain[name]), verify(name, plain[name])), (rank, name)
