@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import autopart
 from autopart.one_program import program_bytes, program_from_bytes
+from tests.test_bad_inputs import ReturnsNone
 from tests.workers.common import Case
 from tests.workers.one_program import (exports_and_equivalence, seeds_with_both_orders,
                                        spawn_with_seeds)
@@ -97,15 +98,6 @@ def test_the_program_rebuilt_from_bytes_compiles_to_the_same_program():
 def _shapes(program) -> list[str]:
     return [str(n.meta["val"].shape) for n in program.gm.graph.nodes
             if isinstance(n.meta.get("val"), torch.Tensor)]
-
-
-class ReturnsNone(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        self.lin(x)
 
 
 def _two_orders_rank(rank: int, world: int) -> dict:
