@@ -44,7 +44,8 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     meaning): pass `config=Config(...)`, or any of them as keywords, which override the config's.
 
     `example_inputs` (and `target`, when `loss_fn` takes one) is a global batch with the shapes
-    train_step will get. `mesh="auto"`: the planner chooses the mesh and, of microbatches,
+    train_step will get. Rank 0 alone captures the model; the other ranks compile the graph it
+    sends (autopart/one_program.py), so every rank compiles one program. `mesh="auto"`: the planner chooses the mesh and, of microbatches,
     schedule, virtual_stages and recompute, those the user left unset, for the world size on the
     `local` cluster (`autopart calibrate`), and says what it chose and what it kept.
 

@@ -175,7 +175,6 @@ class Compiled:
         compiled different programs (another model, configuration or autopart version). Device
         indices are not part of it: rank r on cuda:r prints `device(type='cuda', index=r)`
         for ops like `arange`, the same program on every rank (device_free)."""
-        import hashlib
         from autopart import __version__
         # sets print in an order that depends on the process's string hash seed: sort them
         plan = dataclasses.replace(self.plan, sp_grad_reduce=tuple(sorted(self.plan.sp_grad_reduce)))

@@ -6,9 +6,9 @@ different ranks, and every rank tracing on its own also spends the whole capture
 parallelize captures once: rank 0 captures, serializes the graph (torch.fx's GraphPickler: every
 node's FakeTensor `val`, its symbolic sizes and their ShapeEnv, the user's module paths and source
 lines) without the model's weights, and broadcasts it over the default process group; the other
-ranks rebuild the Program around their own model's parameters and buffers, by name. Every pass
-after capture is deterministic given the graph, so every rank compiles one program; the digest
-check (runtime/groups.check_same_program) stays as the safety net.
+ranks rebuild the Program around their own model's parameters and buffers, by name. The passes
+after capture are functions of the graph, so every rank compiles one program; the digest check
+(runtime/groups.check_same_program) stays as the safety net.
 """
 from __future__ import annotations
 
