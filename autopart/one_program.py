@@ -137,13 +137,15 @@ def _send(kind: int, data: bytes, device: torch.device) -> None:
     _wait(dist.broadcast(body, src=0, async_op=True))
 
 
-def _receive(device: torch.device) -> tuple[int, bytes]:
+def _receive(device: torch.device) -> tuple[int, bytearray]:
     header = torch.zeros(2, dtype=torch.long, device=device)
     _wait(dist.broadcast(header, src=0, async_op=True))
     kind, size = (int(v) for v in header.tolist())
-    body = torch.empty(size, dtype=torch.uint8, device=device)
+    data = bytearray(size)   # Gloo writes into it: no tensor to allocate, none to copy out of
+    body = torch.frombuffer(data, dtype=torch.uint8) if device.type == "cpu" else \
+        torch.empty(size, dtype=torch.uint8, device=device)
     _wait(dist.broadcast(body, src=0, async_op=True))
-    return kind, body.cpu().numpy().tobytes()
+    return kind, data if device.type == "cpu" else bytearray(body.cpu().numpy().tobytes())
 
 
 def _wait(work) -> None:
