@@ -214,3 +214,19 @@ def test_step1_gradients_are_compared_at_every_zero_level(monkeypatch, zero):
         return found
     assert problems(corrupt_at=2) == []          # replica 0's element: not held here
     assert any("grad of a" in p for p in problems(corrupt_at=8))
+
+
+def test_the_wire_names_each_collective_by_its_kind(single_process_group):
+    """Wire records torch.distributed's calls under the kinds wire_problems reads (a kind recorded
+    under another name reads as "carried nothing")."""
+    import torch
+    import torch.distributed as dist
+    from tests.workers.precision import WIRE_KINDS, Wire
+    x = torch.ones(4, dtype=torch.bfloat16)
+    with Wire() as wire:
+        dist.all_reduce(x.float())
+        dist.all_to_all_single(torch.empty_like(x), x)
+        dist.reduce_scatter_tensor(torch.empty(4), torch.ones(4))
+    assert wire.report() == {**{k: {} for k in WIRE_KINDS}, "all_reduce": {"float32": {4: 1}},
+                             "all_to_all": {"bfloat16": {4: 1}},
+                             "grad_reduce_scatter": {"float32": {4: 1}}}

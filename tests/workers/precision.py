@@ -170,9 +170,9 @@ class Wire:
 
     def __enter__(self):
         from autopart.ops import tp
-        for module, name, as_ in [(dist, n, n) for n in ("batch_isend_irecv", "all_reduce",
-                                                          "all_to_all_single")] + \
-                [(tp, "_all_gather_into", "all_gather"), (tp, "_reduce_scatter_into",
+        for module, name, as_ in [(dist, n, n) for n in ("batch_isend_irecv", "all_reduce")] + \
+                [(dist, "all_to_all_single", "all_to_all"),
+                 (tp, "_all_gather_into", "all_gather"), (tp, "_reduce_scatter_into",
                                                           "reduce_scatter"),
                  (dist, "reduce_scatter_tensor", "grad_reduce_scatter")]:   # ZeRO's gradients
             self._patch(module, name, as_)
