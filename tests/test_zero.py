@@ -136,18 +136,26 @@ def test_zero3_holds_its_slice_and_about_two_layers_at_a_time():
             assert run["before"] == run["after_step"] == run["after_optimizer"] == 4 * half, run
         assert r["held_numel"] == half, (r, half)
         assert r["samples"] > 20, r          # gathered per block, forward and backward
-        full = r["during"] - 4 * half        # held beyond the slices
-        assert block < full <= 2 * block + outside < total, (r, block, outside, total)
+        # what the Parameters reference beyond the slices: one block and the embeddings at most
+        gathered = r["during_params"] - 4 * half
+        assert block <= gathered <= block + outside, (r, block, outside)
+        # with the gather buffers in flight: two blocks (the one running, the one prefetched)
+        # plus the embeddings, and at most one more buffer the collective backend still holds
+        # after its wait (seen under load: the embedding's, freed by Gloo's thread a moment
+        # later; autopart's own records never show it)
+        full = r["during"] - 4 * half
+        assert block < full <= 2 * block + 2 * outside < total, (r, block, outside, total)
         # the memory model's zero=3 "params" (what is gathered at most; the slice is counted
-        # as the master) against the storage measured
-        assert full <= r["predicted"] <= 1.05 * full, r
+        # as the master) against the storage measured: not below what the Parameters hold plus
+        # one block in flight, within 5% of all measured
+        assert gathered + block <= r["predicted"] <= 1.05 * full, r
         # under a budget that holds them all the pass keeps every group for the step: each is
         # all-gathered once per step (not twice per microbatch), the whole model is held during
         # it, and all is freed when the step ends
         assert set(kept["freed_after"]) == {"step"}, kept
         full = kept["during"] - 4 * half
         assert total <= full <= total + block, (kept, total)
-        assert full <= kept["predicted"] <= 1.05 * full, kept
+        assert kept["during_params"] - 4 * half <= kept["predicted"] <= 1.05 * full, kept
         # (by default each microbatch gathers every group in its forward and all but the kept
         # two again in its backward: 72 all-gathers against 19 here)
         assert r["gathers"] >= 1.8 * MICROBATCHES * kept["gathers"], (kept, r)

@@ -108,11 +108,14 @@ def zero3_held_once(rank: int, world: int, **options) -> dict:
     sharded = pm._sharded
     params = list({id(p): p for c in pm.program.chunks for p in c.gm.parameters()}.values())
     posted = LiveBytes(active=False)        # counts only inside _post: the gather buffers
-    samples: list[int] = []
+    samples: list[tuple[int, int]] = []
+
+    def by_params() -> int:
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+        return sum(storages.values())
 
     def held() -> int:
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
-        return sum(storages.values()) + posted.live
+        return by_params() + posted.live
 
     for name in ("gather", "release", "_post"):
         real = getattr(sharded, name)
@@ -123,7 +126,7 @@ def zero3_held_once(rank: int, world: int, **options) -> dict:
                 out = _real(*a, **k)
             finally:
                 posted.active = False
-            samples.append(held())
+            samples.append((by_params(), posted.live))
             return out
         setattr(sharded, name, sampled)
     pm.train_step(x, target=target)
@@ -133,10 +136,12 @@ def zero3_held_once(rank: int, world: int, **options) -> dict:
     gathers, before = sharded.gathers, held()
     with posted:
         pm.train_step(x, target=target)          # the second step: measured
-    during = max(samples)
+    during = max(a + b for a, b in samples)
+    during_params = max(a for a, _ in samples)
     after_step = held()
     opt.step()
-    return {"before": before, "during": during, "after_step": after_step,
+    return {"before": before, "during": during, "during_params": during_params,
+            "after_step": after_step,
             "after_optimizer": held(), "gathers": sharded.gathers - gathers,
             "freed_after": [a for rows in pm.compiled.program.param_groups.values()
                             for _, a in rows],
