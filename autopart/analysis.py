@@ -258,17 +258,21 @@ class _Structure:
         return None
 
     def _periods(self, lo: int, hi: int) -> list[int]:
-        """The commonest spacings between consecutive nodes of one label that read a parameter:
-        a layer's period is the spacing of each label it holds once."""
-        last: dict[int, int] = {}
-        count: collections.Counter = collections.Counter()
+        """The commonest spacings between nodes of one label that read a parameter, one and two
+        occurrences apart: a layer's period is the spacing of each label it holds once; layers
+        alternating in two kinds (sliding and full attention) repeat every second one."""
+        last: dict[int, tuple[int, int]] = {}
+        count = (collections.Counter(), collections.Counter())
         for i in range(lo, hi):
             if self.reads[i]:
                 label = self.labels[i]
-                if label in last:
-                    count[i - last[label]] += 1
-                last[label] = i
-        return [p for p, _ in count.most_common(_PERIODS_TRIED)]
+                before = last.get(label, (-1, -1))
+                for c, j in zip(count, before):
+                    if j >= 0:
+                        c[i - j] += 1
+                last[label] = (i, before[0])
+        one = [p for p, _ in count[0].most_common(_PERIODS_TRIED)]
+        return one + [p for p, _ in count[1].most_common(_PERIODS_TRIED // 2) if p not in one]
 
     def _refined(self, a: int, b: int, p: int):
         """Within a run of equal labels (stream[i] ~ stream[i + p] for i in [a, b)), the longest

@@ -75,6 +75,43 @@ def test_layers_are_found_where_module_names_lie():
     assert out.stages.chunk_layers == tuple((name,) for name in BLOCKS)
 
 
+class _Windowed(nn.Module):
+    """A block of one of two kinds, as Gemma3's sliding and full attention layers: the sliding
+    kind reads its input through a window (a slice), so the two kinds differ in their ops."""
+
+    def __init__(self, width: int, sliding: bool):
+        super().__init__()
+        self.lin, self.sliding = nn.Linear(width, width), sliding
+
+    def forward(self, h):
+        x = torch.cat([h[:, :1] * 0, h[:, 1:]], dim=1) if self.sliding else h
+        return h + torch.tanh(self.lin(x))
+
+
+class _Alternating(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(_Windowed(width, sliding=i % 2 == 0) for i in range(4))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def test_layers_of_two_alternating_kinds_are_found_as_pairs():
+    """Blocks 0 and 2 sliding, 1 and 3 full: the repeat is a pair of blocks, and the layers are
+    the pairs, each starting where a block starts (no layer begins inside a block)."""
+    program = capture(_Alternating(), (torch.randn(2, 8, 16),))
+    layers = detect_layers(program)
+    pairs = [_module_nodes(program, "blocks.0") | _module_nodes(program, "blocks.1"),
+             _module_nodes(program, "blocks.2") | _module_nodes(program, "blocks.3")]
+    assert [set(layer.nodes) for layer in layers] == pairs
+    assert layers[0].signature == layers[1].signature
+
+
 WHISPER = Case("whisper-pp2", model="whisper", pp=2, microbatches=2)
 
 
