@@ -10,6 +10,7 @@ of each (the acceptance count), every one with its own seeds.
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from tests.workers.common import Case
 from tests.workers.one_program import (exports_and_equivalence, seeds_with_both_orders,
                                        spawn_with_seeds)
 
-SPAWN_TIMEOUT, PG_TIMEOUT = 600.0, 300.0
+SPAWN_TIMEOUT, PG_TIMEOUT = 540.0, 300.0     # a spawn fails before pytest-timeout (600 s)
 
 
 class SetOrdered(nn.Module):
@@ -205,12 +206,14 @@ def test_modernbert_tp2_one_program_with_each_rank_its_own_hash_seed():
 
 
 @pytest.mark.full
+@pytest.mark.timeout(SPAWN_TIMEOUT + 60)    # one 4-rank spawn: 5 minutes on 2 loaded cores
 def test_gemma3_tp2xpp2_one_program_with_each_rank_its_own_hash_seed():
     seeds = seeds_with_both_orders(GEMMA3.world, _draw)
     _assert_one_program(GEMMA3, _run_seeded(GEMMA3, seeds))
 
 
 @pytest.mark.full
+@pytest.mark.timeout(20 * SPAWN_TIMEOUT)     # 20 spawns, each bounded by SPAWN_TIMEOUT
 @pytest.mark.parametrize("case", [GEMMA3, MODERNBERT], ids=lambda c: c.name)
 def test_twenty_runs_each_with_fresh_hash_seeds(case: Case):
     """The acceptance count: 20 fresh spawns, each rank its own seed, one step each."""
@@ -218,4 +221,5 @@ def test_twenty_runs_each_with_fresh_hash_seeds(case: Case):
                     microbatches=case.microbatches, steps=1, clip=None)
     for run in range(20):
         seeds = seeds_with_both_orders(case.world, _draw)
+        print(f"run {run + 1}: PYTHONHASHSEED per rank {seeds}", file=sys.stderr, flush=True)
         _assert_one_program(one_step, _run_seeded(one_step, seeds))
