@@ -29,7 +29,7 @@ def overlap_cases(rank: int, world: int, cases: list[Case], trace_dir: str) -> l
     out = []
     for case in cases:
         try:
-            result = equivalence(case, rank)
+            result = _equivalence(case, rank)
             result["syncs_default"] = counted_syncs(case, rank, {})
             result["syncs"] = counted_syncs(case, rank, {"nonfinite": "ignore"})
             result["events"] = traced(case, rank, Path(trace_dir) / f"{case.name}.json")
@@ -43,6 +43,18 @@ def overlap_cases(rank: int, world: int, cases: list[Case], trace_dir: str) -> l
 
 
 _buckets: list = []
+
+
+def _equivalence(case: Case, rank: int) -> dict:
+    """equivalence(case); a composition case (tests/composition.CCase) also records what its
+    collectives carried (tests/workers/precision.Wire), which its claims are judged by."""
+    if not hasattr(case, "precision"):
+        return equivalence(case, rank)
+    from tests.workers.precision import Wire
+    with Wire() as wire:
+        result = equivalence(case, rank, wire)
+    result["wire"] = wire.report()
+    return result
 
 
 def _parallelize(case: Case, trace: str | None = None, nonfinite: str = "ignore"):
