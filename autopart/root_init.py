@@ -19,7 +19,10 @@ the tensor: its values were already handed over.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import textwrap
 from typing import Callable
 
 import torch
@@ -49,7 +52,7 @@ def run_root_init(model: nn.Module, device, sink: Sink, *, params: bool) -> dict
     twin = copy.deepcopy(model)
     names = _names_by_storage(twin)
     mode = _Shadows(names, torch.device(device), sink, params)
-    with torch.no_grad(), mode:
+    with torch.no_grad(), _sampling_meta_tensors(), mode:
         twin.init_weights()
     mode.finish()
     out = {}
@@ -58,6 +61,30 @@ def run_root_init(model: nn.Module, device, sink: Sink, *, params: bool) -> dict
             if b is not None and b.device.type != "meta":
                 out[f"{path}.{k}" if path else k] = b
     return out
+
+
+_META_RETURN = "    if tensor.is_meta:\n        return tensor\n"
+
+
+@contextlib.contextmanager
+def _sampling_meta_tensors():
+    """torch >= 2.12's `nn.init.trunc_normal_` returns at once for a meta tensor (no storage to
+    sample into), above this module's dispatch mode, so a root init_weights() would never write
+    those weights. While it runs, the same function without that early return, compiled from
+    torch's own source: the numbers drawn are the plain model's, whatever torch's algorithm."""
+    original = nn.init._no_grad_trunc_normal_
+    source = textwrap.dedent(inspect.getsource(original))
+    if _META_RETURN not in source:
+        yield
+        return
+    scope: dict = {}
+    exec(compile(source.replace(_META_RETURN, ""), inspect.getsourcefile(original), "exec"),
+         vars(nn.init), scope)
+    nn.init._no_grad_trunc_normal_ = scope[original.__name__]
+    try:
+        yield
+    finally:
+        nn.init._no_grad_trunc_normal_ = original
 
 
 def _names_by_storage(model: nn.Module) -> dict[int, tuple[list[str], torch.Tensor]]:

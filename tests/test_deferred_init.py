@@ -103,10 +103,6 @@ def test_init_weights_of_a_model_with_real_weights_is_refused(single_process_gro
         pm.init_weights()
 
 
-@pytest.mark.xfail(strict=True, reason="torch 2.13's nn.init.trunc_normal_ returns at once for a "
-                   "meta tensor, below autopart/root_init.py's dispatch mode: the root "
-                   "init_weights() never writes the linears, which then get their own "
-                   "reset_parameters() (kaiming-uniform, std ~0.10 instead of 0.02)")
 def test_torchtitan_root_init_weights_equals_the_real_models():
     """materialize runs a torchtitan model's own init_weights() as the real model runs it: the
     same numbers as plain torch's init_weights() on the model built for real, under the
