@@ -44,7 +44,9 @@ def program_bytes(program: Program) -> bytes:
             attrs[node.target] = _weightless(value) if node.target in state else value
     weightless = fx.GraphModule(attrs, program.gm.graph)
     fields = {k: v for k, v in vars(program).items() if k != "gm"}
-    options = Options(node_metadata_key_filter=_META_KEPT.__contains__)
+    # every op by name, custom ones too (transformers' grouped_mm_fallback): each rank built the
+    # same model, so the libraries that registered them are loaded there as well
+    options = Options(ops_filter=None, node_metadata_key_filter=_META_KEPT.__contains__)
     return GraphPickler.dumps((weightless, fields), options)
 
 

@@ -266,12 +266,12 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
     the written-out bf16 recipe)."""
     from tests.workers.precision import Wire, run_bf16_cases
     out = []
-    for case in cases:
-        os.environ["AUTOPART_LAYER_REUSE"] = "1" if case.reuse else "0"
-        if case.refused:
+    for case in cases:      # a plain Case (tests/workers/common.py) runs as an fp32 CCase
+        os.environ["AUTOPART_LAYER_REUSE"] = "1" if getattr(case, "reuse", True) else "0"
+        if getattr(case, "refused", ()):
             out.append(_expect_refusal(case, rank))
             continue
-        if case.precision == "bf16":
+        if getattr(case, "precision", "fp32") == "bf16":
             [result] = run_bf16_cases(rank, world, [case])
         else:   # the wire too: an fp32 run must send no bf16 (judged in the test process)
             with Wire() as wire:

@@ -19,7 +19,7 @@ import torch
 import autopart
 from tests.workers.common import SWITCH_SPECS, Case
 from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
-from tests.composition import CCase
+from tests.composition import CCase, run_composition
 
 FAST_2 = [
     Case("switch-dp2-ep2", model="switch", dp=2, ep=2, microbatches=2),
@@ -54,7 +54,7 @@ CASES = [pytest.param(c, id=c.name) for c in FAST_2] + [
 
 def _results(case, spawn_cache) -> list[dict]:
     key = _GROUP_OF[case.name]
-    return run_group(spawn_cache, key, GROUPS[key])[case.name]
+    return run_group(spawn_cache, key, GROUPS[key], rank_fn=run_composition)[case.name]
 
 
 @pytest.mark.parametrize("case", CASES)
