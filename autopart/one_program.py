@@ -28,7 +28,7 @@ from autopart.ir import Program
 
 # node metadata that passes or error messages read; the rest (torch's bookkeeping) stays behind
 _META_KEPT = {"val", "tensor_meta", "stack_trace", "nn_module_stack"}
-_PROGRAM, _ERROR = 0, 1
+_PROGRAM, _ERROR, _TRACE_OWN = 0, 1, 2
 
 
 def program_bytes(program: Program) -> bytes:
@@ -83,23 +83,25 @@ def capture_once(capture: Callable[[], Program], model: nn.Module, inputs: tuple
     the error it raised, which every rank then raises); the others wait for it (`_wait`) and
     rebuild it around `model`. A rank whose model or example `inputs` differ from rank 0's
     (`fingerprint`) traces its own instead, and the digest check after compiling names the
-    ranks that differ (runtime/groups.check_same_program)."""
+    ranks that differ (runtime/groups.check_same_program); so does every rank when rank 0
+    cannot serialize its graph (an op the pickler does not take), as before capture once."""
     device, mine = _device(), fingerprint(model, inputs)
     if dist.get_rank() == 0:
         try:
             program = capture()
-            kind, data = _PROGRAM, program_bytes(program)
         except Exception as e:  # noqa: BLE001  (every rank must hear of it, not only rank 0)
-            error = e
-            kind, data = _ERROR, _error_text(e).encode()
+            _send(_ERROR, mine + _error_text(e).encode(), device)
+            raise
+        try:
+            kind, data = _PROGRAM, program_bytes(program)
+        except Exception:  # noqa: BLE001  (a graph the pickler refuses: each rank traces it)
+            kind, data = _TRACE_OWN, b""
         _send(kind, mine + data, device)
-        if kind == _ERROR:
-            raise error
         return program
     kind, data = _receive(device)
     if kind == _ERROR:
         raise AutopartError(data[len(mine):].decode())
-    if data[:len(mine)] != mine:
+    if kind == _TRACE_OWN or data[:len(mine)] != mine:
         return capture()
     return program_from_bytes(data[len(mine):], model)
 

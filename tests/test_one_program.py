@@ -104,7 +104,8 @@ def _shapes(program) -> list[str]:
 def _two_orders_rank(rank: int, world: int) -> dict:
     """Rank 0's capture fails (forward returns None): every rank must raise its error, not wait
     out a timeout. Then rank r builds SetOrdered in its own table order: parallelize must give
-    both rank 0's program, and rank 0 alone may run torch.export."""
+    both rank 0's program, and rank 0 alone may run torch.export. Last, rank 0 cannot serialize
+    its graph: every rank traces its own, as before capture once."""
     from datetime import timedelta
     try:
         autopart.parallelize(ReturnsNone(), autopart.Mesh(dp=2), (torch.zeros(2, 4),),
@@ -124,8 +125,19 @@ def _two_orders_rank(rank: int, world: int) -> dict:
                                   microbatches=2)
     finally:
         torch.export.export = real
-    return {"error": error, "exports": len(calls), "loss": float(pm.train_step(x, target=x)),
-            "plain": float(_loss(plain(x), x))}
+    out = {"error": error, "exports": len(calls), "loss": float(pm.train_step(x, target=x)),
+           "plain": float(_loss(plain(x), x))}
+    # a graph rank 0 cannot serialize: every rank traces its own (the same order here)
+    from autopart import one_program
+    real_bytes, calls[:] = one_program.program_bytes, []
+    one_program.program_bytes = lambda program: 1 / 0
+    torch.export.export = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        pm = autopart.parallelize(SetOrdered(), autopart.Mesh(pp=2), (x,), loss_fn=_loss,
+                                  target=x, microbatches=2)
+    finally:
+        torch.export.export, one_program.program_bytes = real, real_bytes
+    return {**out, "own_exports": len(calls), "own_loss": float(pm.train_step(x, target=x))}
 
 
 def test_ranks_tracing_different_orders_get_rank0s_program_and_its_errors():
@@ -136,6 +148,7 @@ def test_ranks_tracing_different_orders_get_rank0s_program_and_its_errors():
     assert ranks[0]["exports"] >= 1 and ranks[1]["exports"] == 0, ranks
     for r in ranks:
         assert abs(r["loss"] - r["plain"]) <= 1e-6 * abs(r["plain"]), r
+        assert r["own_exports"] >= 1 and r["own_loss"] == r["own_loss"], r
 
 
 def test_fingerprint_tells_models_and_inputs_apart():
