@@ -219,12 +219,18 @@ FAMILIES = {"llama-meta": llama_meta, "llama-gqa": lambda c, g: llama_meta(c, g,
             "gpt-oss": gpt_oss, "qwen3-moe": qwen3_moe}
 
 
-def build_family(case, seed: int = 0, device: str = "cpu"):
-    """(model, loss_fn, inputs, target) of a family case, identical in every process."""
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    model, loss_fn, inputs, target = FAMILIES[case.model](case, g)
-    return model.to(device), loss_fn, tuple(t.to(device) for t in inputs), target.to(device)
+def build_with(builders: dict):
+    """A build function (case, seed, device) over `builders` {name: fn(case, generator)}."""
+    def build(case, seed: int = 0, device: str = "cpu"):
+        """(model, loss_fn, inputs, target) of a family case, identical in every process."""
+        torch.manual_seed(seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        model, loss_fn, inputs, target = builders[case.model](case, g)
+        return model.to(device), loss_fn, tuple(t.to(device) for t in inputs), target.to(device)
+    return build
+
+
+build_family = build_with(FAMILIES)
 
 
 common.FAMILIES.update({name: build_family for name in FAMILIES})

@@ -19,7 +19,8 @@ import torch
 
 from tests.workers import common
 from tests.workers.equivalence import run_cases
-from tests.workers.family import VOCAB, _causal_lm, _quiet_transformers, _tokens, logits_loss
+from tests.workers.family import (VOCAB, _causal_lm, _quiet_transformers, _tokens, build_with,
+                                  logits_loss)
 
 
 def rotate_interleaved(x, cos, sin):
@@ -119,12 +120,7 @@ BUILDERS = {"llama-interleaved": llama_interleaved, "falcon-new": falcon_new,
             "modernbert": modernbert, "handwritten": handwritten}
 
 
-def build_tp_family(case, seed: int = 0, device: str = "cpu"):
-    """(model, loss_fn, inputs, target) of a case, identical in every process."""
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    model, loss_fn, inputs, target = BUILDERS[case.model](case, g)
-    return model.to(device), loss_fn, tuple(t.to(device) for t in inputs), target.to(device)
+build_tp_family = build_with(BUILDERS)
 
 
 common.FAMILIES.update({name: build_tp_family for name in BUILDERS})
