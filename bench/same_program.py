@@ -1,11 +1,12 @@
 """Does every rank compile one program? Hugging Face Gemma3 (its forward loops over
 `set(config.layer_types)`, so each process traces its rotary tables in its own hash-seed order)
 parallelized on 4 ranks, `--runs` times, each run a fresh spawn whose processes draw their own
-hash seeds. Counts the runs in which the ranks agreed, with autopart's agreement on rank 0's op
-order (autopart/node_order.py) and, with `--without`, with it replaced by each rank's own order.
+hash seeds. Counts the runs in which the ranks agreed, with autopart's capture once (rank 0
+captures and sends its graph, autopart/one_program.py) and, with `--without`, with each rank
+tracing its own (the digest check then finds the runs whose ranks traced different forwards).
 
-    python bench/same_program.py --runs 20            # with agreement: expect 20/20
-    python bench/same_program.py --runs 20 --without  # each rank's own order: some runs disagree
+    python bench/same_program.py --runs 20            # capture once: expect 20/20
+    python bench/same_program.py --runs 20 --without  # each rank traces: some runs disagree
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ def _rank(rank: int, world: int, without: bool, mesh: str):
     import torch
     import autopart
     from autopart.errors import AutopartError
-    import autopart.runtime.parallel_model as pm_mod
+    import autopart.api as api
     from tests.workers.common import Case
     from tests.workers.family import build_family
     if without:
-        pm_mod.rank0_order = lambda keys: keys
+        api.capture_once = lambda capture, model, inputs: capture()
     model, loss_fn, inputs, target = build_family(Case("gemma3", model="gemma3", batch=4, seq=16))
     start = time.perf_counter()
     try:
@@ -42,7 +43,7 @@ def _rank(rank: int, world: int, without: bool, mesh: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--without", action="store_true", help="each rank keeps its own op order")
+    ap.add_argument("--without", action="store_true", help="each rank traces its own")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
     from autopart.runtime.launch import spawn
@@ -56,7 +57,7 @@ def main() -> None:
         seconds += [s for _, s, _ in per_rank]
         print(f"run {i + 1}: {'one program' if ok else 'ranks differ'}", file=sys.stderr, flush=True)
     seconds.sort()
-    print(f"gemma3 Mesh(pp=2, tp=2), 4 ranks, {'own order' if args.without else 'rank 0 order'}: "
+    print(f"gemma3 Mesh(pp=2, tp=2), 4 ranks, {'each rank traces' if args.without else 'capture once'}: "
           f"{agreed}/{args.runs} runs compiled one program; parallelize median "
           f"{seconds[len(seconds) // 2]:.1f} s a rank")
 
