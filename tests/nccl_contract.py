@@ -93,8 +93,10 @@ def install() -> None:
         _original = dist.batch_isend_irecv
         dist.batch_isend_irecv = c10d.batch_isend_irecv = batch_isend_irecv
         for name in ASYNC_COLLECTIVES:
-            _torch_collectives[name] = getattr(ProcessGroup, name)
-            setattr(ProcessGroup, name, _stream_ordered(_torch_collectives[name]))
+            # the raw descriptor: getattr gives pybind's unbound builtin, which set back on the
+            # class no longer binds `self` (uninstall would break every later collective)
+            _torch_collectives[name] = ProcessGroup.__dict__[name]
+            setattr(ProcessGroup, name, _stream_ordered(getattr(ProcessGroup, name)))
 
 
 def uninstall() -> None:

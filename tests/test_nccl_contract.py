@@ -298,6 +298,24 @@ def test_a_dead_or_stuck_peer_is_named_under_the_contract(how, monkeypatch, capf
     assert elapsed < 120, f"spawn took {elapsed:.0f} s"
 
 
+def test_uninstalling_the_contract_leaves_torch_collectives_working():
+    """install then uninstall in this process puts back torch's own methods on ProcessGroup
+    (before: uninstall set back pybind's unbound function, which no longer binds `self`, and
+    every later collective of the pytest process raised 'allreduce(): incompatible function
+    arguments': 4 single-process tests after this file failed)."""
+    from torch.distributed import ProcessGroup
+    names = nccl_contract.ASYNC_COLLECTIVES
+    was = nccl_contract.installed()
+    nccl_contract.uninstall()
+    before = {n: ProcessGroup.__dict__[n] for n in names}
+    try:
+        nccl_contract.install()
+        nccl_contract.uninstall()
+        assert {n: ProcessGroup.__dict__[n] for n in names} == before
+    finally:
+        (nccl_contract.install if was else nccl_contract.uninstall)()
+
+
 def test_the_runtime_lowers_for_nccl_under_its_contract():
     """On CPU the runtime posts receives early (Gloo's contract); under tests/nccl_contract.py it
     must run NCCL's lowering, the lists the GPUs run, or these tests would not test them."""
