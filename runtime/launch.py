@@ -12,6 +12,7 @@ are killed, never left waiting.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -83,11 +84,28 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _environment(values: dict):
+    """os.environ with `values` set, put back as it was after (a spawned child copies it)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0,
-          pg_timeout: float = 60.0, device: str = "cpu") -> list[Any]:
+          pg_timeout: float = 60.0, device: str = "cpu",
+          rank_env: Callable[[int], dict] | None = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` processes; return each rank's result.
     `device`: "cpu" (Gloo) or "cuda" (rank r on cuda:r, NCCL); `fn` builds its model there
-    (`rank_device()` inside `fn` says which).
+    (`rank_device()` inside `fn` says which). `rank_env(r)`: environment variables rank r's
+    interpreter starts with (PYTHONHASHSEED is read at start-up, before `fn` could set it).
 
     `fn` must be importable (a module-level function). Raises RuntimeError naming the failed
     ranks (with their tracebacks) or the timeout."""
@@ -101,8 +119,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0,
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout,
                                                device), daemon=True) for r in range(world_size)]
     try:
-        for p in procs:
-            p.start()
+        for r, p in enumerate(procs):
+            with _environment(rank_env(r) if rank_env else {}):
+                p.start()
         _wait(procs, timeout)
         results = dict(results)
     finally:   # also when interrupted (Ctrl-C, a test timeout): no stray rank or manager process

@@ -74,40 +74,8 @@ def _order(seed: int) -> str:
 
 
 def spawn_with_seeds(fn, seeds: list[int], *args, timeout: float, pg_timeout: float) -> list:
-    """autopart.runtime.launch.spawn, but rank r's interpreter starts with PYTHONHASHSEED=seeds[r]
+    """autopart.runtime.launch.spawn, rank r's interpreter starting with PYTHONHASHSEED=seeds[r]
     (a spawned process takes the environment it is started with); bounded by `timeout`."""
-    import multiprocessing as mp
     from autopart.runtime import launch
-    ctx = mp.get_context("spawn")
-    manager = ctx.Manager()
-    results = manager.dict()
-    port, world = launch.free_port(), len(seeds)
-    procs = [ctx.Process(target=launch._worker, args=(r, world, port, fn, args, results,
-                                                      pg_timeout, "cpu"), daemon=True)
-             for r in range(world)]
-    before = os.environ.get("PYTHONHASHSEED")
-    try:
-        for p, seed in zip(procs, seeds):
-            os.environ["PYTHONHASHSEED"] = str(seed)
-            p.start()
-        _restore(before)
-        launch._wait(procs, timeout)
-        results = dict(results)
-    finally:
-        _restore(before)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        manager.shutdown()
-    failed = {r: results.get(r, ("error", f"exit code {procs[r].exitcode}")) for r in range(world)
-              if results.get(r, ("error",))[0] != "ok"}
-    if failed:
-        raise RuntimeError("\n".join(f"--- rank {r}: {m[1]}" for r, m in sorted(failed.items())))
-    return [results[r][1] for r in range(world)]
-
-
-def _restore(value: str | None) -> None:
-    if value is None:
-        os.environ.pop("PYTHONHASHSEED", None)
-    else:
-        os.environ["PYTHONHASHSEED"] = value
+    return launch.spawn(fn, len(seeds), *args, timeout=timeout, pg_timeout=pg_timeout,
+                        rank_env=lambda r: {"PYTHONHASHSEED": seeds[r]})
