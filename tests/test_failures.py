@@ -76,6 +76,22 @@ def test_a_rank_killed_in_save_or_load_is_named_by_the_survivors(what, tmp_path)
     assert time.monotonic() - start < 150
 
 
+@pytest.mark.parametrize("what", ["save", pytest.param("load", marks=pytest.mark.full)])
+def test_a_rank_stuck_in_save_or_load_fails_the_others_within_parallelizes_timeout(what, tmp_path):
+    """Rank 1 hangs inside DCP's save (load) past the timeout and its margin: DCP's collectives run on the
+    model's group, so rank 0 raises within parallelize's timeout, naming the silent rank, not
+    after the default group's (PG_TIMEOUT, 300 s here; 30 minutes by torch's default)."""
+    stuck_s = TIMEOUT_S + MARGIN_S + 5.0
+    with pytest.raises(RuntimeError) as info:
+        spawn(killed_in_checkpoint, 2, what, 1, str(tmp_path / "ck"), TIMEOUT_S, stuck_s,
+              timeout=240, pg_timeout=PG_TIMEOUT)
+    text = str(info.value)
+    m = re.search(rf"rank 0 failed after ([0-9.]+) s in {what}: (.*)", text)
+    assert m, text[-3000:]
+    assert float(m.group(1)) <= TIMEOUT_S + MARGIN_S < stuck_s, m.group(0)
+    assert f"no report from rank(s) [1]: dead, or stuck outside {what}" in text, text[-3000:]
+
+
 @pytest.mark.parametrize("differ", ["model", "options"])
 def test_ranks_that_compiled_different_programs_are_named(differ):
     """The ranks that differ are named, and the cause: a deeper model on rank 1 was traced

@@ -61,14 +61,24 @@ def check_files(path: Path, marker: dict, which: list[str] | None = None) -> lis
     return problems
 
 
-def _verify(path: Path, marker: dict, rank: int, world: int, distributed: bool) -> None:
+def model_group(pm):
+    """The group save and load run their collectives on: the model's world group, made with
+    parallelize's timeout, so a rank stuck in DCP fails the others within that timeout rather
+    than the default group's (30 minutes by torch's default). None (the default group) for a
+    model without groups or a single process."""
+    groups = getattr(pm, "_groups", None)
+    return getattr(groups, "world", None)
+
+
+def _verify(path: Path, marker: dict, rank: int, world: int, distributed: bool,
+            group=None) -> None:
     """Every rank checks every file's size and the checksums of its share of the files."""
     names = sorted(marker["files"])
     mine = [n for i, n in enumerate(names) if i % world == rank]
     problems = check_files(path, marker, mine)
     if distributed:
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, problems)
+        dist.all_gather_object(gathered, problems, group=group)
         problems = sorted({p for part in gathered for p in part})
     if problems:
         raise AutopartError(f"checkpoint {path} is corrupt or incomplete:\n  "

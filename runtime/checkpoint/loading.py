@@ -9,7 +9,7 @@ from autopart.errors import AutopartError
 from pathlib import Path
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from .checks import _check_same_model, _read_marker, _resolve, _verify
+from .checks import _check_same_model, _read_marker, _resolve, _verify, model_group
 from .geometry import _split_dim, sliced
 from .held import (_infos, _is_zero, _model_entries, _optimizer_name, _param_names,
                    _set_hyperparameters)
@@ -38,7 +38,7 @@ def load(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
 
 
 def _load(pm, path: Path, optimizer, verify: bool) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, group = dist.get_rank(), dist.get_world_size(), model_group(pm)
     # every rank reads the marker; a problem on one rank is raised on all of them
     marker, problem = None, None
     try:
@@ -53,10 +53,10 @@ def _load(pm, path: Path, optimizer, verify: bool) -> dict:
     except AutopartError as e:
         problem = str(e)
     problems: list = [None] * world
-    dist.all_gather_object(problems, problem)
+    dist.all_gather_object(problems, problem, group=group)
     if any(problems):
         raise AutopartError(next(p for p in problems if p))
-    _verify(path, marker, rank, world, distributed=True) if verify else None
+    _verify(path, marker, rank, world, distributed=True, group=group) if verify else None
 
     reader = dcp.FileSystemReader(str(path))
     metadata = _read_metadata(reader, path)
@@ -75,7 +75,7 @@ def _load(pm, path: Path, optimizer, verify: bool) -> dict:
         if k in saved and (k == "extra" or optimizer is not None):
             state[k] = None
     try:
-        dcp.load(state, storage_reader=reader, planner=_LoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), process_group=group)
     except Exception as e:
         raise AutopartError(f"checkpoint {path} could not be read ({type(e).__name__}: "
                             f"{str(e)[:400]})") from e

@@ -14,7 +14,7 @@ import uuid
 from autopart.errors import AutopartError
 from pathlib import Path
 
-from .checks import _file_record, _read_marker
+from .checks import _file_record, _read_marker, model_group
 from .geometry import FORMAT, MARKER, _OLD, _TMP
 from .held import (_describe_model, _hyperparameters, _model_entries, _optimizer_entries,
                    _optimizer_name, _rng_entries)
@@ -42,25 +42,25 @@ def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
 
 
 def _save(pm, path: Path, optimizer, extra, model, start: float) -> dict:
-    rank = dist.get_rank()
+    rank, group = dist.get_rank(), model_group(pm)
     # the temporary directory's name, the same on every rank; and rank 0's checks of `path` and
     # of `extra` (rank 0's is the one saved), in the first collective, so every rank raises alike
     # before anything is written
     token = ([uuid.uuid4().hex[:12], _check_target(path) or _check_extra(extra)] if rank == 0
              else [None, None])
-    dist.broadcast_object_list(token, src=0)
+    dist.broadcast_object_list(token, src=0, group=group)
     if token[1]:
         raise AutopartError(token[1])
     tmp = path.parent / f".{path.name}{_TMP}{token[0]}"
     try:
-        return _save_into(pm, path, tmp, token[0], optimizer, extra, model, rank, start)
+        return _save_into(pm, path, tmp, token[0], optimizer, extra, model, rank, start, group)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)      # a failed save leaves nothing behind
         raise
 
 
 def _save_into(pm, path: Path, tmp: Path, token: str, optimizer, extra, model, rank: int,
-               start: float) -> dict:
+               start: float, group) -> dict:
     state = _model_entries(pm)
     if optimizer is not None:
         state.update(_optimizer_entries(pm, optimizer))
@@ -70,12 +70,12 @@ def _save_into(pm, path: Path, tmp: Path, token: str, optimizer, extra, model, r
     if rank == 0:
         state["extra"] = dict(extra or {})
     writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
-    metadata = dcp.save(state, storage_writer=writer, planner=_SavePlanner())
+    metadata = dcp.save(state, storage_writer=writer, planner=_SavePlanner(), process_group=group)
 
     # every rank's files are written (dcp.save ends with a collective); each checksums its own
     mine = {f.name: _file_record(f) for f in sorted(tmp.glob(f"__{rank}_*"))}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=group)
     status: list = [None]
     marker: dict = {}
     if rank == 0:
@@ -88,7 +88,7 @@ def _save_into(pm, path: Path, tmp: Path, token: str, optimizer, extra, model, r
             _swap_into_place(tmp, path, token)
         except Exception as e:  # noqa: BLE001  (every rank raises it, below)
             status[0] = f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(status, src=0)
+    dist.broadcast_object_list(status, src=0, group=group)
     if status[0] is not None:
         raise AutopartError(f"checkpoint save to {path} failed on rank 0: {status[0]}")
     if rank != 0:
@@ -141,8 +141,8 @@ def _marker(pm, optimizer, model, keys: list[str], files: dict) -> dict:
         "format": FORMAT, "autopart_version": __version__,
         "torch_version": torch.__version__,
         "mesh": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "ep": mesh.ep, "cp": mesh.cp},
-        "world_size": mesh.world_size, "schedule": plan.schedule,
-        "virtual_stages": plan.virtual_stages, "microbatches": plan.microbatches,
+        "world_size": mesh.world_size, "schedule": plan.config.schedule,
+        "virtual_stages": plan.config.virtual_stages, "microbatches": plan.config.microbatches,
         "optimizer": _optimizer_name(optimizer) if optimizer is not None else None,
         "model": _describe_model(pm), "keys": keys, "files": files,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -94,11 +94,12 @@ def save_on_one_rank(rank: int, world: int, hold_s: float, path: str) -> str:
 
 
 def killed_in_checkpoint(rank: int, world: int, what: str, victim: int, path: str,
-                         timeout_s: float) -> None:
+                         timeout_s: float, stuck_s: float = 0.0) -> None:
     """Rank function: Mesh(dp=world), one step, then pm.save(path) (what="save") or pm.load of
     the checkpoint saved just before (what="load"), in which rank `victim` exits (os._exit(13),
     as a killed process) where DCP's work begins. The others must raise within the timeout; the
-    error says how long after the start of `what` ("rank 0 failed after 0.4 s in save: ...")."""
+    error says how long after the start of `what` ("rank 0 failed after 0.4 s in save: ...").
+    With `stuck_s`, the victim first hangs that long inside DCP (alive, silent), then exits."""
     import os
     import time
     import torch.distributed.checkpoint as dcp
@@ -112,7 +113,7 @@ def killed_in_checkpoint(rank: int, world: int, what: str, victim: int, path: st
     if what == "load":
         pm.save(path)
     if rank == victim:
-        setattr(dcp, what, lambda *args, **kwargs: os._exit(13))
+        setattr(dcp, what, lambda *args, **kwargs: (time.sleep(stuck_s), os._exit(13)))
     started = time.monotonic()
     try:
         pm.save(path) if what == "save" else pm.load(path)
