@@ -15,8 +15,7 @@ from autopart.materialize import materialize, meta_device
 from autopart.api import parallelize
 from autopart.runtime import ParallelModel
 from autopart.verification import VerifyReport, verify
-
-__version__ = "0.1.0"
+from autopart._version import __version__
 __all__ = ["AutopartError", "Compiled", "Config", "Mesh", "ParallelModel", "Plan", "RankProgram",
            "VerifyReport",
            "compile", "materialize", "meta_device", "parallelize", "verify"]

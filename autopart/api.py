@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopart.arguments import check_arguments
-from autopart.compiler import compile as compile_model
+from autopart.compiler import compile_checked
 from autopart.config import Config, from_options
 from autopart.errors import AutopartError
 from autopart.materialize import RankWeights, is_meta
@@ -102,11 +102,11 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
     to = torch.device("meta") if meta else device
     example_inputs = tuple(t.to(to) for t in example_inputs)
     target = target.to(to) if target is not None else None
-    compiled = compile_model(model, mesh, example_inputs, loss_fn=loss_fn, target=target,
-                             config=cfg,
-                             capture_once=lambda capture: capture_once(
-                                 capture, model, (*example_inputs, target)),
-                             trace_device=torch.device(device.type) if meta else None)
+    # options and arguments checked above, once: compile_checked does not check them again
+    compiled = compile_checked(model, mesh, example_inputs, cfg, loss_fn=loss_fn, target=target,
+                               capture_once=lambda capture: capture_once(
+                                   capture, model, (*example_inputs, target)),
+                               trace_device=torch.device(device.type) if meta else None)
     keys = list(model.state_dict().keys())
     # State no chunk holds (a parameter forward never reads: captured, but in no chunk's graph)
     # never changes in training; full_state_dict returns it as it is now.

@@ -61,7 +61,7 @@ def check_rank_programs(compiled, runs: ActivationCache | None = None) -> dict:
     plan, program = compiled.plan, compiled.program
     b, s = plan.microbatch_size, program.seq_len
     local = local_shaper(program, plan.mesh)
-    runs = ActivationCache(REDUCED_DTYPES[plan.precision]) if runs is None else runs
+    runs = ActivationCache(REDUCED_DTYPES[plan.config.precision]) if runs is None else runs
     seen: set = set()
     skipped: list = []
     for chunk in program.chunks:

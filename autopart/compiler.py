@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from autopart import schedule as sched
+from autopart._version import __version__
 from autopart.arguments import check_arguments
 from autopart.config import Config, choices, from_options
 from autopart.capture import capture, check_on_example, input_specs
@@ -49,11 +50,11 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
     runs before them all: it rewrites the loss the tensor-parallel pass then splits.
     split_context_parallel runs after tensor parallelism (it replaces attention on each rank's
     heads) and before the costs, which it makes per rank: each rank's sequence is S / cp.
-    Each pass is handed the options it reads, by name, from `config` (autopart/config.py)."""
+    The memory-model passes are handed `config` whole (checked where the user wrote it,
+    autopart/config.py) and `mesh`; the others the numbers they read."""
     c = config
-    budget = c.memory_budget        # bytes per rank (Config parses '20GB')
-    sequence_parallel, recompute, optimizer, zero, precision = \
-        c.sequence_parallel, c.recompute, c.optimizer, c.zero, c.precision
+    budget, sequence_parallel = c.memory_budget, c.sequence_parallel    # bytes per rank
+    memory = dict(config=c, mesh=mesh, schedule=schedule, microbatch_size=microbatch_size)
     splits = c.microbatches * mesh.dp * mesh.cp     # the pieces the global batch is cut into
     experts = [Pass("shard_experts", shard_experts, requires=(), provides=("ep",),
                     options=dict(ep=mesh.ep, microbatch_size=microbatch_size, dp=mesh.dp))]
@@ -75,32 +76,23 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
         Pass("analyze_costs", analyze_costs, requires=("tp",), provides=("costs",),
              after=("split_context_parallel",)),
         Pass("cut_pipeline_stages", cut_pipeline_stages, requires=("costs",), provides=("stages",),
-             options=dict(chunk_ranks=chunk_ranks, microbatch_size=microbatch_size,
-                          schedule=schedule, optimizer=optimizer, zero=zero, dp=mesh.dp,
-                          recompute=recompute, memory_budget=budget,
-                          precision=precision)),
+             options=dict(memory, chunk_ranks=chunk_ranks)),
         Pass("emit_rank_programs", emit_rank_programs, requires=("stages", "tp"),
              provides=("chunks",)),
         # after emit: it rewrites the emitted chunks, and its memory model needs the cut and
         # costs; only when asked (a recompute mode, or a budget to check)
         *([Pass("recompute_activations", recompute_activations,
                 requires=("chunks", "costs", "stages"), provides=("recompute",),
-                options=dict(mode=recompute, budget=budget, optimizer=optimizer, mesh=mesh,
-                             schedule=schedule, microbatch_size=microbatch_size, zero=zero,
-                             precision=precision))]
-          if recompute != "none" or budget is not None else []),
+                options=memory)]
+          if c.recompute != "none" or budget is not None else []),
         # zero=3: where each layer's parameters are all-gathered and freed; after recompute,
         # whose regions then read gathered parameters in their replay too
         # (under a budget it weighs which groups stay gathered with the memory model, which
         # reads the cut and the costs)
         *([Pass("gather_parameters", gather_parameters,
                 requires=("chunks",) + (("costs", "stages") if budget is not None else ()),
-                provides=("param_groups",),
-                options=dict(zero=zero, budget=budget, mesh=mesh, schedule=schedule,
-                             microbatch_size=microbatch_size,
-                             microbatches=schedule.microbatches if schedule else 1,
-                             optimizer=optimizer, precision=precision),
-                after=("recompute_activations",))] if zero == 3 else []),
+                provides=("param_groups",), options=memory,
+                after=("recompute_activations",))] if c.zero == 3 else []),
         # zero-bubble schedules only (I/W actions): the chunks' backwards as I and W programs,
         # traced from the final chunks (recomputation's rewrite included)
         *([Pass("split_backward", split_backward, requires=("chunks",),
@@ -159,8 +151,12 @@ class Compiled:
     traced: str = field(repr=False, default="")
     # the program check's report: {"checked": distinct programs run, "skipped": [...]}
     check: dict = field(repr=False, default_factory=dict)
-    # the options it was compiled with (and the runtime's: nonfinite, compile, bucket size)
-    config: Config = field(default_factory=Config)
+
+    @property
+    def config(self) -> Config:
+        """The options it was compiled with (and the runtime's: nonfinite, compile, bucket
+        size): the plan's, the one copy."""
+        return self.plan.config
 
     @functools.cached_property
     def memory(self):
@@ -175,7 +171,6 @@ class Compiled:
         compiled different programs (another model, configuration or autopart version). Device
         indices are not part of it: rank r on cuda:r prints `device(type='cuda', index=r)`
         for ops like `arange`, the same program on every rank (device_free)."""
-        from autopart import __version__
         # sets print in an order that depends on the process's string hash seed: sort them
         plan = dataclasses.replace(self.plan, sp_grad_reduce=tuple(sorted(self.plan.sp_grad_reduce)))
         h = hashlib.sha256(f"{__version__}\n{plan!r}\n".encode())
@@ -231,6 +226,22 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
         sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
         optimizer=optimizer, precision=precision, zero=zero, cp_attention=cp_attention))
     example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
+    return compile_checked(model, mesh, example_inputs, cfg, loss_fn=loss_fn, target=target,
+                           dump_dir=dump_dir, capture_once=capture_once,
+                           trace_device=trace_device, start=start)
+
+
+@gc_paused
+def compile_checked(model: nn.Module, mesh: Mesh, example_inputs: tuple, cfg: Config, *,
+                    loss_fn: Callable | None = None, target: torch.Tensor | None = None,
+                    dump_dir: str | None = None,
+                    capture_once: Callable[[Callable[[], Program]], Program] | None = None,
+                    trace_device: torch.device | str | None = None,
+                    start: float | None = None) -> Compiled:
+    """`compile` past its checks: `cfg` is the checked Config and `example_inputs` the tuple
+    check_arguments returned, both checked where the user wrote them (compile, or parallelize,
+    which checks them before any process-group call and hands them here unchecked again)."""
+    start = time.perf_counter() if start is None else start
     mbs = _microbatch_size(example_inputs, mesh, cfg.microbatches)
     if cfg.sequence_parallel and mesh.tp == 1:
         raise AutopartError("sequence_parallel=True shards the sequence over the tp axis, but the "
@@ -255,17 +266,17 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     if stages.num_chunks != the_schedule.num_chunks:
         raise AutopartError(f"internal: the stage plan has {stages.num_chunks} chunks but the "
                             f"{the_schedule.name} schedule runs {the_schedule.num_chunks}")
-    plan = Plan(mesh, the_schedule.name, cfg.microbatches, cfg.virtual_stages,
-                int(example_inputs[0].shape[0]), mbs, stages.chunk_ranks,
-                stages.chunk_layers, stages.shared_params, cfg.sequence_parallel,
-                dict(program.tp.params) if mesh.tp > 1 else {},
-                dict(program.ep.params) if mesh.ep > 1 else {},
-                frozenset(program.tp.sp_grad_reduce), program.stats, cfg.optimizer,
-                cfg.precision, program.loss_rule, cfg.cp_attention)
+    plan = Plan(mesh, cfg, global_batch=int(example_inputs[0].shape[0]), microbatch_size=mbs,
+                chunk_ranks=stages.chunk_ranks, chunk_layers=stages.chunk_layers,
+                shared_params=stages.shared_params,
+                tp_shards=dict(program.tp.params) if mesh.tp > 1 else {},
+                ep_shards=dict(program.ep.params) if mesh.ep > 1 else {},
+                sp_grad_reduce=frozenset(program.tp.sp_grad_reduce), stats=program.stats,
+                loss_rule=program.loss_rule)
     sim = _simulate(the_schedule, stages.chunk_cost)
     compiled = Compiled(program, plan, RankPrograms(plan, program.chunks), the_schedule, sim,
                         results, time.perf_counter() - start, program.costs,
-                        input_specs=specs, traced=traced, config=cfg)
+                        input_specs=specs, traced=traced)
     # every distinct rank program runs forward and backward on fake tensors before it is handed
     # out: a program that cannot run fails here, naming the node (autopart/check_programs.py)
     from autopart.check_programs import check_rank_programs
@@ -329,8 +340,6 @@ def _microbatch_size(inputs: tuple, mesh: Mesh, microbatches: int) -> int:
     if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
         raise AutopartError("example_inputs must hold at least one tensor whose dim 0 is the batch")
     batch = int(inputs[0].shape[0])
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise AutopartError(f"microbatches={microbatches!r} must be >= 1 (an integer)")
     if batch % (mesh.dp * microbatches):
         per = mesh.dp * microbatches
         ok = [m for m in range(1, batch + 1) if batch % (mesh.dp * m) == 0]
@@ -372,4 +381,5 @@ def _simulate(schedule, chunk_cost):
     return sched.simulate(schedule, forward_cost=per_chunk_f, backward_cost=per_chunk_b)
 
 
-__all__ = ["Compiled", "Plan", "RankProgram", "RankPrograms", "compile", "pass_list"]
+__all__ = ["Compiled", "Plan", "RankProgram", "RankPrograms", "compile", "compile_checked",
+           "pass_list"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -79,7 +81,6 @@ class Config:
 
     def __post_init__(self):
         if self.memory_budget is not None:     # '20GB', 20e9 -> bytes, or a clear error
-            from autopart.memory.units import parse_bytes
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
         hints = _hints()
         for f in dataclasses.fields(self):
@@ -133,7 +134,12 @@ def choices(name: str) -> tuple:
 def from_options(config: Config | None, options: dict) -> Config:
     """The Config of a call that may pass `config=` and/or options as keywords: keywords given
     (not None) override the config's fields; a name that is no option is refused."""
+    if config is not None and not isinstance(config, Config):
+        raise AutopartError(f"config is a {type(config).__name__}, not an autopart.Config.\n"
+                            "  remedy: config=autopart.Config(...), or the options as keywords")
     given = {k: v for k, v in options.items() if v is not None}
+    if not given:       # a Config is checked when it is made: nothing to check again
+        return config or Config()
     return (config or Config()).replace(**given)
 
 
@@ -165,6 +171,43 @@ def _check(name: str, value, kind) -> None:
                                 f"{REMEDIES[name]}")
 
 
-__all__ = ["Config", "PLANNED", "REMEDIES", "check_choice", "choices", "from_options", "names", "Schedule",
+# Sizes: memory_budget's parser (here, where the option is checked) and its printer
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+_SIZE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_bytes(value, name: str = "memory_budget") -> int:
+    """'20GB' -> 20e9, '1.5GiB' -> 1.5 * 2**30, 123 -> 123; anything else (a malformed string,
+    a non-positive, nan or infinite number, a bool) is an AutopartError naming the option."""
+    n = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = float(value)
+    elif isinstance(value, str):
+        m = _SIZE.fullmatch(value)
+        if m and m.group(2).upper() in _UNITS:
+            n = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if n is None or not math.isfinite(n) or n < 1:
+        why = ("is not a size" if n is None else
+               "is not a size: a budget must be a positive, finite number of bytes")
+        flag = "--" + name.replace("_", "-")
+        raise AutopartError(      # one line: the command line prints it as it is
+            f"{name}={value!r} ({flag} on the command line) {why}; remedy: a positive number of "
+            "bytes per rank (e.g. 20e9) or a size such as '20GB', '512MiB', '1.5GiB' (units B, "
+            "KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(n)
+
+
+def fmt_bytes(n: float) -> str:
+    for div, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+__all__ = ["Config", "PLANNED", "REMEDIES", "check_choice", "choices", "fmt_bytes", "from_options", "names",
+           "parse_bytes", "Schedule",
            "Recompute", "Optimizer", "Precision", "Zero", "Nonfinite", "CompileMode",
            "CpAttention"]

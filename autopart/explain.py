@@ -30,8 +30,8 @@ def chunk_rows(compiled) -> list[dict]:
         flops = sum(evaluate(compiled.costs[n].fwd_bwd_flops, b, s) for n in names)
         act = sum(evaluate(compiled.costs[n].out_bytes, b, s) for n in names)
         nparams = sum(_local_numel(program, plan, p) for p in c.params)
-        recv = sum(_bytes(x, b, s, plan.precision) for x in c.recvs)
-        send = sum(_bytes(x, b, s, plan.precision) for x in c.sends)
+        recv = sum(_bytes(x, b, s, plan.config.precision) for x in c.recvs)
+        send = sum(_bytes(x, b, s, plan.config.precision) for x in c.sends)
         rows.append({"chunk": c.chunk, "pp_rank": c.rank,
                      "layers": _layer_span(c.layers), "params": nparams,
                      "flops_per_microbatch": flops, "activation_bytes_per_microbatch": act,
@@ -127,7 +127,7 @@ def tp_rows(compiled) -> list[dict]:
         size = 1.0
         for d in shape:
             size *= evaluate(d, b, s)
-        size *= _wire_itemsize(tensor, node.target, plan.precision)
+        size *= _wire_itemsize(tensor, node.target, plan.config.precision)
         linear = next(iter(node.users)) if op == "copy_to_tp" else node if op == "gather_linear_sp" \
             else tensor
         split = "column" if linear.name in tp_plan.column else "row" if linear.name in tp_plan.row \
@@ -147,8 +147,9 @@ def _tp_lines(compiled) -> list[str]:
     first = layers[0] if layers else None
     shown = [r for r in rows if first and (r["module"] == first or r["module"].startswith(first + "."))]
     lines = [f"tensor parallelism over tp={plan.mesh.tp}"
-             + (" with sequence parallelism" if plan.sequence_parallel else "")
-             + (" (bf16 where autocast computes in bf16)" if plan.precision == "bf16" else "")
+             + (" with sequence parallelism" if plan.config.sequence_parallel else "")
+             + (" (bf16 where autocast computes in bf16)"
+                if plan.config.precision == "bf16" else "")
              + (f"; collectives of one layer ({first}), bytes per rank per microbatch:" if shown else ":")]
     for r in shown:
         lines.append(f"  {r['module']:<28} {r['split']:<7} fwd {r['forward']:<15} "
@@ -196,10 +197,11 @@ def _layer_span(layers) -> str:
 def explain_table(compiled) -> str:
     plan, sim = compiled.plan, compiled.simulation
     rows = chunk_rows(compiled)
-    head = (f"{plan.mesh}  schedule={plan.schedule} microbatches={plan.microbatches} "
-            f"virtual_stages={plan.virtual_stages}  global batch={plan.global_batch} "
+    head = (f"{plan.mesh}  schedule={plan.config.schedule} microbatches={plan.config.microbatches} "
+            f"virtual_stages={plan.config.virtual_stages}  global batch={plan.global_batch} "
             f"microbatch size={plan.microbatch_size}"
-            + (f"  precision={plan.precision} (transfers in bf16)" if plan.precision != "fp32" else ""))
+            + (f"  precision={plan.config.precision} (transfers in bf16)"
+               if plan.config.precision != "fp32" else ""))
     cols = ["chunk", "pp rank", "layers", "params", "fwd+bwd FLOPs/mb", "activations/mb",
             "recv/mb", "send/mb"]
     table = [[str(r["chunk"]), str(r["pp_rank"]), r["layers"], _fmt(r["params"]),
@@ -293,8 +295,8 @@ def _memory_lines(compiled) -> list[str]:
     summary = recompute_summary(compiled)
     counts = ", ".join(f"{k} {len(v)}" for k, v in summary.get("layers", {}).items())
     lines = [f"recompute={summary.get('mode')} ({counts or 'no layers'}); memory per rank "
-             f"(optimizer={summary.get('optimizer') or compiled.plan.optimizer}, "
-             f"precision={getattr(compiled.plan, 'precision', 'fp32')}, "
+             f"(optimizer={summary.get('optimizer') or compiled.config.optimizer}, "
+             f"precision={compiled.config.precision}, "
              f"zero={compiled.config.zero}"
              + (f", budget {fmt_bytes(summary['budget'])}" if summary.get("budget") else "")
              + "; every dp/tp rank of a pipeline rank the same):"]
@@ -346,14 +348,14 @@ def explain_json(compiled) -> dict:
     return {
         "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp, "ep": plan.mesh.ep,
                  "cp": plan.mesh.cp, "world_size": plan.mesh.world_size},
-        "schedule": plan.schedule, "microbatches": plan.microbatches,
-        "virtual_stages": plan.virtual_stages, "global_batch": plan.global_batch,
-        "microbatch_size": plan.microbatch_size, "precision": plan.precision,
+        "schedule": plan.config.schedule, "microbatches": plan.config.microbatches,
+        "virtual_stages": plan.config.virtual_stages, "global_batch": plan.global_batch,
+        "microbatch_size": plan.microbatch_size, "precision": plan.config.precision,
         "loss_rule": plan.loss_rule,
         "chunks": chunk_rows(compiled),
         "shared_params": {k: list(v) for k, v in plan.shared_params.items()},
         "tensor_parallel": tp_rows(compiled),
-        "sequence_parallel": plan.sequence_parallel,
+        "sequence_parallel": plan.config.sequence_parallel,
         "expert_parallel": ep_rows(compiled),
         "context_parallel": cp_rows(compiled),
         "bubble": sim.bubble, "peak_in_flight": list(sim.peak_in_flight),

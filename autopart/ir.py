@@ -19,6 +19,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from autopart.config import Config
+
 if TYPE_CHECKING:
     from autopart.mesh import Mesh
 
@@ -324,31 +326,26 @@ class Program:
 
 @dataclass(frozen=True)
 class Plan:
-    """What was decided, as plain printable data."""
+    """What was decided, as plain printable data. The options are `config`'s, read from there
+    (config.schedule, config.microbatches, config.precision, ...), never copied beside it."""
     mesh: "Mesh"
-    schedule: str
-    microbatches: int
-    virtual_stages: int
+    config: Config                          # the options it was compiled with (config.py)
     global_batch: int
     microbatch_size: int
     chunk_ranks: tuple[int, ...]           # chunk k -> pipeline rank
     chunk_layers: tuple[tuple[str, ...], ...]
     shared_params: dict[str, tuple[int, ...]]
-    sequence_parallel: bool = False
     tp_shards: dict = field(default_factory=dict)   # param name -> ParamShard (tensor parallel)
     ep_shards: dict = field(default_factory=dict)   # expert param name -> ParamShard(0, (E,))
     sp_grad_reduce: frozenset = frozenset()  # replicated params whose grads sum over tp (SP)
     stats: tuple[str, ...] = ()             # names of the statistics outputs, summed per step
-    optimizer: str = "adam"                 # whose state the memory model counts
-    precision: str = "fp32"                 # "bf16": compute and transfers in bf16 (step.py)
     loss_rule: str = ""                     # how the microbatch losses make the global loss
-    cp_attention: str = "ring"              # context parallelism's attention kernel (cp > 1)
 
     @property
     def loss_scale(self) -> float:
         """Each microbatch loss is scaled by this so that summing over microbatches and
         data-parallel replicas gives the global-batch mean."""
-        return 1.0 / (self.microbatches * self.mesh.dp * self.mesh.cp)
+        return 1.0 / (self.config.microbatches * self.mesh.dp * self.mesh.cp)
 
     @property
     def last_rank(self) -> int:

@@ -8,6 +8,13 @@ from autopart.errors import AutopartError
 AXES = ("pp", "dp", "cp", "tp")  # rank order: pp outermost, tp innermost (Megatron's order)
 
 
+def sequence_chunks(cp: int) -> int:
+    """The equal chunks context parallelism cuts a sequence into, which its length must divide
+    by: 2*cp (causal load balancing: rank i holds chunks i and 2*cp-1-i, autopart/ops/cp.py).
+    Mesh.sequence_chunks for a mesh; this for code handed the cp size alone (the ops, a pass)."""
+    return 2 * cp
+
+
 @dataclass(frozen=True)
 class Mesh:
     """`Mesh(dp=2, pp=2, tp=2)`: 8 ranks. rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i.
@@ -46,6 +53,11 @@ class Mesh:
     def replicas(self) -> int:
         """Ranks holding the same parameters and reducing their gradients together: dp * cp."""
         return self.dp * self.cp
+
+    @property
+    def sequence_chunks(self) -> int:
+        """What the sequence length divides by under this mesh's cp: 2*cp (sequence_chunks)."""
+        return sequence_chunks(self.cp)
 
     def coords(self, rank: int) -> dict[str, int]:
         """The (pp, dp, cp, tp) coordinates of a global rank."""

@@ -41,7 +41,6 @@ from autopart import _C
 
 __all__ = [
     "SCHEDULES",
-    "hoist_receives",
     "Action",
     "Kind",
     "Schedule",
@@ -514,87 +513,3 @@ def _format_grid(ranks: Sequence[Sequence[Action]], marks: set[tuple[int, int]],
     if previous < total - 1:
         lines.append(f"... {total - 1 - previous} steps")
     return "\n".join(lines)
-
-
-# -- lowering for the runtime -------------------------------------------------------------------
-
-def hoist_receives(schedule: Schedule, *, independent_posts: bool = False) -> Schedule:
-    """The lowering the runtime runs: `schedule` with its receives posted earlier, so that their
-    data lands while the rank computes.
-
-    NCCL (the default): each receive moves up past the computes before it, as far as the
-    validator still proves the lists deadlock-free; the order of the transfers never changes,
-    only batches merge. The validator's model is NCCL's: a group's batches run in posting order
-    on one stream, so a receive posted early holds back every batch posted after it.
-
-    `independent_posts=True` (Gloo: one work per operation, a post never waits for anything,
-    a receive is waited on only when a compute needs it): each receive is posted right after the
-    compute that consumes the receive two before it (_posted_early). Deadlock-free whenever the
-    schedule is: the computes, the sends and the receives each keep their order, and each wait
-    happens before the same compute as in the validated lists; only when a receive is posted
-    changes, which no peer waits on. Measured gains: docs/schedules.md."""
-    if independent_posts:
-        return Schedule(schedule.name, schedule.pp, schedule.microbatches,
-                        schedule.virtual_stages, tuple(map(_posted_early, schedule.ranks)))
-    ranks = [list(r) for r in schedule.ranks]
-    for r in range(len(ranks)):
-        i = 0
-        while i < len(ranks[r]):
-            if ranks[r][i].kind in (Kind.RECV_F, Kind.RECV_B):
-                i = _hoist_one(schedule, ranks, r, i)
-            i += 1
-    return Schedule(schedule.name, schedule.pp, schedule.microbatches,
-                          schedule.virtual_stages, tuple(tuple(a) for a in ranks))
-
-
-def _posted_early(actions, ahead: int = 2) -> tuple[Action, ...]:
-    """One rank's list with each receive moved up to just after the compute that consumes the
-    receive `ahead` receives before it (the first `ahead` receives: to the start), never later
-    than it was and never before the previous receive (messages match in posting order): at
-    most `ahead` receive buffers wait ahead of their use."""
-    receives = (Kind.RECV_F, Kind.RECV_B)
-    others = [a for a in actions if a.kind not in receives]     # computes and sends, in order
-    index = {(a.chunk, a.kind, a.microbatch): i for i, a in enumerate(others)}
-    recvs: list[Action] = []
-    slots: list[int] = []           # per receive: it goes just before others[slot]
-    passed = 0                      # computes and sends before the current action
-    for a in actions:
-        if a.kind not in receives:
-            passed += 1
-            continue
-        slot = 0 if len(recvs) < ahead else _after_consumer(recvs[-ahead], index)
-        slots.append(min(max(slot, slots[-1] if slots else 0), passed))
-        recvs.append(a)
-    out, j = [], 0
-    for i, a in enumerate(others):
-        while j < len(recvs) and slots[j] == i:
-            out.append(recvs[j])
-            j += 1
-        out.append(a)
-    return tuple(out + recvs[j:])
-
-
-def _after_consumer(recv: Action, index: dict) -> int:
-    """The index in `index`'s list just after the compute that reads `recv`'s data."""
-    kinds = (Kind.F,) if recv.kind is Kind.RECV_F else (Kind.B, Kind.I)
-    return next(index[(recv.chunk, k, recv.microbatch)] for k in kinds
-                if (recv.chunk, k, recv.microbatch) in index) + 1
-
-
-def _hoist_one(schedule, ranks: list, r: int, i: int) -> int:
-    """Move ranks[r][i] to the earliest valid place after the previous transfer; its new index."""
-    actions = ranks[r]
-    top = i
-    while top > 0 and actions[top - 1].kind.is_compute:
-        top -= 1
-    for j in range(top, i):
-        trial = actions[:j] + [actions[i]] + actions[j:i] + actions[i + 1:]
-        candidate = [trial if k == r else a for k, a in enumerate(ranks)]
-        try:
-            validate(Schedule(schedule.name, schedule.pp, schedule.microbatches,
-                                          schedule.virtual_stages, tuple(map(tuple, candidate))))
-        except ScheduleError:
-            continue
-        ranks[r] = trial
-        return j
-    return i

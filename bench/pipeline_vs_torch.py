@@ -7,7 +7,7 @@ Two rank processes (Gloo, one thread each) run, per schedule, four things in tur
 step in one run so that the machine's noise hits all of them alike:
   autopart   ParallelModel.train_step on the global batch
   nccl-lowered  the same model, its action list lowered as for NCCL (receives hoisted only where
-             the validator proves it, autopart/schedule.py hoist_receives) instead of Gloo's
+             the validator proves it, autopart/schedule_lowering.py hoist_receives) instead of Gloo's
              early posts: what the Gloo lowering gains, paired round by round ("lowering" column)
   torch      torch.distributed.pipelining: one PipelineStage per autopart chunk, built by splitting
              the GPT at the layer boundaries autopart chose, driven by Schedule1F1B /
@@ -214,7 +214,7 @@ def floor_step(pipe: TorchPipe, tokens, targets, m: int, hidden: torch.Tensor) -
 def nccl_lowering(pm):
     """`pm` running the action list lowered as for NCCL, whatever its device (the bench's A/B
     of the lowering; the runtime picks the lowering by the tensors' device)."""
-    from autopart.schedule import hoist_receives
+    from autopart.schedule_lowering import hoist_receives
     pm._step.actions = hoist_receives(pm.compiled.schedule).ranks[pm.coords["pp"]]
     return pm
 

@@ -100,13 +100,14 @@ def simulated_ms(schedule, costs: dict, latency: float) -> float:
     never waits, a compute waits for the receive it reads: sends_wait=False); NCCL's semantics
     over-predicted ZB-V's step by 8-11% from the very action times of that step."""
     from autopart import schedule as sched
+    from autopart.schedule_lowering import hoist_receives
     n = schedule.num_chunks
     if (0, "I") in costs:
         halves = dict(input_grad_cost=[costs[(c, "I")] for c in range(n)],
                       weight_grad_cost=[costs[(c, "W")] for c in range(n)])
     else:
         halves = dict(backward_cost=[costs[(c, "B")] for c in range(n)])
-    return sched.simulate(sched.hoist_receives(schedule, independent_posts=True),
+    return sched.simulate(hoist_receives(schedule, independent_posts=True),
                           forward_cost=[costs[(c, "F")] for c in range(n)], latency=latency,
                           sends_wait=False, **halves).makespan
 

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from autopart.aliasing import written_from_outside
 from autopart.analysis import detect_layers, evaluate
+from autopart.config import Config
 from autopart.errors import AutopartError, node_error
 from autopart.ir import EP_LOCAL, META_EP, NodeCost, Program, StagePlan, sym_shape
 from autopart.memory.state import copies_per_byte
@@ -51,17 +52,17 @@ MEMORY_WEIGHT = 1.0
 
 
 def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
-                        microbatch_size: int = 1, schedule=None, optimizer: str = "adam",
-                        zero: int = 0, dp: int = 1, memory_weight: float = MEMORY_WEIGHT,
-                        recompute: str = "none", memory_budget: float | None = None,
-                        precision: str = "fp32"):
+                        config: Config = Config(), mesh=None, microbatch_size: int = 1,
+                        schedule=None, memory_weight: float = MEMORY_WEIGHT):
     """Return (program with .stages = StagePlan, report dict): len(chunk_ranks) chunks, chunk k
     on pipeline rank chunk_ranks[k]; balanced by program.costs (the analyze_costs pass) within
     the memory bound (module docstring). `schedule` (autopart.schedule.Schedule) gives the
-    microbatches in flight per chunk (one each without it); `optimizer`, `zero` and `dp` the
-    copies of each parameter a rank keeps; `recompute` ("full": a layer keeps its input only)
-    what a layer's activations are; `memory_budget` (bytes per rank) the capacity the cut must
-    fit, compute-optimal within it; `precision` ("bf16": floating activations at 2 bytes)."""
+    microbatches in flight per chunk (one each without it); of `config`, `optimizer` and `zero`
+    (with `mesh.dp`, 1 without a mesh) the copies of each parameter a rank keeps; `recompute` ("full": a layer
+    keeps its input only) what a layer's activations are; `memory_budget` (bytes per rank) the
+    capacity the cut must fit, compute-optimal within it; `precision` ("bf16": floating
+    activations at 2 bytes)."""
+    optimizer, zero, dp = config.optimizer, config.zero, mesh.dp if mesh is not None else 1
     costs: dict[str, NodeCost] = program.costs
     k = len(chunk_ranks)
     graph = program.gm.graph
@@ -82,9 +83,9 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     memory = _MemoryModel(program, compute, b, s,
                           in_flight_per_chunk(schedule) if schedule else [1] * k,
                           copies_per_byte(optimizer, zero, dp), memory_weight,
-                          0 if zero and dp > 1 else STEP_TEMPORARIES[optimizer], precision,
-                          memory_budget, chunk_ranks)
-    if recompute == "full":
+                          0 if zero and dp > 1 else STEP_TEMPORARIES[optimizer],
+                          config.precision, config.memory_budget, chunk_ranks)
+    if config.recompute == "full":
         memory.act = _layer_inputs_only(compute, memory.act, layers, cross_bytes)
     cuts = _choose_cuts(compute, cost, cross_bytes, k, layers, memory)
     bounds = [0, *cuts, len(compute)]
@@ -558,7 +559,7 @@ def _act_scale(node: fx.Node, precision: str) -> float:
     autocast keeps in fp32 (norms, softmax) are under-counted; the memory table, from fake runs
     under autocast, is exact. This estimate only steers the cut."""
     val = node.meta.get("val")
-    if precision == "bf16" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
+    if precision != "fp32" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
         return 0.5
     return 1.0
 

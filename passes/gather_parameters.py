@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from autopart.analysis import layer_of
+from autopart.config import Config
 from autopart.ir import ChunkProgram, Program, copied_graph, graph_module
 from autopart.ops.zero import (ParamShards, gather_params, regather_on_backward,
                                release_params)
@@ -62,20 +63,20 @@ SHARDS = "param_shards"
 REDUCED_OPS = G.AUTOCAST_REDUCED
 
 
-def gather_parameters(program: Program, *, zero: int = 0, budget: int | None = None,
-                      mesh=None, schedule=None, microbatch_size: int = 1, microbatches: int = 1,
-                      optimizer: str = "adam", precision: str = "fp32"):
-    """Return (program with rewritten .chunks and .param_groups, report). zero < 3: as is.
-    .param_groups: chunk -> [(group label, when it is freed)], in the forward's order."""
-    if zero != 3:
+def gather_parameters(program: Program, *, config: Config = Config(), mesh=None,
+                      schedule=None, microbatch_size: int = 1):
+    """Return (program with rewritten .chunks and .param_groups, report). config.zero < 3: as
+    is. .param_groups: chunk -> [(group label, when it is freed)], in the forward's order;
+    under config.memory_budget, the most kept gathered that fits."""
+    budget = config.memory_budget
+    if config.zero != 3:
         return program.replace(param_groups={}), {}
     staged = program.replace(chunks=tuple(rewrite_chunk(c)[0] for c in program.chunks))
     keep = _free_keeps(staged)
     if budget is not None:
-        weigh = _Weigher(staged, budget, dict(mesh=mesh, schedule=schedule, zero=3,
-                                              microbatch_size=microbatch_size,
-                                              optimizer=optimizer, precision=precision))
-        free = dict(keep)
+        weigh = _Weigher(staged, budget, dict(mesh=mesh, schedule=schedule, config=config,
+                                              microbatch_size=microbatch_size))
+        free, microbatches = dict(keep), schedule.microbatches if schedule else 1
         for pp in range(mesh.pp):
             keep.update(weigh.most_kept(pp, microbatches, free))
     for chunk in staged.chunks:
@@ -166,7 +167,7 @@ class _Weigher:
         from autopart.ir import REDUCED_DTYPES
         from autopart.memory import ActivationCache
         self.program, self.budget, self.options = program, budget, options
-        self.cache = ActivationCache(REDUCED_DTYPES[options["precision"]])
+        self.cache = ActivationCache(REDUCED_DTYPES[options["config"].precision])
 
     def fits(self, pp: int, keep: dict) -> bool:
         from autopart.memory import rank_memory

@@ -53,11 +53,11 @@ _BETWEEN = G.CASTS | G.COPIES | {
     operator.getitem}
 
 
-def recompute_activations(program: Program, *, mode: str = "none", budget: int | None = None,
-                          optimizer: str = "adam", mesh=None, schedule=None,
-                          microbatch_size: int = 1, zero: int = 0, precision: str = "fp32"):
-    """Return (program with rewritten .chunks and .recompute, report)."""
-    Config(recompute=mode, memory_budget=budget)     # the one check of the two (config.py)
+def recompute_activations(program: Program, *, config: Config = Config(), mesh=None,
+                          schedule=None, microbatch_size: int = 1):
+    """Return (program with rewritten .chunks and .recompute, report): each layer recomputed
+    as config.recompute says ("auto": the cheapest that fits config.memory_budget)."""
+    mode = config.recompute
     layers = {c.chunk: _layer_nodes(c) for c in program.chunks}
     if mode == "auto":
         from autopart import memory
@@ -65,12 +65,11 @@ def recompute_activations(program: Program, *, mode: str = "none", budget: int |
                      for c in program.chunks for kind in CHOICES}
         choices = memory.choose_recompute(program, layers, rewritten, mesh=mesh,
                                           schedule=schedule, microbatch_size=microbatch_size,
-                                          budget=budget, optimizer=optimizer, zero=zero,
-                                          precision=precision)
+                                          config=config)
     else:
         choices = {(c, layer): mode for c, per in layers.items() for layer in per}
-    plan = RecomputePlan(mode=mode, optimizer=optimizer, budget=budget, zero=zero,
-                         precision=precision)
+    plan = RecomputePlan(mode=mode, optimizer=config.optimizer, budget=config.memory_budget,
+                         zero=config.zero, precision=config.precision)
     chunks = []
     for c in program.chunks:
         mine = {layer: choices.get((c.chunk, layer), "none") for layer in layers[c.chunk]}

@@ -15,8 +15,8 @@ orders the transfer, so a rank never idles until its peer has posted the matchin
 NCCL a wait only orders the compute stream after the transfer, so the host never blocks; with
 Gloo it blocks until the data is there. NCCL also returns one work for a whole batch where Gloo
 returns one per op (_Batch): a receive is waited on through whichever work covers it.
-The lists it runs are lowered first by autopart/schedule.py `hoist_receives`: receives posted
-earlier, before the computes that precede their use (for NCCL where the validator proves it safe;
+The lists it runs are lowered first by autopart/schedule_lowering.py `hoist_receives`: receives
+posted earlier, before the computes that precede their use (for NCCL where the validator proves it safe;
 for Gloo, whose posts never wait, right after the compute reading the receive two before).
 
 With data parallelism, `ctx.grads` (runtime/gradients.py StepBuckets) is told before and after
@@ -84,8 +84,8 @@ class StepContext:
 def posts_never_wait(device: torch.device) -> bool:
     """Whether point-to-point transfers of tensors on `device` keep Gloo's contract: one work per
     operation and posts that never wait, so the lists may post receives well ahead of their use
-    (autopart/schedule.py hoist_receives(independent_posts=True)). CPU tensors go through Gloo;
-    NCCL coalesces a batch into one work that runs in posting order on the group's stream, where
+    (autopart/schedule_lowering.py hoist_receives(independent_posts=True)). CPU tensors go through
+    Gloo; NCCL coalesces a batch into one work that runs in posting order on the group's stream, where
     an early receive holds back every later batch. A batch_isend_irecv that keeps NCCL's contract
     on CPU says so (`keeps_nccl_contract = True`: tests/nccl_contract.py), and then NCCL's lowering
     runs: the code path of the GPUs, tested without them."""

@@ -25,7 +25,7 @@ from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check
                                      check_same_program)
 from autopart.runtime import nonfinite
 from autopart.runtime.state import StateGatherer
-from autopart.schedule import hoist_receives
+from autopart.schedule_lowering import hoist_receives
 from autopart.runtime.step import StepDriver, step_loss_scale
 from autopart.runtime.step_watch import watch_for
 from autopart.runtime.trace import Recorder
@@ -95,7 +95,7 @@ class ParallelModel:
         self._sharded = None    # zero=3: the parameters held as slices (runtime/param_shards.py)
         if zero == 3:
             self._sharded = shard_parameters(self._grads.zero_layouts, self.program.chunks,
-                                             plan.precision, filled=weights is None)
+                                             config.precision, filled=weights is None)
         self._state = StateGatherer(plan, compiled.program, self.program, self._groups, device,
                                     key_order, extra_state)
         # a model returning (loss, {name: tensor}): after each train_step, the tensors summed over

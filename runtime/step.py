@@ -57,14 +57,14 @@ class StepDriver:
             batch=mbs, seq=self._local_seq(inputs),
             device=self.device, group=self.group, trace=self.trace,
             loss_scale=plan.loss_scale if loss_scale is None else loss_scale,
-            step=step, reduced=REDUCED_DTYPES[plan.precision],
+            step=step, reduced=REDUCED_DTYPES[plan.config.precision],
             grads=self.reducer.overlap(self.actions, self.chunks, self.trace)
             if self.reducer is not None else None, watch=self.watch)
         if self.watch is not None:
             self.watch.ctx = ctx
         if self.cudagraphs is not None:
             self.cudagraphs.begin()
-        with compute_precision(plan.precision, self.device):
+        with compute_precision(plan.config.precision, self.device):
             run_actions(self.actions, ctx)
         if self.cudagraphs is not None:
             self.cudagraphs.end(ctx)
@@ -76,7 +76,7 @@ class StepDriver:
         under context parallelism, of those rows this rank's sequence chunks (i and 2*cp-1-i)
         of every input whose dim 1 is the sequence."""
         values = checked if checked is not None else self.check_inputs(inputs, target)
-        rows = self.plan.microbatch_size * self.plan.microbatches
+        rows = self.plan.microbatch_size * self.plan.config.microbatches
         dp = self.coords["dp"]
         out = {name: v[dp * rows:(dp + 1) * rows] for name, v in zip(self.input_names, values)}
         cp = self.plan.mesh.cp
@@ -115,13 +115,13 @@ class StepDriver:
                                     f"{v.shape[0] if v.dim() else 'none (a scalar)'}, but the "
                                     f"model was compiled for the global batch {plan.global_batch}")
         check_step_inputs(values, self.input_specs)
-        cp = plan.mesh.cp
+        cp, n = plan.mesh.cp, plan.mesh.sequence_chunks
         for i, (name, v) in enumerate(zip(names, values)):
-            if cp > 1 and self._on_sequence(i) and v.shape[1] % (2 * cp):
+            if cp > 1 and self._on_sequence(i) and v.shape[1] % n:
                 raise AutopartError(
                     f"train_step input {name!r} has {v.shape[1]} positions; context parallelism "
-                    f"(cp={cp}) cuts the sequence into 2*cp = {2 * cp} equal chunks.\n  remedy: "
-                    f"pad the sequence to a multiple of {2 * cp} (padding labels -100)")
+                    f"(cp={cp}) cuts the sequence into 2*cp = {n} equal chunks.\n  remedy: "
+                    f"pad the sequence to a multiple of {n} (padding labels -100)")
         return values
 
 

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
+from autopart.config import Config
 from autopart.ir import ParamShard, Plan, RankProgram
 from autopart.localize import shard_tensor
 from autopart.mesh import Mesh
@@ -12,9 +13,8 @@ from autopart.runtime.state import StateGatherer
 
 
 def _plan(mesh, **kw) -> Plan:
-    base = dict(mesh=mesh, schedule="1f1b", microbatches=2, virtual_stages=1, global_batch=8,
-                microbatch_size=2, chunk_ranks=tuple(range(mesh.pp)), chunk_layers=(),
-                shared_params={})
+    base = dict(mesh=mesh, config=Config(microbatches=2), global_batch=8, microbatch_size=2,
+                chunk_ranks=tuple(range(mesh.pp)), chunk_layers=(), shared_params={})
     return Plan(**{**base, **kw})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopart.config import Config
 from autopart.errors import AutopartError
 from autopart.ir import Plan, RankProgram
 from autopart.mesh import Mesh
@@ -12,9 +13,8 @@ from autopart.runtime.step import StepDriver
 
 
 def _plan(mesh, **kw) -> Plan:
-    base = dict(mesh=mesh, schedule="1f1b", microbatches=2, virtual_stages=1, global_batch=8,
-                microbatch_size=2, chunk_ranks=tuple(range(mesh.pp)), chunk_layers=(),
-                shared_params={})
+    base = dict(mesh=mesh, config=Config(microbatches=2), global_batch=8, microbatch_size=2,
+                chunk_ranks=tuple(range(mesh.pp)), chunk_layers=(), shared_params={})
     return Plan(**{**base, **kw})
 
 

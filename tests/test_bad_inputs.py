@@ -283,9 +283,8 @@ def _reducer(all_reduce):
 
     from autopart.ir import Plan
     from autopart.runtime.gradients import GradientReducer
-    plan = Plan(mesh=autopart.Mesh(dp=2), schedule="1f1b", microbatches=1, virtual_stages=1,
-                global_batch=2, microbatch_size=1, chunk_ranks=(0,), chunk_layers=(),
-                shared_params={})
+    plan = Plan(mesh=autopart.Mesh(dp=2), config=autopart.Config(), global_batch=2,
+                microbatch_size=1, chunk_ranks=(0,), chunk_layers=(), shared_params={})
     p = nn.Parameter(torch.zeros(2))
     p.grad = torch.tensor([3.0, 4.0])
     groups = SimpleNamespace(ep=None, model="MODEL", shared={}, dp="DP", ep_replica=None, tp=None)

@@ -117,8 +117,8 @@ def test_programs_per_rank(compiled_tiny):
     c = compiled_tiny
     assert sorted(c.programs) == [0, 1, 2, 3]
     plan = c.plan
-    assert (plan.global_batch, plan.microbatch_size, plan.microbatches) == (8, 2, 2)
-    assert plan.chunk_ranks == (0, 1, 0, 1) and plan.schedule == "interleaved-1f1b"
+    assert (plan.global_batch, plan.microbatch_size, plan.config.microbatches) == (8, 2, 2)
+    assert plan.chunk_ranks == (0, 1, 0, 1) and plan.config.schedule == "interleaved-1f1b"
     for r, prog in c.programs.items():
         assert prog.coords == plan.mesh.coords(r)
         assert [ch.chunk for ch in prog.chunks] == [prog.coords["pp"], prog.coords["pp"] + 2]

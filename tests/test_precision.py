@@ -127,7 +127,7 @@ def test_explain_counts_bf16_bytes_on_the_wire():
     model, loss_fn, inputs, target = build(BCase("x", model="gpt4"))
     kwargs = dict(loss_fn=loss_fn, target=target, microbatches=2)
     c = autopart.compile(model, autopart.Mesh(tp=2), inputs, precision="bf16", **kwargs)
-    assert c.plan.precision == "bf16"
+    assert c.plan.config.precision == "bf16"
     rows = c.to_json()["tensor_parallel"]
     by_split = {}
     for r in rows:
@@ -137,7 +137,7 @@ def test_explain_counts_bf16_bytes_on_the_wire():
     assert by_split["column"] == {ring * ACTIVATION * 2}, rows
     assert by_split["vocab"] == {ring * ACTIVATION * 4}, rows
     assert "precision=bf16" in c.explain()
-    fp32_plan = dataclasses.replace(c.plan, precision="fp32")
+    fp32_plan = dataclasses.replace(c.plan, config=c.plan.config.replace(precision="fp32"))
     assert dataclasses.replace(c, plan=fp32_plan).digest() != c.digest()
 
 

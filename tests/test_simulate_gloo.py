@@ -9,8 +9,9 @@ import random
 import pytest
 import schedule_oracle
 
-from autopart.schedule import (SCHEDULES, Action, Schedule, ScheduleError, hoist_receives,
-                               make_schedule, simulate)
+from autopart.schedule import (SCHEDULES, Action, Schedule, ScheduleError, make_schedule,
+                               simulate)
+from autopart.schedule_lowering import hoist_receives
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 
 from autopart import schedule as sched
-from autopart.schedule import hoist_receives
+from autopart.schedule_lowering import hoist_receives
 from tests.workers.common import Case
 from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 

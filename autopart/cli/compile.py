@@ -216,8 +216,9 @@ def _emit(compiled, folder: Path) -> list[Path]:
         head = (f"# autopart: pipeline rank {pp} of {mesh}\n"
                 f"# run by global ranks {_ranges(ranks)}"
                 + (f" (each tp rank with its own 1/{mesh.tp} weight shards)" if mesh.tp > 1 else "")
-                + f"\n# schedule={plan.schedule} microbatches={plan.microbatches} "
-                f"virtual_stages={plan.virtual_stages} microbatch size={plan.microbatch_size}\n\n")
+                + f"\n# schedule={plan.config.schedule} microbatches={plan.config.microbatches} "
+                f"virtual_stages={plan.config.virtual_stages} "
+                f"microbatch size={plan.microbatch_size}\n\n")
         (folder / f"rank{pp}.py").write_text(head + prog.code)
         files.append(folder / f"rank{pp}.py")
     return files

@@ -26,14 +26,14 @@ with fp32 parameters, which are the master weights, and fp32 gradients. It chang
 activations: the fake run is made under the same autocast, so what autograd saves is counted in
 the dtypes it has then (bf16 matmul outputs, fp32 where autocast keeps fp32).
 
-The package: `units.py` (state kinds, options, byte sizes), `state.py` (the one rule for what a
+The package: `units.py` (state kinds, optimizer states, ZeRO levels), `state.py` (the one rule for what a
 rank keeps of its parameters' state, which the cut and the planner read too), `activations.py` (what autograd
 saves, measured on fake tensors), `per_rank.py` (state, the activation peak, the memory
 table), `budget.py` (the budget check and recomputation under it)."""
 from __future__ import annotations
 
-from .units import (KEYS, OPTIMIZER_STATES, ZERO_LEVELS, check_optimizer, check_zero,  # noqa: F401
-                    fmt_bytes, parse_bytes)
+from autopart.config import fmt_bytes, parse_bytes  # noqa: F401  (sizes are options' business)
+from .units import KEYS, OPTIMIZER_STATES, ZERO_LEVELS  # noqa: F401
 from .activations import (ActivationCache, ChunkActivations, SavedCounter,  # noqa: F401
                           boundary_bytes, chunk_activations, chunk_inputs, chunk_signature,
                           storage_key)
@@ -41,7 +41,7 @@ from .per_rank import (MemoryTable, activation_peak, buffer_bytes, local_shaper,
                        state_bytes)
 from .budget import check_budget, choose_recompute, rank_memory  # noqa: F401
 
-__all__ = ["KEYS", "OPTIMIZER_STATES", "ZERO_LEVELS", "check_zero",
+__all__ = ["KEYS", "OPTIMIZER_STATES", "ZERO_LEVELS",
            "ChunkActivations", "ActivationCache", "MemoryTable", "chunk_activations",
            "chunk_signature",
            "activation_peak", "state_bytes", "parse_bytes", "check_budget", "choose_recompute"]

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import sympy
 from autopart.analysis import evaluate
+from autopart.config import Config, fmt_bytes
 from autopart.errors import AutopartError
 from autopart.ir import REDUCED_DTYPES, Program
 
 from .activations import ActivationCache, ChunkActivations
 from .per_rank import _rank_chunks_local, local_shaper, state_bytes, with_activations
-from .units import KEYS, fmt_bytes
+from .units import KEYS
 
 def check_budget(compiled) -> None:
     """Raise unless every pipeline rank fits the compile's memory budget (its Config's
@@ -41,15 +42,14 @@ def budget_error(pp: int, mem: dict, budget: int, mode: str, mesh) -> AutopartEr
 
 
 def choose_recompute(program: Program, layers: dict, rewritten: dict, *, mesh, schedule,
-                     microbatch_size: int, budget: int, optimizer: str, zero: int = 0,
-                     precision: str = "fp32") -> dict:
+                     microbatch_size: int, config: Config) -> dict:
     """(chunk, layer) -> none|selective|full: per pipeline rank, start from none and, while the
-    rank is over budget, take the step (none->selective, ->full) saving the most peak bytes per
-    recomputed FLOP, until it fits; full everywhere that still does not fit is an error.
-    `rewritten[chunk, kind]` is (the chunk with every layer recomputed so, its regions), made by
+    rank is over config.memory_budget, take the step (none->selective, ->full) saving the most
+    peak bytes per recomputed FLOP, until it fits; full everywhere that still does not fit is an
+    error. `rewritten[chunk, kind]` is (the chunk with every layer recomputed so, its regions), made by
     the recompute pass: this module weighs them and rewrites nothing."""
-    b, s = microbatch_size, program.seq_len
-    local, cache = local_shaper(program, mesh), ActivationCache(REDUCED_DTYPES[precision])
+    b, s, budget = microbatch_size, program.seq_len, config.memory_budget
+    local, cache = local_shaper(program, mesh), ActivationCache(REDUCED_DTYPES[config.precision])
     choices = {}
     for pp in range(mesh.pp):
         mine = [c for c in program.chunks if c.rank == pp]
@@ -64,8 +64,8 @@ def choose_recompute(program: Program, layers: dict, rewritten: dict, *, mesh, s
                                            for _, _, names in regions.values()
                                            for x in names if x in program.costs) / n
         current = {(c.chunk, layer): "none" for c in mine for layer in layers[c.chunk]}
-        state = state_bytes(program, _rank_chunks_local(program, mesh, pp), mesh, optimizer,
-                            precision, zero)
+        state = state_bytes(program, _rank_chunks_local(program, mesh, pp), mesh,
+                            config.optimizer, config.precision, config.zero)
         while True:
             acts = _mixed(mine, layers, current, variants)
             mem = with_activations(state, schedule.ranks[pp], acts, b, s)
@@ -80,15 +80,15 @@ def choose_recompute(program: Program, layers: dict, rewritten: dict, *, mesh, s
 
 
 def rank_memory(program: Program, pp: int, *, mesh, schedule, microbatch_size: int,
-                optimizer: str, precision: str, zero: int, cache: ActivationCache) -> dict:
+                config: Config, cache: ActivationCache) -> dict:
     """Pipeline rank `pp`'s memory row for `program` as it stands (what check_budget reads):
     a pass weighing choices of its own (gather_parameters' releases) asks it per candidate;
     `cache` keeps the activations' fake runs to one per distinct chunk across the asks."""
     b, s = microbatch_size, program.seq_len
     local = local_shaper(program, mesh)
     acts = {c.chunk: cache.get(c, program, b, s, local) for c in program.chunks if c.rank == pp}
-    state = state_bytes(program, _rank_chunks_local(program, mesh, pp), mesh, optimizer,
-                        precision, zero)
+    state = state_bytes(program, _rank_chunks_local(program, mesh, pp), mesh, config.optimizer,
+                        config.precision, config.zero)
     return with_activations(state, schedule.ranks[pp], acts, b, s)
 
 

@@ -10,7 +10,7 @@ from autopart.ir import REDUCED_DTYPES, Program
 
 from .activations import ActivationCache, ChunkActivations
 from .state import Held, state
-from .units import KEYS, check_zero
+from .units import KEYS
 
 def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str = "fp32",
                 zero: int = 0, local=None) -> dict[str, int]:
@@ -32,7 +32,7 @@ def state_bytes(program: Program, chunks, mesh, optimizer: str, precision: str =
                    ends of the forward: _gathered_bytes)
     Not counted: the buckets in flight (at most runtime/buckets.IN_FLIGHT of zero_bucket_size
     elements) and zero=2's full-shaped gradients of the chunk whose backward runs."""
-    check_zero(zero)        # precision changes no state byte (see the module docstring)
+    # precision changes no state byte (see the module docstring)
     held: dict = {}
     for c in chunks:
         for name, t in list(c.gm.named_parameters()) + list(c.gm.named_buffers()):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .units import ADAM_STEP, OPTIMIZER_STATES, check_optimizer, check_zero
+from .units import ADAM_STEP, OPTIMIZER_STATES
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,8 @@ class Held:
 
 
 def state(held: Held, optimizer: str, zero: int) -> dict[str, float]:
-    """params / grads / master / optimizer bytes of a rank holding `held` (module docstring)."""
-    check_optimizer(optimizer)
-    check_zero(zero)
+    """params / grads / master / optimizer bytes of a rank holding `held` (module docstring).
+    `optimizer` and `zero` are checked values (autopart.Config, or the command line's choices)."""
     per, step = 4 * OPTIMIZER_STATES[optimizer], ADAM_STEP if optimizer == "adam" else 0
     if not zero:
         return {"params": held.params, "grads": held.grads,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopart.mesh import sequence_chunks
 from autopart.ops.comm import GroupComm
 from autopart.ops.registry import register
 from autopart.ops.tp import _all_gather, _reduce_scatter
@@ -42,16 +43,17 @@ class CPComm(GroupComm):
 # -- the load-balanced layout -------------------------------------------------------------------
 
 def _chunk_len(seq_len: int, cp: int) -> int:
-    if cp < 1 or seq_len <= 0 or seq_len % (2 * cp):
-        raise ValueError(f"context parallelism cuts the sequence into 2*cp = {2 * cp} equal "
+    n = sequence_chunks(cp)
+    if cp < 1 or seq_len <= 0 or seq_len % n:
+        raise ValueError(f"context parallelism cuts the sequence into 2*cp = {n} equal "
                          f"chunks (causal load balancing): a sequence of {seq_len} positions "
-                         f"is not divisible by {2 * cp}; pad it to a multiple of {2 * cp}")
-    return seq_len // (2 * cp)
+                         f"is not divisible by {n}; pad it to a multiple of {n}")
+    return seq_len // n
 
 
 def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
     """The global chunk indices rank `rank` holds, in its local order."""
-    return rank, 2 * cp - 1 - rank
+    return rank, sequence_chunks(cp) - 1 - rank
 
 
 def _check_rank(rank: int, cp: int) -> None:
@@ -82,7 +84,7 @@ def unshard_sequence(chunks_list, dim: int, cp: int) -> torch.Tensor:
     if local % 2 or any(t.shape[dim] != local for t in chunks_list):
         raise ValueError(f"every rank's part holds two equal chunks along dim {dim}: lengths "
                          f"{[t.shape[dim] for t in chunks_list]}")
-    pieces: list = [None] * (2 * cp)
+    pieces: list = [None] * sequence_chunks(cp)
     for rank, part in enumerate(chunks_list):
         for i, piece in zip(_chunk_ids(rank, cp), part.chunk(2, dim)):
             pieces[i] = piece

@@ -10,7 +10,9 @@ expert by expert, in one of two layouts:
                  a grouped matmul (`transformers::grouped_mm_fallback`, `aten::_grouped_mm`:
                  Hugging Face Mixtral / Qwen2-MoE / OLMoE, dropless).
 
-Starting from the expert matmuls, the pass grows a *region* of ops that treat each (expert,
+Finding them (no rewrite) is autopart/moe_layers.py, an analysis shared with
+split_tensor_parallel, which recognizes expert matmuls the same way. Starting from the expert
+matmuls, the pass grows a *region* of ops that treat each (expert,
 token) row on its own (elementwise ops, activations, feature splits, more expert matmuls). A
 region whose inputs are computed from a routing op (top-k, argmax, one-hot, sort) is an MoE
 layer. Its rewrite, on every rank:
@@ -32,9 +34,9 @@ from __future__ import annotations
 
 from autopart.errors import AutopartError
 from autopart.ir import ExpertPlan, Program
+from autopart.moe_layers import find_moe_layers, find_regions
 
 from .check import check_groups, check_shardable
-from .find import find_moe_layers, find_regions
 from .rewrite import COMM, rewrite
 
 

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from autopart.errors import AutopartError, node_error
 from autopart.ir import SEQ, Program, sym_shape
+from autopart.mesh import sequence_chunks
 from autopart.ops import aten_groups as G
 
 aten = torch.ops.aten
@@ -54,13 +55,14 @@ def check_sequence_length(program: Program, cp: int, tp: int, sequence_parallel:
             "could not keep dim 1 of the inputs symbolic: the model ties its shapes to the "
             f"example's {seq} positions).\n  remedy: let the model take any sequence length up "
             "to its maximum (no reshape to a fixed length), or drop the cp axis")
-    if seq % (2 * cp):
-        ok = [c for c in range(1, seq + 1) if seq % (2 * c) == 0 and c <= 64]
+    n = sequence_chunks(cp)
+    if seq % n:
+        ok = [c for c in range(1, seq + 1) if seq % sequence_chunks(c) == 0 and c <= 64]
         raise AutopartError(
-            f"context parallelism cuts the sequence into 2*cp = {2 * cp} equal chunks (causal "
-            f"load balancing: rank i holds chunks i and {2 * cp - 1}-i), but the sequence is "
-            f"{seq} tokens, not a multiple of {2 * cp}.\n  remedy: pad the sequence to a "
-            f"multiple of {2 * cp} (labels of the padding -100), or cp in {ok}")
+            f"context parallelism cuts the sequence into 2*cp = {n} equal chunks (causal "
+            f"load balancing: rank i holds chunks i and {n - 1}-i), but the sequence is "
+            f"{seq} tokens, not a multiple of {n}.\n  remedy: pad the sequence to a "
+            f"multiple of {n} (labels of the padding -100), or cp in {ok}")
     if sequence_parallel and (seq // cp) % tp:
         raise AutopartError(
             f"sequence parallelism splits each cp rank's {seq // cp} tokens over tp={tp} ranks: "

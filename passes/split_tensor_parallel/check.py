@@ -83,7 +83,7 @@ def _check_experts_replicated(program, plan, experts: dict, share: float, tp: in
     parallelism could not split (sequence parallelism, or an expert computation without a
     tensor-parallel rule) and no ep axis divides: say which expert matmul, why, and the
     meshes that do divide them."""
-    from ..shard_experts.find import find_moe_layers
+    from autopart.moe_layers import find_moe_layers
     whole = {n: p.numel for n, p in program.params.items()
              if n not in plan.params and n not in experts}
     moe = [n for n in (find_moe_layers(program).params if not experts else ()) if n in whole]

@@ -16,9 +16,9 @@ import torch
 import torch.fx as fx
 
 # the expert pass's notion of "a parameter seen through views keeping dim 0" and of the
-# grouped matmul ops: one definition for both passes
-from ..shard_experts.find import (GROUPED_MM, PARAM_VIEWS, _dtype_check, _param_source,
-                                  find_moe_layers)
+# grouped matmul ops: one definition for both passes, in the analysis below them
+from autopart.moe_layers import (GROUPED_MM, PARAM_VIEWS, dtype_check as _dtype_check,
+                                 find_moe_layers, param_source as _param_source)
 from autopart.placement import ndim
 from autopart.ops import aten_groups as G
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import uuid
 
+from autopart._version import __version__
 from autopart.errors import AutopartError
 from pathlib import Path
 
@@ -134,7 +135,6 @@ def _check_target(path: Path) -> str | None:
 
 
 def _marker(pm, optimizer, model, keys: list[str], files: dict) -> dict:
-    from autopart import __version__
     plan = pm.compiled.plan
     mesh = pm.mesh
     out = {

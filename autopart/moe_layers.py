@@ -1,5 +1,10 @@
 """Finding MoE layers: expert matmuls, the regions around them, their routing, capacity and
-routing groups (no rewrite). Plain data out: an ExpertPlan and the regions to rewrite."""
+routing groups (no rewrite). Plain data out: an ExpertPlan and the regions to rewrite.
+
+A shared analysis, below the passes: shard_experts (passes/shard_experts/) rewrites the regions
+found here, and split_tensor_parallel (passes/split_tensor_parallel/expert_linears.py) reads the
+same recognition of an expert matmul (GROUPED_MM, PARAM_VIEWS, param_source, dtype_check,
+find_moe_layers), so the two passes share one definition and neither imports the other."""
 from __future__ import annotations
 
 import operator
@@ -31,7 +36,7 @@ GROUPED_MM = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")
 # Finding expert matmuls
 
 
-def _param_source(node, params):
+def param_source(node, params):
     """(parameter name, view nodes) if `node` is a parameter seen through dim-0-keeping views."""
     chain = []
     while isinstance(node, fx.Node):
@@ -49,7 +54,7 @@ def _param_source(node, params):
 
 
 def _is_param_derived(node, params) -> bool:
-    return _param_source(node, params) is not None
+    return param_source(node, params) is not None
 
 
 def _static(d) -> int | None:
@@ -76,7 +81,7 @@ def _grouped_matmul(node, params) -> _ExpertMM | None:
         return None
     x, w = node.args[:2]
     offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
-    src = _param_source(w, params)
+    src = param_source(w, params)
     if src is None or not isinstance(offs, fx.Node) or ndim(w) != 3 or ndim(x) != 2:
         return None
     E = _static(shape_of(w)[0])
@@ -95,7 +100,7 @@ def _expert_matmul(node, params) -> _ExpertMM | None:
         x, w = node.args[:2]
         if not isinstance(x, fx.Node) or _is_param_derived(x, params):
             return None
-        src = _param_source(w, params)
+        src = param_source(w, params)
         if src is None or ndim(w) != 3 or ndim(x) != 3:
             return None
         E = _static(shape_of(w)[0])
@@ -109,7 +114,7 @@ def _expert_matmul(node, params) -> _ExpertMM | None:
         ins, out = eq.split("->")
         (la, lb), (a, b) = ins.split(","), node.args[1]
         for xs, ws, x, w in ((la, lb, a, b), (lb, la, b, a)):
-            src = _param_source(w, params)
+            src = param_source(w, params)
             if src is None or _is_param_derived(x, params) or len(ws) != ndim(w) or ndim(w) < 2:
                 continue
             if len(xs) < 2 or not (xs[0] == ws[0] == out[0]) or len(out) < 2:
@@ -184,7 +189,7 @@ class _Finder:
             lead = nd - len(shape)          # broadcasting aligns trailing dims
             dims = {lead + i: d for i, d in enumerate(shape)}
             if a.name not in self.activations:      # weights, constants: same on every rank
-                if not rows and _static(dims.get(0, 1)) == E and _param_source(a, self.params):
+                if not rows and _static(dims.get(0, 1)) == E and param_source(a, self.params):
                     continue                         # a per-expert parameter: sharded too
                 if _static(dims.get(0, 1)) == 1 and (rows or _static(dims.get(1, 1)) == 1):
                     continue
@@ -239,7 +244,7 @@ class _Finder:
         return keep
 
 
-def _dtype_check(node) -> bool:
+def dtype_check(node) -> bool:
     """torch.export's dtype/device assertion before a cast: true of the local rows as well."""
     return node.target is aten._assert_tensor_metadata.default and \
         node.kwargs.get("size") is None and node.kwargs.get("stride") is None
@@ -293,8 +298,8 @@ def find_regions(program: Program, ep: int):
     symbols = program.symbols
     for n in f.gm.graph.nodes:      # stacked weights gathered per token: no expert dim left
         if n.target is aten.index.Tensor and ndim(n.args[0]) == 3 and \
-                _param_source(n.args[0], f.params) is not None:
-            weight = _param_source(n.args[0], f.params)[0]
+                param_source(n.args[0], f.params) is not None:
+            weight = param_source(n.args[0], f.params)[0]
             plan.skipped.append((n.name, f"the stacked weight {weight} "
                                  "is gathered per token (weight[expert_ids]), so its matmuls have "
                                  "no expert dimension to shard (Hugging Face "
@@ -309,7 +314,7 @@ def find_regions(program: Program, ep: int):
                           if a not in region and a.name in f.activations and a is not offs},
                          key=f.order.get)
         exits = sorted((n for n in region if isinstance(n.meta.get("val"), torch.Tensor)
-                        and any(u not in region and not _dtype_check(u) for u in n.users)),
+                        and any(u not in region and not dtype_check(u) for u in n.users)),
                        key=f.order.get)
         routing = [n for n in _cone(entries + ([offs] if rows else []))
                    if n.op == "call_function" and n.target in ROUTING]
@@ -361,7 +366,7 @@ def _router(routing, E, params) -> str | None:
     for n in _cone(routing, limit=200):
         if n.op == "call_function" and n.target in LINEARS and _static(shape_of(n)[-1]) == E:
             for a in n.all_input_nodes:
-                src = _param_source(a, params)
+                src = param_source(a, params)
                 if src is not None:
                     return src[0]
     return None
@@ -392,7 +397,7 @@ def _region_params(region, f: _Finder, E) -> list[str]:
             out.append(f.mms[n].param)
             continue
         for a in n.all_input_nodes:
-            src = _param_source(a, f.params)
+            src = param_source(a, f.params)
             if src is not None and ndim(a) == ndim(n) and _static(shape_of(a)[0]) == E \
                     and src[0] not in out:
                 out.append(src[0])
@@ -411,9 +416,9 @@ def _check_param_uses(f: _Finder, params, region) -> None:
             for u in v.users:
                 if u in region:
                     continue
-                if _dtype_check(u):
+                if dtype_check(u):
                     continue
-                if u.target in PARAM_VIEWS and _param_source(u, f.params) is not None:
+                if u.target in PARAM_VIEWS and param_source(u, f.params) is not None:
                     stack.append(u)
                     continue
                 raise node_error(u, f"expert weight {n.target} is also used by {u.name} "
@@ -425,3 +430,7 @@ def _check_param_uses(f: _Finder, params, region) -> None:
 def _nbytes(node, symbols):
     val = node.meta["val"]
     return sympy.prod(sym_shape(val, symbols)) * val.element_size()
+
+
+__all__ = ["GROUPED_MM", "PARAM_VIEWS", "dtype_check", "find_moe_layers", "find_regions",
+           "param_source"]
