@@ -441,6 +441,20 @@ def _expand(node, x, s, pl, tp):
     return Shard(s.dim + (ndim(node) - ndim(x)), s.origin)
 
 
+@rule(aten.repeat_interleave.self_int)
+def _repeat_interleave(node, x, s, pl, tp):
+    """Each element repeated along a dim (k/v heads repeated for their query heads, as gpt-fast
+    writes grouped-query attention): a rank's contiguous 1/tp of the kv heads becomes the same
+    1/tp of the query heads, so the shard stays on its dim."""
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    size = node.args[3] if len(node.args) > 3 else node.kwargs.get("output_size")
+    if dim is None:
+        raise NoRule("repeat_interleave without dim flattens the sharded tensor")
+    if size is not None and norm_dim(dim, ndim(x)) == s.dim:
+        raise NoRule("repeat_interleave with output_size along the sharded dim")
+    return s
+
+
 @rule(*G.SOFTMAXES, *G.LOG_SOFTMAXES)
 def _softmax(node, x, s, pl, tp):
     if norm_dim(node.args[1], ndim(x)) == s.dim:

@@ -58,10 +58,10 @@ def cut_pipeline_stages(program: Program, *, chunk_ranks: tuple[int, ...],
     on pipeline rank chunk_ranks[k]; balanced by program.costs (the analyze_costs pass) within
     the memory bound (module docstring). `schedule` (autopart.schedule.Schedule) gives the
     microbatches in flight per chunk (one each without it); of `config`, `optimizer` and `zero`
-    (with `mesh.dp`, 1 without a mesh) the copies of each parameter a rank keeps; `recompute` ("full": a layer
-    keeps its input only) what a layer's activations are; `memory_budget` (bytes per rank) the
-    capacity the cut must fit, compute-optimal within it; `precision` ("bf16": floating
-    activations at 2 bytes)."""
+    (with `mesh.dp`, 1 without a mesh) the copies of each parameter a rank keeps; `recompute`
+    ("full": a layer keeps its input only) what a layer's activations are; `memory_budget`
+    (bytes per rank) the capacity the cut must fit, compute-optimal within it; `precision`
+    ("bf16": floating activations at 2 bytes)."""
     optimizer, zero, dp = config.optimizer, config.zero, mesh.dp if mesh is not None else 1
     costs: dict[str, NodeCost] = program.costs
     k = len(chunk_ranks)

@@ -16,8 +16,9 @@ NCCL a wait only orders the compute stream after the transfer, so the host never
 Gloo it blocks until the data is there. NCCL also returns one work for a whole batch where Gloo
 returns one per op (_Batch): a receive is waited on through whichever work covers it.
 The lists it runs are lowered first by autopart/schedule_lowering.py `hoist_receives`: receives
-posted earlier, before the computes that precede their use (for NCCL where the validator proves it safe;
-for Gloo, whose posts never wait, right after the compute reading the receive two before).
+posted earlier, before the computes that precede their use (for NCCL where the validator proves
+it safe; for Gloo, whose posts never wait, right after the compute reading the receive two
+before).
 
 With data parallelism, `ctx.grads` (runtime/gradients.py StepBuckets) is told before and after
 each compute, so that gradient buckets are all-reduced as soon as the backward finishes them;
@@ -84,9 +85,9 @@ class StepContext:
 def posts_never_wait(device: torch.device) -> bool:
     """Whether point-to-point transfers of tensors on `device` keep Gloo's contract: one work per
     operation and posts that never wait, so the lists may post receives well ahead of their use
-    (autopart/schedule_lowering.py hoist_receives(independent_posts=True)). CPU tensors go through
-    Gloo; NCCL coalesces a batch into one work that runs in posting order on the group's stream, where
-    an early receive holds back every later batch. A batch_isend_irecv that keeps NCCL's contract
+    (autopart/schedule_lowering.py hoist_receives(independent_posts=True)). CPU tensors go
+    through Gloo; NCCL coalesces a batch into one work that runs in posting order on the group's
+    stream, where an early receive holds back every later batch. A batch_isend_irecv that keeps NCCL's contract
     on CPU says so (`keeps_nccl_contract = True`: tests/nccl_contract.py), and then NCCL's lowering
     runs: the code path of the GPUs, tested without them."""
     return device.type == "cpu" and not getattr(dist.batch_isend_irecv, "keeps_nccl_contract",

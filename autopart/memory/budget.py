@@ -46,8 +46,8 @@ def choose_recompute(program: Program, layers: dict, rewritten: dict, *, mesh, s
     """(chunk, layer) -> none|selective|full: per pipeline rank, start from none and, while the
     rank is over config.memory_budget, take the step (none->selective, ->full) saving the most
     peak bytes per recomputed FLOP, until it fits; full everywhere that still does not fit is an
-    error. `rewritten[chunk, kind]` is (the chunk with every layer recomputed so, its regions), made by
-    the recompute pass: this module weighs them and rewrites nothing."""
+    error. `rewritten[chunk, kind]` is (the chunk with every layer recomputed so, its regions),
+    made by the recompute pass: this module weighs them and rewrites nothing."""
     b, s, budget = microbatch_size, program.seq_len, config.memory_budget
     local, cache = local_shaper(program, mesh), ActivationCache(REDUCED_DTYPES[config.precision])
     choices = {}
