@@ -119,6 +119,8 @@ class TensorParallelPlan:
     vocab_loss: set = field(default_factory=set)    # cross-entropy nodes made vocab-parallel
     vocab_embedding: set = field(default_factory=set)
     scatters: dict = field(default_factory=dict)    # (consumer, input) -> dim sliced locally
+    # (consumer, input) -> the sections (along that dim) of which a rank takes 1/tp each
+    scatter_sections: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)      # param name -> ParamShard
     placements: dict = field(default_factory=dict)  # node name -> placement (original graph)
     sp_grad_reduce: set = field(default_factory=set)  # replicated params with partial grads (SP)

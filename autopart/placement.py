@@ -447,12 +447,9 @@ def _repeat_interleave(node, x, s, pl, tp):
     writes grouped-query attention): a rank's contiguous 1/tp of the kv heads becomes the same
     1/tp of the query heads, so the shard stays on its dim."""
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-    size = node.args[3] if len(node.args) > 3 else node.kwargs.get("output_size")
     if dim is None:
         raise NoRule("repeat_interleave without dim flattens the sharded tensor")
-    if size is not None and norm_dim(dim, ndim(x)) == s.dim:
-        raise NoRule("repeat_interleave with output_size along the sharded dim")
-    return s
+    return s         # an output_size along the sharded dim is made local by the rewrite
 
 
 @rule(*G.SOFTMAXES, *G.LOG_SOFTMAXES)
@@ -592,3 +589,6 @@ def _numel(node) -> int | None:
         return int(sympy.prod([_expr(d) for d in shape])) if shape else 1
     except TypeError:
         return None
+
+
+from autopart import placement_scan  # noqa: E402,F401  (registers the recurrent layers' rules)

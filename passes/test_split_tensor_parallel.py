@@ -412,12 +412,55 @@ class _ScaledFused(torch.nn.Module):
         return self.down(a * torch.sigmoid(b) + c).pow(2).mean()
 
 
-def test_replicated_operand_of_a_fused_projection_before_its_cut_is_refused():
-    """Each rank holds 1/tp of each of the three sections, so the scale's contiguous half is
-    not what meets it: this was split silently (the scale sliced [0:24] on rank 0 against
-    features 0:8, 16:24, 32:40; or, by the hash seed, the weight cut contiguously), now the
-    projection stays whole and the refusal says why."""
-    with pytest.raises(AutopartError) as err:
-        split_tensor_parallel(capture(_ScaledFused(), (torch.randn(2, 4, 16),)), tp=2)
-    assert "scale (replicated) meets linear's output, which is cut in sections (16, 16, 16)" \
-        in str(err.value), err.value
+def test_replicated_operand_of_a_fused_projection_before_its_cut_is_sliced_per_section():
+    """Each rank holds 1/tp of each of the three sections, so the scale meeting the fused
+    output is sliced the same way: rank r takes its 1/tp of each section (scale[0:8], [16:24],
+    [32:40] on rank 0). Before, a contiguous half was sliced (silently wrong), then refused."""
+    program = capture(_ScaledFused(), (torch.randn(2, 4, 16),))
+    out, report = split_tensor_parallel(program, tp=2)
+    assert report["replicated_linears"] == []
+    assert out.tp.params["up.weight"] == ParamShard(0, (16, 16, 16))
+    assert list(out.tp.scatter_sections.values()) == [(16, 16, 16)], out.tp.scatter_sections
+
+
+class _NestedSplit(torch.nn.Module):
+    """Mamba-2's in_proj: z | xBC | dt, xBC through a depthwise conv1d, then split x | B | C."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 8 + 16 + 4), torch.nn.Linear(8, 16)
+        self.conv = torch.nn.Conv1d(16, 16, 3, groups=16, padding=2)
+
+    def forward(self, x):
+        z, xbc, dt = self.up(x).split([8, 16, 4], -1)
+        xbc = self.conv(xbc.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        h, b, c = xbc.split([8, 4, 4], -1)
+        y = h * torch.sigmoid(z) + (b * c + dt).repeat_interleave(2, -1)
+        return self.down(y).pow(2).mean()
+
+
+def test_a_split_of_a_section_cuts_the_projection_where_it_lies():
+    """The split of xBC (features 8:24 of up) into x | B | C cuts up's weight at 8, 16, 20, 24,
+    and the depthwise conv's filters and bias follow x | B | C per section (groups halved)."""
+    out, report = split_tensor_parallel(capture(_NestedSplit(), (torch.randn(2, 4, 16),)), tp=2)
+    assert report["replicated_linears"] == []
+    assert out.tp.params["up.weight"] == ParamShard(0, (8, 8, 4, 4, 4))
+    assert sorted(out.tp.scatter_sections.values()) == [(8, 4, 4)] * 2   # filters, bias
+    conv = next(n for n in out.gm.graph.nodes if n.target is torch.ops.aten.conv1d.default)
+    assert conv.args[6] == 8
+
+
+def test_scatter_to_tp_with_sections_and_its_gradient(monkeypatch):
+    """Rank r's 1/tp of each section, side by side; backward puts every rank's parts back."""
+    class Comm:
+        size, rank, moves_data = 2, 1, False
+
+        def _check(self):
+            pass
+    x = torch.arange(12.0, requires_grad=True)
+    y = tp_ops.scatter_to_tp(x, 0, Comm(), [4, 4, 4])
+    assert y.tolist() == [2.0, 3.0, 6.0, 7.0, 10.0, 11.0]
+    parts = [tp_ops._split(x.detach(), 0, type("C", (Comm,), {"rank": r})(), [4, 4, 4])
+             for r in (0, 1)]
+    monkeypatch.setattr(tp_ops, "_all_gather", lambda g, dim, comm: torch.cat(parts, dim))
+    assert torch.equal(tp_ops._gather_sections(parts[1], 0, Comm(), [4, 4, 4]), x.detach())

@@ -57,6 +57,10 @@ def _add_into_viewed(a, b):      # a view of the tensor written, read after the 
     return seen * 2
 
 
+def _depthwise(a, w, b):       # Mamba-2's causal conv: one filter per channel
+    return F.conv1d(a, w, b, padding=2, groups=8)
+
+
 ROWS = [
     # (id, fn, inputs, input placements, op, expected output placement)
     ("add-broadcast-bias-needs-slice", lambda a, b: a + b, [x(2, 4, 8), x(8)], {0: S(2)},
@@ -193,8 +197,28 @@ ROWS = [
      {0: S(1), 1: S(1)}, aten.matmul.default, S(1)),
     ("matmul-contracting-shard", lambda a, b: a @ b, [x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(3), 1: S(2)},
      aten.matmul.default, NoRule),
-    ("no-rule-cumsum", lambda a: a.cumsum(-1), [x(2, 8)], {0: S(1)}, aten.cumsum.default,
+    ("cumsum-along-the-sequence", lambda a: a.cumsum(1), [x(2, 4, 8)], {0: S(2)},
+     aten.cumsum.default, S(2)),
+    ("cumsum-along-the-shard", lambda a: a.cumsum(-1), [x(2, 8)], {0: S(1)},
+     aten.cumsum.default, NoRule),
+    ("depthwise-conv1d-needs-its-filters-sliced", _depthwise, [x(2, 8, 5), x(8, 1, 3), x(8)],
+     {0: S(1)}, aten.conv1d.default, "need1:0"),
+    ("depthwise-conv1d-on-the-channels", _depthwise, [x(2, 8, 5), x(8, 1, 3), x(8)],
+     {0: S(1), 1: S(0), 2: S(0)}, aten.conv1d.default, S(1)),
+    ("conv1d-mixing-channels", lambda a: F.conv1d(a, torch.ones(8, 2, 3), groups=4),
+     [x(2, 8, 5)], {0: S(1)}, aten.conv1d.default, NoRule),
+    ("pad-the-sequence", lambda a: F.pad(a, (0, 0, 0, 3)), [x(2, 4, 8)], {0: S(2)},
+     aten.pad.default, S(2)),
+    ("pad-the-shard", lambda a: F.pad(a, (1, 0)), [x(2, 4, 8)], {0: S(2)}, aten.pad.default,
      NoRule),
+    ("einsum-per-head", lambda a, b: torch.einsum("bclhn,bcshn->bclsh", a, b),
+     [x(2, 1, 4, 2, 3), x(2, 1, 4, 2, 3)], {0: S(3), 1: S(3)}, aten.einsum.default, S(4)),
+    ("einsum-needs-the-other-per-head", lambda a, b: torch.einsum("bhd,bhe->bhde", a, b),
+     [x(2, 4, 3), x(2, 4, 3)], {0: S(1)}, aten.einsum.default, "need1:1"),
+    ("einsum-contracting-the-shard", lambda a, b: torch.einsum("bln,bsn->bls", a, b),
+     [x(2, 4, 8), x(2, 4, 8)], {0: S(2), 1: S(2)}, aten.einsum.default, NoRule),
+    ("zeros-like-the-shard", lambda a: torch.zeros_like(a) + a, [x(2, 8)], {0: S(1)},
+     aten.zeros_like.default, S(1)),
 ]
 
 

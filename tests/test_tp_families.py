@@ -2,7 +2,10 @@
 model (tests/workers/tp_families.py): a Llama whose rotary embeddings stack interleaved pairs
 (aten.stack), Falcon's new decoder architecture (its fused qkv cut per kv group by
 aten.index.Tensor and broadcast_to), ModernBERT (its fused Wqkv viewed (.., 3, -1, d)) and a
-small hand-written decoder with all of them and an in-place add into a replicated accumulator.
+small hand-written decoder with all of them and an in-place add into a replicated accumulator,
+and Falcon-H1, whose Mamba-2 mixers split by heads (its fused in_proj cut z | x | B | C | dt,
+the depthwise conv1d's channels and the muP multipliers following x | B | C, the gated RMSNorm
+per group of heads on one rank, the chunked scan's einsums per head).
 Each trains 3 SGD steps at tp=2 in fp32 equal to the unmodified model (every loss, the first
 gradients, the clipped norm, every parameter: tests/workers/equivalence.py), and no rank holds
 more than 60% of the parameters, counted from the tensors the rank really holds.
@@ -26,7 +29,9 @@ SPLIT = {"llama-interleaved": ("attention.wq.weight", "attention.wk.weight", "at
          "falcon-new": ("query_key_value.weight", "self_attention.dense.weight"),
          "modernbert": ("attn.Wqkv.weight", "attn.Wo.weight"),
          "handwritten": ("wqkv.weight", "wo.weight", "grouped.weight", "down.weight",
-                         "up.weight", "out.weight")}
+                         "up.weight", "out.weight"),
+         "falcon-h1": ("mamba.in_proj.weight", "mamba.out_proj.weight", "self_attn.q_proj.weight",
+                       "self_attn.o_proj.weight", "feed_forward.up_proj.weight")}
 KEY = ("tp-families", 2)
 
 

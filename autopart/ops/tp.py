@@ -6,7 +6,7 @@ the runtime binds it to this rank's tensor-parallel process group. Nothing here 
     copy_to_tp          forward identity,   backward all-reduce   (Megatron's f)
     reduce_from_tp      forward all-reduce, backward identity     (Megatron's g)
     gather_from_tp      forward all-gather, backward split
-    scatter_to_tp       forward split,      backward all-gather
+    scatter_to_tp       forward split (per section, optionally), backward all-gather
     reduce_scatter_tp   forward reduce-scatter, backward all-gather (sequence parallelism)
     gather_linear_sp    all-gather along the sequence then linear; backward re-gathers the input
                         instead of keeping the gathered copy (sequence parallelism's memory saving)
@@ -59,8 +59,19 @@ def _reduce_scatter(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def _split(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int, comm: TPComm, sections=None) -> torch.Tensor:
+    if sections:        # this rank's 1/tp of each section, side by side (a fused projection's)
+        return torch.cat([part.chunk(comm.size, dim=dim)[comm.rank]
+                          for part in x.split(list(sections), dim=dim)], dim=dim)
     return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+
+
+def _gather_sections(g: torch.Tensor, dim: int, comm: TPComm, sections) -> torch.Tensor:
+    """The inverse of _split with sections: every rank's parts of each section, in order."""
+    full = _all_gather(g, dim, comm).chunk(comm.size, dim=dim)      # per rank: its parts
+    local = [v // comm.size for v in sections]
+    per_rank = [r.split(local, dim=dim) for r in full]
+    return torch.cat([r[i] for i in range(len(local)) for r in per_rank], dim=dim)
 
 
 class _Copy(torch.autograd.Function):
@@ -97,13 +108,15 @@ class _Gather(torch.autograd.Function):
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, comm):
-        ctx.dim, ctx.comm = dim, comm
-        return _split(x, dim, comm)
+    def forward(ctx, x, dim, comm, sections):
+        ctx.dim, ctx.comm, ctx.sections = dim, comm, sections
+        return _split(x, dim, comm, sections)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.comm), None, None
+        if ctx.sections:
+            return _gather_sections(g, ctx.dim, ctx.comm, ctx.sections), None, None, None
+        return _all_gather(g, ctx.dim, ctx.comm), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -148,8 +161,10 @@ def gather_from_tp(x, dim, comm):
     return _Gather.apply(x, dim, comm)
 
 
-def scatter_to_tp(x, dim, comm):
-    return _Scatter.apply(x, dim, comm)
+def scatter_to_tp(x, dim, comm, sections=None):
+    """This rank's 1/tp of x along dim; with sections, its 1/tp of each section side by side
+    (what meets a rank's shard of a projection cut in sections)."""
+    return _Scatter.apply(x, dim, comm, tuple(sections) if sections else None)
 
 
 def reduce_scatter_tp(x, dim, comm):

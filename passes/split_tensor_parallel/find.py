@@ -3,6 +3,7 @@ and the vocabulary-parallel embeddings. Plain data out: a TensorParallelPlan."""
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import ChainMap
 from dataclasses import dataclass, field
 
@@ -83,6 +84,13 @@ class _Region:
     pieces: dict = field(default_factory=dict)      # origin -> {[start, end) read as a tensor}
     scatters: dict = field(default_factory=dict)
     indexed: dict = field(default_factory=dict)     # index node -> origin whose shard it picks
+    # where a node's sharded dim lies in its origin's features (an int, a tuple for a split's
+    # outputs): a split of a part (Mamba-2's x|B|C inside the in_proj's xBC) cuts the origin
+    # there, and a replicated operand meeting it is sliced per section (section_scatters)
+    offsets: dict = field(default_factory=dict)
+    totals: dict = field(default_factory=dict)      # origin -> its feature count
+    scatter_at: dict = field(default_factory=dict)  # (consumer, input) -> (origin, start, size)
+    scatter_sections: dict = field(default_factory=dict)
 
 
 class _Reject(Exception):
@@ -236,6 +244,7 @@ def _grow(seeds, committed, ctx, unpullable=frozenset()) -> _Region:
         if int(shape_of(s)[-1]) % ctx.tp:
             raise _Reject(s.name, f"{shape_of(s)[-1]} output features do not divide by tp={ctx.tp}")
         region.pl[s] = Shard(ndim(s) - 1, s.name)
+        region.offsets[s], region.totals[s.name] = 0, int(shape_of(s)[-1])
         frontier += [ctx.order[u.name] for u in s.users]
     heapq.heapify(frontier)
     done: set[int] = set()
@@ -278,6 +287,8 @@ def _check_sections(region, ctx) -> None:
             raise _Reject(name, f"an index of the sharded dim of {origin}, which is cut in "
                           f"sections {region.sections[origin]}")
     for (name, arg), dim in region.scatters.items():
+        if _section_scatter(region, (name, arg), ctx.tp):
+            continue
         node = ctx.nodes[name]
         p = region.pl.get(node)
         sections = region.sections.get(p.origin, ()) if isinstance(p, Shard) else ()
@@ -285,6 +296,28 @@ def _check_sections(region, ctx) -> None:
             raise _Reject(name, f"{arg} (replicated) meets {p.origin}'s output, which is cut in "
                           f"sections {sections}, before the cut: a rank's share of it is not "
                           "one contiguous slice")
+
+
+def _section_scatter(region, key, tp) -> bool:
+    """A replicated operand meeting a known range of a projection cut in sections (Falcon-H1's
+    `in_proj(x) * mup_vector`, the conv1d filters of x|B|C): each rank takes its 1/tp of each
+    section in that range, as its weight shard holds. False when the range is not known."""
+    at = region.scatter_at.get(key)
+    if at is None:
+        return False
+    origin, start, size = at
+    sections = region.sections.get(origin, (region.totals.get(origin, start + size),))
+    bounds, parts = 0, []
+    for v in sections:
+        if start <= bounds and bounds + v <= start + size:
+            parts.append(v)
+        bounds += v
+    if sum(parts) != size:
+        raise _Reject(key[0], f"{key[1]} (replicated) meets features [{start}, {start + size}) "
+                      f"of {origin}, which do not follow its sections {sections}")
+    if len(parts) > 1:
+        region.scatter_sections[key] = tuple(parts)
+    return True
 
 
 @dataclass
@@ -343,12 +376,17 @@ def _carry_into(node, region, linears, tp, unpullable):
             if sources and not sources & unpullable:
                 return sorted(sources)
             region.scatters[(node.name, out.arg.name)] = out.dim
+            at = _range_met(node, out, ChainMap(sliced, region.pl), region)
+            if at is not None:
+                region.scatter_at[(node.name, out.arg.name)] = at
             sliced[out.arg] = Shard(out.dim, None)
             continue
+        marker = None
         if isinstance(out, tuple) and out and isinstance(out[0], SplitOnShard):
             marker, out = out
             _merge_sections(region, marker, node, tp)
         region.pl[node] = out
+        _track_offset(node, out, marker, region)
         src = region.pl.get(node.args[0]) if node.target is aten.index.Tensor else None
         if isinstance(src, Shard) and src.dim < len(node.args[1]) and node.args[1][src.dim] is not None:
             region.indexed[node.name] = src.origin     # per-rank groups of one block (_grow)
@@ -357,20 +395,67 @@ def _carry_into(node, region, linears, tp, unpullable):
 
 
 def _merge_sections(region, marker, node, tp) -> None:
-    """The origin's sections: cut wherever a split or slice of it starts or ends. Each range an
-    op reads must stay one whole section (ranges equal or apart), or a rank's share of it would
-    not be one contiguous 1/tp of it."""
+    """The origin's sections: cut wherever a split or slice of it starts or ends (a split of a
+    part of it where that part lies). Each range an op reads must stay one whole section
+    (ranges equal or apart), or a rank's share of it would not be one contiguous 1/tp of it."""
+    total = region.totals.get(marker.origin, sum(marker.sections))
+    base = region.offsets.get(node.args[0])
+    if not isinstance(base, int):
+        if sum(marker.sections) != total:
+            raise _Reject(node.name, f"a cut of a part of {marker.origin} whose place in its "
+                          "features is not known")
+        base = 0
     pieces = region.pieces.setdefault(marker.origin, set())
-    for a, b in marker.pieces:
-        if any((a, b) != (c, d) and a < d and c < b for c, d in pieces):
+    for a, b in ((a + base, b + base) for a, b in marker.pieces):
+        if any(a < d and c < b and not (c <= a and b <= d) and not (a <= c and d <= b)
+               for c, d in pieces):     # crossing: neither inside the other (a nested split)
             raise _Reject(node.name, "two cuts of one projection that overlap")
-    pieces.update(marker.pieces)
-    total = sum(marker.sections)
+    pieces.update((a + base, b + base) for a, b in marker.pieces)
     cuts = sorted({0, total} | {p for piece in pieces for p in piece})
     sections = tuple(b - a for a, b in zip(cuts, cuts[1:]))
     if any(v % tp for v in sections):
         raise _Reject(node.name, f"sections {sections} of one projection do not divide by tp={tp}")
     region.sections[marker.origin] = sections
+
+
+def _track_offset(node, out, marker, region) -> None:
+    """Where node's sharded dim lies in its origin's features: a split's outputs and a slice
+    at their starts, getitem picking one, an op keeping the dim's size (elementwise, transpose,
+    a depthwise conv) at its input's; unknown after a view that changes it (heads)."""
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    base = region.offsets.get(src)
+    if marker is not None:
+        if isinstance(base, int) or (base is None and sum(marker.sections) ==
+                                     region.totals.get(marker.origin)):
+            starts = tuple((base or 0) + a for a, _ in marker.pieces)
+            if node.target is aten.slice.Tensor:
+                region.offsets[node] = starts[0]
+            elif isinstance(out, tuple):
+                region.offsets[node] = starts
+        return
+    if node.target is operator.getitem and isinstance(base, tuple):
+        region.offsets[node] = base[node.args[1]]
+        return
+    if not isinstance(out, Shard) or ndim(node) <= out.dim:
+        return
+    for a in node.all_input_nodes:
+        p, off = region.pl.get(a), region.offsets.get(a)
+        if isinstance(p, Shard) and isinstance(off, int) and p.origin == out.origin \
+                and shape_of(a)[p.dim] == shape_of(node)[out.dim]:
+            region.offsets[node] = off
+            return
+
+
+def _range_met(node, need, pl, region):
+    """(origin, start, size): the features of an origin that a replicated operand of `node`
+    meets along need.dim, from a sharded input whose place is known; None if none is."""
+    size = shape_of(need.arg)[need.dim]
+    for a in node.all_input_nodes:
+        p, off = pl.get(a), region.offsets.get(a)
+        if isinstance(p, Shard) and p.origin is not None and isinstance(off, int) \
+                and shape_of(a)[p.dim] == size:
+            return p.origin, off, int(size)
+    return None
 
 
 def _column_sources(arg: fx.Node, linears, region) -> set[str]:
@@ -456,6 +541,7 @@ def _commit(region, plan, committed, linears) -> None:
         plan.params[use.weight] = ParamShard(use.in_dim, (_in_features(use, region),))
     plan.vocab_loss |= region.ces
     plan.scatters.update(region.scatters)
+    plan.scatter_sections.update(region.scatter_sections)
     for node, p in region.pl.maps[0].items():     # what the committed ones do not hold yet
         if isinstance(node, fx.Node) and (isinstance(p, (Shard, tuple)) or p is P):
             committed[node] = R if p is P else p

@@ -76,9 +76,11 @@ def _redistributed_inputs(g, node, plan, env, cache, comm) -> dict:
             local[a] = cache[key]
         dim = plan.scatters.get((node.name, a.name))
         if dim is not None:
-            key = ("scatter", a.name, dim)
+            sections = plan.scatter_sections.get((node.name, a.name))
+            key = ("scatter", a.name, dim, sections)
             if key not in cache:
-                cache[key] = _call(g, tp_ops.scatter_to_tp, (env[a], dim, comm), a, Shard(dim))
+                args = (env[a], dim, comm) + ((list(sections),) if sections else ())
+                cache[key] = _call(g, tp_ops.scatter_to_tp, args, a, Shard(dim))
             local[a] = cache[key]
             if node.target in G.INPLACE_ARITH and a is node.args[0]:
                 # written in place: its own copy (autograd refuses in-place writes into a view
@@ -176,6 +178,11 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None
             new.args = (new.args[0], dim, start // tp, end // tp, *new.args[4:])
     elif t is aten.index.Tensor:
         _localize_index(new, old, plan)
+    elif t is aten.conv1d.default:      # depthwise: one group per channel, this rank's
+        args = list(new.args) + [None, [1], [0], [1], 1][len(new.args) - 2:]
+        new.args = (*args[:6], args[6] // tp)
+    elif t is aten.repeat_interleave.self_int:
+        _localize_output_size(new, old, s, tp)
     elif t is aten.split.Tensor:
         src = plan.placements.get(old.args[0])
         dim = old.args[2] if len(old.args) > 2 else 0
@@ -188,6 +195,17 @@ def _localize_args(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None
         dim = norm_dim(dim, ndim(old.args[0]))
         if isinstance(src, Shard) and src.dim == dim:
             new.args = (new.args[0], [v // tp for v in old.args[1]], *new.args[2:])
+
+
+def _localize_output_size(new: fx.Node, old: fx.Node, s, tp: int) -> None:
+    """repeat_interleave along the sharded dim with output_size: this rank's size."""
+    dim = old.args[2] if len(old.args) > 2 else old.kwargs.get("dim")
+    if dim is None or norm_dim(dim, ndim(old.args[0])) != s.dim:
+        return
+    if len(new.args) > 3 and new.args[3] is not None:
+        new.args = (*new.args[:3], new.args[3] // tp, *new.args[4:])
+    elif new.kwargs.get("output_size") is not None:
+        new.kwargs = {**new.kwargs, "output_size": new.kwargs["output_size"] // tp}
 
 
 def _localize_index(new: fx.Node, old: fx.Node, plan: TensorParallelPlan) -> None:

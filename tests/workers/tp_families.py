@@ -8,6 +8,8 @@
                        `mlp_output += attention_output`)
     modernbert         Hugging Face ModernBertForMaskedLM (a fused Wqkv viewed (.., 3, -1, d))
     handwritten        the four rules in one small decoder (Handwritten)
+    falcon-h1          Hugging Face FalconH1ForCausalLM: attention and a Mamba-2 mixer in every
+                       layer, split by heads (2 groups of B and C, gated RMSNorm per group)
 
 Each is built from a tiny config with random weights (no download) and registered in
 tests.workers.common.FAMILIES, so the equivalence harness (tests/workers/equivalence.py) trains
@@ -77,6 +79,20 @@ def modernbert(case, g):
     return _causal_lm(tf.ModernBertForMaskedLM(cfg), case, g)
 
 
+def falcon_h1(case, g):
+    """Mamba-2 heads in 2 groups (B and C per group; a group's heads and their gated-norm
+    group on one rank at tp=2), muP multipliers per section of the fused in_proj."""
+    tf = _quiet_transformers()
+    cfg = tf.FalconH1Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            intermediate_size=64, mamba_d_ssm=32, mamba_n_heads=4,
+                            mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                            mamba_chunk_size=8, mamba_rms_norm=True,
+                            ssm_multipliers=[1.0, 0.5, 2.0, 0.25, 1.5],
+                            max_position_embeddings=64, attn_implementation="eager")
+    return _causal_lm(tf.FalconH1ForCausalLM(cfg), case, g)
+
+
 class Handwritten(torch.nn.Module):
     """Issue 49's four rules in one small decoder, written as people write them: a fused Wqkv
     viewed (.., 3, -1, d) and unbound (the 3 is q|k|v), rotary embeddings by torch.stack of
@@ -117,7 +133,7 @@ def handwritten(case, g):
 
 
 BUILDERS = {"llama-interleaved": llama_interleaved, "falcon-new": falcon_new,
-            "modernbert": modernbert, "handwritten": handwritten}
+            "modernbert": modernbert, "handwritten": handwritten, "falcon-h1": falcon_h1}
 
 
 build_tp_family = build_with(BUILDERS)
