@@ -33,6 +33,7 @@ from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
 from autopart.passes.emit_rank_programs import emit_rank_programs
 from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.gather_parameters import gather_parameters
+from autopart.passes.fp8_linears import fp8_linears
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_context_parallel import prove_token_islands, split_context_parallel
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
@@ -79,6 +80,11 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
              options=dict(memory, chunk_ranks=chunk_ranks)),
         Pass("emit_rank_programs", emit_rank_programs, requires=("stages", "tp"),
              provides=("chunks",)),
+        # precision="fp8": the emitted chunks' linears as FP8 GEMMs (the cut and costs are the
+        # bf16 program's); before split_backward, which traces the final chunks
+        *([Pass("fp8_linears", fp8_linears, requires=("chunks",), provides=("fp8",),
+                options=dict(scaling=c.fp8_scaling, layers=c.fp8_linears))]
+          if c.precision == "fp8" else []),
         # after emit: it rewrites the emitted chunks, and its memory model needs the cut and
         # costs; only when asked (a recompute mode, or a budget to check)
         *([Pass("recompute_activations", recompute_activations,
@@ -97,7 +103,7 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
         # traced from the final chunks (recomputation's rewrite included)
         *([Pass("split_backward", split_backward, requires=("chunks",),
                 provides=("split_backward",), options=dict(microbatch_size=microbatch_size),
-                after=("recompute_activations",))] if _splits_backward(schedule) else []),
+                after=("recompute_activations", "fp8_linears"))] if _splits_backward(schedule) else []),
     ]
 
 
@@ -116,6 +122,24 @@ def _check_zero(zero: int, mesh: Mesh, schedule: sched.Schedule) -> None:
             "which do not re-gather zero=3's freed parameters.\n  remedy: zero=2 with "
             f"{schedule.name!r} (parameters whole, gradients and optimizer state sharded), or "
             "zero=3 with a fused-backward schedule (1f1b, interleaved-1f1b, gpipe)")
+
+
+def _check_fp8(cfg: Config, mesh: Mesh) -> None:
+    """Refuse what precision="fp8" is not tested to train right with (tests/test_fp8.py)."""
+    if cfg.precision != "fp8":
+        return
+    untested = [what for what, on in (
+        (f"cp={mesh.cp} (context parallelism)", mesh.cp > 1),
+        (f"ep={mesh.ep} (expert parallelism: the experts' matmuls are not FP8)", mesh.ep > 1),
+        ("zero=3 (weights would be cast to FP8 before the all-gather)", cfg.zero == 3),
+        ("sequence_parallel=True (its gather-then-linear op is not FP8)", cfg.sequence_parallel),
+        (f"recompute={cfg.recompute!r}", cfg.recompute != "none"),
+        (f"compile={cfg.compile!r} (Inductor)", cfg.compile is not False)) if on]
+    if untested:
+        raise AutopartError(
+            f"precision='fp8' is not supported with {', '.join(untested)}: no test holds FP8 "
+            "to its recipe there.\n  remedy: precision='bf16' with these options, or "
+            "precision='fp8' without them (pp, tp, dp, zero=1/2 and every schedule train FP8)")
 
 
 _DEVICES = "cuda|xpu|mps|hpu|npu|mtia|meta|cpu|privateuseone"
@@ -249,6 +273,7 @@ def compile_checked(model: nn.Module, mesh: Mesh, example_inputs: tuple, cfg: Co
                             "sequence_parallel")
     the_schedule = sched.make_schedule(cfg.schedule, mesh.pp, cfg.microbatches, cfg.virtual_stages)
     _check_zero(cfg.zero, mesh, the_schedule)
+    _check_fp8(cfg, mesh)
 
     def captured() -> Program:
         return _capture(model, example_inputs, loss_fn, target, mbs, trace_device)

@@ -26,7 +26,9 @@ from autopart.schedule import SCHEDULES
 Schedule = Literal[SCHEDULES]                       # the C++ core's names (autopart/schedule.py)
 Recompute = Literal["none", "selective", "full", "auto"]
 Optimizer = Literal["sgd", "sgd-momentum", "adam"]  # what the memory lines count
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["fp32", "bf16", "fp8"]
+Fp8Scaling = Literal["tensorwise", "rowwise"]    # autopart/ops/fp8.py
+Fp8Linears = Literal["auto", "all"]             # passes/fp8_linears.py
 Zero = Literal[0, 1, 2, 3]
 Nonfinite = Literal["raise", "skip", "ignore"]
 CompileMode = Literal[False, True, "cudagraphs"]
@@ -39,7 +41,12 @@ REMEDIES = {
     "optimizer": "the optimizer the memory lines count: 'adam' (Adam and AdamW), 'sgd-momentum' "
                  "or 'sgd'",
     "precision": "precision=\"bf16\" (bf16 compute and transfers, fp32 master weights and "
-                 "gradients) or \"fp32\"; fp16 would need loss scaling, which autopart does not do",
+                 "gradients), \"fp8\" (bf16, with the linears as FP8 GEMMs) or \"fp32\"; fp16 "
+                 "would need loss scaling, which autopart does not do",
+    "fp8_scaling": "'tensorwise' (one scale per tensor, the default) or 'rowwise' (one per row "
+                   "of each GEMM operand), with precision='fp8'",
+    "fp8_linears": "'auto' (the first, last and small linears stay bf16: passes/fp8_linears.py) "
+                   "or 'all' (every linear found), with precision='fp8'",
     "zero": "zero=0, 1, 2 or 3 (ZeRO stage 1: optimizer state and fp32 master slice sharded "
             "over data-parallel replicas; stage 2: the gradients too; stage 3: the parameters "
             "too, gathered a layer at a time)",
@@ -72,6 +79,8 @@ class Config:
     memory_budget: Union[int, None] = None   # bytes per rank; '20GB' is parsed on construction
     optimizer: Optimizer = "adam"
     precision: Precision = "fp32"
+    fp8_scaling: Fp8Scaling = "tensorwise"     # precision="fp8" only
+    fp8_linears: Fp8Linears = "auto"           # precision="fp8" only
     zero: Zero = 0
     cp_attention: CpAttention = "ring"
     # runtime-only: read by parallelize's ParallelModel, not by the compiler
@@ -89,6 +98,11 @@ class Config:
             raise AutopartError("recompute='auto' chooses under a memory budget, but none was "
                                 "given.\n  remedy: pass memory_budget (e.g. '20GB'), or recompute="
                                 "'none' | 'selective' | 'full'")
+        for name in ("fp8_scaling", "fp8_linears"):
+            if self.precision != "fp8" and getattr(self, name) != _field_default(name):
+                raise AutopartError(f"{name}={getattr(self, name)!r} chooses how FP8 linears "
+                                    f"run, but precision={self.precision!r} has none.\n  remedy: "
+                                    f"pass precision='fp8', or leave {name} out")
         if self.zero_bucket_size is not None and not self.zero:
             raise AutopartError(f"zero_bucket_size={self.zero_bucket_size} sizes the buckets of "
                                 "zero=1's reduce-scatter and all-gather, but zero=0 has none.\n"
@@ -110,6 +124,10 @@ class Config:
     def __str__(self) -> str:
         set_ = self.changed()
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in set_.items()) + ")"
+
+
+def _field_default(name: str):
+    return Config.__dataclass_fields__[name].default
 
 
 @functools.cache
@@ -209,5 +227,5 @@ def fmt_bytes(n: float) -> str:
 
 __all__ = ["Config", "PLANNED", "REMEDIES", "check_choice", "choices", "fmt_bytes", "from_options", "names",
            "parse_bytes", "Schedule",
-           "Recompute", "Optimizer", "Precision", "Zero", "Nonfinite", "CompileMode",
+           "Recompute", "Optimizer", "Precision", "Fp8Scaling", "Fp8Linears", "Zero", "Nonfinite", "CompileMode",
            "CpAttention"]

@@ -7,6 +7,7 @@ import sympy
 
 from autopart.analysis import evaluate
 from autopart.errors import module_path
+from autopart.explain_fp8 import fp8_lines, fp8_rows
 from autopart.ir import sym_shape
 from autopart.ops import aten_groups as G
 from autopart.ops import is_autopart_op, op_info
@@ -149,7 +150,7 @@ def _tp_lines(compiled) -> list[str]:
     lines = [f"tensor parallelism over tp={plan.mesh.tp}"
              + (" with sequence parallelism" if plan.config.sequence_parallel else "")
              + (" (bf16 where autocast computes in bf16)"
-                if plan.config.precision == "bf16" else "")
+                if plan.config.precision != "fp32" else "")
              + (f"; collectives of one layer ({first}), bytes per rank per microbatch:" if shown else ":")]
     for r in shown:
         lines.append(f"  {r['module']:<28} {r['split']:<7} fwd {r['forward']:<15} "
@@ -167,7 +168,7 @@ def _bytes(boundary, b, s, precision: str = "fp32") -> float:
     n = 1
     for d in boundary.concrete_shape(b, s):
         n *= d
-    bf16 = precision == "bf16" and boundary.dtype.is_floating_point   # the runtime sends bf16
+    bf16 = precision != "fp32" and boundary.dtype.is_floating_point   # the runtime sends bf16
     return float(n * (2 if bf16 else boundary.dtype.itemsize))
 
 
@@ -178,7 +179,7 @@ def _bytes(boundary, b, s, precision: str = "fp32") -> float:
 # scatter of the embedding) stay fp32.
 def _wire_itemsize(tensor, collective, precision: str) -> int:
     val = tensor.meta["val"]
-    if precision != "bf16" or not val.dtype.is_floating_point:
+    if precision == "fp32" or not val.dtype.is_floating_point:
         return val.element_size()
     if op_info(collective).before_linear:
         return 2
@@ -219,6 +220,7 @@ def explain_table(compiled) -> str:
     lines += _tp_lines(compiled)
     lines += _ep_lines(compiled)
     lines += _cp_lines(compiled)
+    lines += fp8_lines(compiled)
     if plan.shared_params:
         shared = ", ".join(f"{n} (chunks {list(c)})" for n, c in plan.shared_params.items())
         lines.append(f"shared parameters, gradients summed between their chunks: {shared}")
@@ -358,6 +360,7 @@ def explain_json(compiled) -> dict:
         "sequence_parallel": plan.config.sequence_parallel,
         "expert_parallel": ep_rows(compiled),
         "context_parallel": cp_rows(compiled),
+        "fp8": fp8_rows(compiled),
         "bubble": sim.bubble, "peak_in_flight": list(sim.peak_in_flight),
         "recompute": recompute_summary(compiled),
         "memory": memory_rows(compiled),

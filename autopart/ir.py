@@ -34,8 +34,9 @@ EP_LOCAL = "local experts"
 
 
 # precision -> the dtype of compute and of floating transfers (None: as compiled, fp32); bf16
-# runs each step under torch.autocast to it (runtime/step.py), and the memory model counts so
-REDUCED_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+# runs each step under torch.autocast to it (runtime/step.py), and the memory model counts so;
+# fp8 is bf16 but for the linears passes/fp8_linears.py turns into FP8 GEMMs
+REDUCED_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 def graph_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
@@ -201,6 +202,17 @@ class StagePlan:
 
 
 @dataclass
+class Fp8Plan:
+    """fp8_linears' decisions (precision="fp8"): which linears run as FP8 GEMMs, and how."""
+    scaling: str                                     # tensorwise | rowwise (autopart/ops/fp8.py)
+    layers: str                                      # auto | all (fp8_linears' rule)
+    # linear node -> (k_split, n_split): its contracted / output dim is split over tp, so the
+    # amaxes over it are max-all-reduced over tp
+    converted: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)         # linear node -> why it stays bf16
+
+
+@dataclass
 class RecomputePlan:
     """recompute_activations' decisions: per (chunk, layer) what reruns in backward.
 
@@ -316,6 +328,7 @@ class Program:
     chunks: tuple[ChunkProgram, ...] | None = None  # emit_rank_programs
     recompute: RecomputePlan | None = None   # recompute_activations
     split_backward: dict | None = None       # split_backward: chunk -> "graphs" or why autograd
+    fp8: Fp8Plan | None = None               # fp8_linears (precision="fp8")
     param_groups: dict | None = None         # gather_parameters (zero=3): chunk -> [(label, freed after)]
     loss_rule: str | None = None             # weigh_loss_by_tokens: how microbatch losses combine
     loss_count: Any = None                   # weigh_loss_by_tokens: a TokenCount, or None

@@ -356,10 +356,16 @@ def _rel(actual: list, expected: list) -> float:
 
 def run_bf16_cases(rank: int, world: int, cases: list) -> list[dict]:
     """Rank function: every case in turn; a case that raises is recorded, later ones skipped."""
+    return run_each(bf16_equivalence, rank, cases)
+
+
+def run_each(equivalence, rank: int, cases: list) -> list[dict]:
+    """equivalence(case, rank) of every case in turn; a case that raises is recorded, later
+    ones skipped."""
     out = []
     for i, case in enumerate(cases):
         try:
-            out.append(bf16_equivalence(case, rank))
+            out.append(equivalence(case, rank))
         except Exception:  # noqa: BLE001  (reported by the test process, per case)
             out.append({"case": case.name, "rank": rank,
                         "problems": [f"raised on rank {rank}:\n{traceback.format_exc()}"]})

@@ -1,0 +1,152 @@
+"""FP8 linears with dynamic scaling, as graph ops (passes/fp8_linears.py inserts them).
+
+    fp8_linear      y = x @ w.T (+ b): three FP8 GEMMs (forward, input gradient, weight gradient)
+    fp8_linear_tp   the same on a tensor-parallel shard: the amaxes over a split dim are
+                    max-all-reduced over tp first, so every rank scales with the global amax
+
+The recipes (torchao Float8Linear's; docs/precision.md):
+
+  tensorwise   one scale per tensor, scale = max(e4m3) / amax (fp32, computed in fp64 as torchao
+               does). Forward: x (cast to bf16 first, as autocast would) and w (the fp32 master)
+               in e4m3. Backward: grad_output in e5m2 (more range, gradients need it), times the
+               forward's e4m3 w (input gradient) and e4m3 x (weight gradient).
+  rowwise      one scale per row of each GEMM operand along the dim it contracts, rounded down
+               to a power of 2; every operand e4m3 (torchao's ROWWISE recipe). Each backward GEMM
+               contracts another dim, so x and w are kept in high precision and recast there.
+
+Every GEMM accumulates in fp32; the forward and the input gradient come out in bf16 (the rest of
+the step runs in bf16), the weight gradient in fp32 (the master gradient's precision; torchao
+rounds it to bf16 first). The bias is added in bf16 after the GEMM, as torchao adds it.
+
+Under tensor parallelism a scale reduced over a dim that is split over tp needs the global amax:
+one max all-reduce per linear in forward and one in backward, of every amax that needs it at
+once (`k_split`: the contracted dim is split, a row-parallel linear; `n_split`: the output
+features are, a column-parallel one). Tensorwise: x's amax when k_split, w's when either, the
+gradient's when n_split. Rowwise: a row's amax spans the contracted dim only, so forward reduces
+when k_split and the input-gradient GEMM (contracting the output features) when n_split; the
+weight-gradient GEMM contracts the tokens, never split, and needs none.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopart.ops.registry import register
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-12                    # torchao's floor under an amax (an all-zero tensor scales finitely)
+SCALINGS = ("tensorwise", "rowwise")
+
+
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """max(dtype) / amax in fp32 (computed in fp64), rounded down to a power of 2 if `pow2`."""
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def to_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t * scale, saturated to dtype's range, in dtype."""
+    top = torch.finfo(dtype).max
+    return (t.float() * scale).clamp(-top, top).to(dtype)
+
+
+def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """a @ b from FP8 operands and their scales (the inverse of to_fp8's), a row-major and b
+    column-major as CUDA's kernel requires (the CPU's takes either). Outside autocast: CPU
+    autocast runs _scaled_mm in its lower-precision list and rounds the fp32 scales to bf16."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(),
+                                scale_a=scale_a.reciprocal(), scale_b=scale_b.reciprocal(),
+                                out_dtype=out_dtype)
+
+
+def _max_over_tp(amaxes: list, comm) -> list:
+    """The amaxes max-all-reduced over tp in one collective (flattened and split back)."""
+    if not amaxes:
+        return amaxes
+    comm._check()
+    flat = torch.cat([a.reshape(-1) for a in amaxes])
+    if comm.moves_data:
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=comm.group)
+    return [part.reshape(a.shape) for part, a in zip(flat.split([a.numel() for a in amaxes]),
+                                                         amaxes)]
+
+
+def _reduced(amaxes: list, reduce: list, comm) -> list:
+    """`amaxes` with those flagged in `reduce` replaced by their max over tp."""
+    picked = _max_over_tp([a for a, r in zip(amaxes, reduce) if r and comm is not None], comm)
+    it = iter(picked)
+    return [next(it) if r and comm is not None else a for a, r in zip(amaxes, reduce)]
+
+
+def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    a = t.abs()
+    return (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y[M, N] = x[M, K] @ w[N, K].T in FP8 (2-D x; the op reshapes)."""
+
+    @staticmethod
+    def forward(ctx, x, w, scaling, k_split, n_split, comm):
+        rowwise = scaling == "rowwise"
+        x = x.to(torch.bfloat16)
+        dim = 1 if rowwise else None
+        # a row's amax spans K only (rowwise); a tensor's spans every split dim (tensorwise)
+        w_split = k_split if rowwise else k_split or n_split
+        ax, aw = _reduced([_amax(x, dim), _amax(w, dim)], [k_split, w_split], comm)
+        sx, sw = amax_to_scale(ax, E4M3, rowwise), amax_to_scale(aw, E4M3, rowwise)
+        x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
+        ctx.scaling, ctx.n_split, ctx.comm = scaling, n_split, comm
+        if rowwise:     # recast along the backward GEMMs' contracted dims
+            ctx.save_for_backward(x, w)
+        else:
+            ctx.save_for_backward(x8, w8, sx, sw)
+        return scaled_mm(x8, w8.t(), sx, sw.t() if rowwise else sw, torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.scaling == "rowwise":
+            x, w = ctx.saved_tensors
+            return (*_rowwise_grads(g, x, w, ctx.n_split, ctx.comm), None, None, None, None)
+        x8, w8, sx, sw = ctx.saved_tensors
+        (ag,) = _reduced([_amax(g, None)], [ctx.n_split], ctx.comm)
+        sg = amax_to_scale(ag, E5M2, False)
+        g8 = to_fp8(g, sg, E5M2)
+        grad_x = scaled_mm(g8, w8, sg, sw, torch.bfloat16)
+        grad_w = scaled_mm(g8.t(), x8, sg, sx, torch.float32)
+        return grad_x, grad_w, None, None, None, None
+
+
+def _rowwise_grads(g, x, w, n_split: bool, comm):
+    """(grad_x, grad_w) of the rowwise recipe: g @ w scales g's rows and w's columns over the
+    output features (split over tp when n_split); g.T @ x scales both over the tokens."""
+    ag, aw = _reduced([_amax(g, 1), _amax(w, 0)], [n_split, n_split], comm)
+    sg, sw = amax_to_scale(ag, E4M3, True), amax_to_scale(aw, E4M3, True)
+    grad_x = scaled_mm(to_fp8(g, sg, E4M3), to_fp8(w, sw, E4M3), sg, sw, torch.bfloat16)
+    sgt, sx = amax_to_scale(_amax(g, 0), E4M3, True), amax_to_scale(_amax(x, 0), E4M3, True)
+    grad_w = scaled_mm(to_fp8(g, sgt, E4M3).t(), to_fp8(x, sx, E4M3), sgt.t(), sx, torch.float32)
+    return grad_x, grad_w
+
+
+def _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm):
+    if scaling not in SCALINGS:
+        raise ValueError(f"fp8 scaling {scaling!r} is not one of {SCALINGS}")
+    w = w if w_out_dim == 0 else w.t()
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, scaling, k_split, n_split, comm)
+    y = y.reshape(*x.shape[:-1], w.shape[0])
+    return y if b is None else y + b.to(y.dtype)
+
+
+def fp8_linear(x, w, b, scaling: str = "tensorwise", w_out_dim: int = 0):
+    """linear(x, w, b) in FP8 (w[N, K]; w_out_dim=1: w[K, N], as mm and addmm take it)."""
+    return _apply(x, w, b, scaling, w_out_dim, False, False, None)
+
+
+def fp8_linear_tp(x, w, b, scaling: str, w_out_dim: int, k_split: bool, n_split: bool, comm):
+    """fp8_linear on a tensor-parallel shard: the amaxes over a split dim are the global ones."""
+    return _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm)
+
+
+register(fp8_linear, kind="local", axis="fp8", namespace="autopart.fp8_ops")
+register(fp8_linear_tp, kind="collective", axis="tp", namespace="autopart.fp8_ops")
