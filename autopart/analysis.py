@@ -134,6 +134,9 @@ def _evaluate(expr, b: int, s: int) -> float:
 
 META_LAYER = "autopart_layer"  # node.meta: the Layer.path of the node's layer (None: no layer)
 _PERIODS_TRIED = 16      # candidate periods per range: the commonest parameter-read spacings
+_SLACK = 2               # nodes where a run of copies may differ: a first or last copy's own
+                         # op or two (an auxiliary loss summed from a Python 0: add(aux, 0.0)
+                         # where every later copy adds add(total, aux))
 
 
 def detect_layers(program: Program) -> list[Layer]:
@@ -148,7 +151,10 @@ def detect_layers(program: Program) -> list[Layer]:
     nodes is taken first, then the ranges before and after it are searched again (an encoder's
     layers, then a decoder's). Where a copy starts is where the fewest values cross: the
     residual stream between layers. A block next to a group with the same parameter shapes,
-    chained to it, is a layer of it too, with its own signature (an activation swapped).
+    chained to it, is a layer of it too, with its own signature (an activation swapped). A
+    copy whose first stretch between residual-stream boundaries begins again inside it is cut
+    there into layers of two kinds (_kinds: Switch's dense and MoE blocks). Copies may differ in
+    _SLACK nodes (a first copy that adds its auxiliary loss to a Python 0).
     Module paths only name a layer found so (the deepest module all its nodes share), never
     decide one: names lie (numbered submodules that are not layers, layers without numbers),
     the graph does not. Every call_function node gets meta[META_LAYER] (its layer's path or
@@ -223,7 +229,7 @@ class _Structure:
 
     def layers(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The spans [a, b) of the layers in stream[lo:hi], in order: each group's copies, and
-        the variants next to them (_variant)."""
+        the variants next to them (_variant), each cut into the layers of its kinds (_kinds)."""
         found = self._best(lo, hi) if hi - lo >= 2 else None
         if found is None:
             return []
@@ -233,8 +239,32 @@ class _Structure:
             first -= p
         while end + p <= hi and self._variant(end - p, p):
             end += p
-        return [*self.layers(lo, first), *((a, a + p) for a in range(first, end, p)),
+        starts = range(first, end, p)
+        cuts = [*self._kinds(starts, p), p]
+        return [*self.layers(lo, first),
+                *((a + x, a + y) for a in starts for x, y in zip(cuts, cuts[1:])),
                 *self.layers(end, hi)]
+
+    def _kinds(self, starts, p: int) -> list[int]:
+        """Where layers begin inside each copy of the period: 0, and each offset where the
+        copy's first stretch between residual-stream boundaries begins again. A boundary is a
+        gap where no more values cross than at either end of every copy; a period of dense and
+        MoE blocks (Switch: one copy holds both) begins its attention again where the MoE block
+        starts, while a block's own MLP never begins like its attention, and two kinds that
+        differ from their first op on (a sliding window before the attention) stay one layer
+        of two blocks."""
+        bounds = [q for q in range(1, p)
+                  if all(self.cross[a + q] <= min(self.cross[a], self.cross[a + p]) for a in starts)]
+        reads = next((q for q in bounds if any(self.reads[starts[0]:starts[0] + q])), None)
+        if reads is None:
+            return [0]
+        head, edges = reads, {*bounds, p}       # the first stretch that reads a parameter
+        cuts = [0]
+        for q in bounds:
+            if q - cuts[-1] >= head and q + head in edges and all(
+                    self.labels[a + q:a + q + head] == self.labels[a:a + head] for a in starts):
+                cuts.append(q)
+        return cuts
 
     def _variant(self, a: int, p: int) -> bool:
         """stream[a:a+p] and stream[a+p:a+2p] are two layers of one stack whose ops may differ
@@ -250,7 +280,8 @@ class _Structure:
         runs = []
         for p in self._periods(lo, hi):
             same = [x == y for x, y in zip(self.labels[lo:hi - p], self.labels[lo + p:hi])]
-            runs += [((b - a + p) // p * p, -p, a, b) for a, b in _runs(same, lo) if b - a >= p]
+            runs += [((b - a + p) // p * p, -p, a, b) for a, b in _runs(same, lo, _SLACK)
+                     if b - a >= p]
         for _, p, a, b in sorted(runs, reverse=True)[:_PERIODS_TRIED]:
             found = self._refined(a, b, -p)
             if found is not None:
@@ -278,8 +309,8 @@ class _Structure:
         """Within a run of equal labels (stream[i] ~ stream[i + p] for i in [a, b)), the longest
         run whose dataflow repeats too, started where the fewest values cross; None if it is no
         group of layers (fewer than two copies, no parameter, copies not chained)."""
-        same = [self._same(i, p) for i in range(a, b)]
-        longest = max(_runs(same, a), key=lambda r: r[1] - r[0], default=None)
+        same = [self.labels[i] == self.labels[i + p] and self._same(i, p) for i in range(a, b)]
+        longest = max(_runs(same, a, _SLACK), key=lambda r: r[1] - r[0], default=None)
         if longest is None:
             return None
         found = self._phase(a, *longest, p)
@@ -317,13 +348,17 @@ class _Structure:
         return (best[2], -best[1]) if best else None
 
     def _first_copy_matches(self, s: int, p: int) -> bool:
+        """stream[s:s+p] is a copy of the next one, but for reads of what precedes it and at
+        most _SLACK nodes of its own."""
+        own = 0
         for i in range(s, s + p):
-            if self.labels[i] != self.labels[i + p]:
-                return False
-            for x, y in zip(self.args[i], self.args[i + p]):
-                if x is not y and (x in self.pos or y in self.pos) \
-                        and self.pos.get(y, -1) - self.pos.get(x, -1) != p \
-                        and not (self.pos.get(x, -1) < s <= self.pos.get(y, -1) < s + p):
+            if self.labels[i] != self.labels[i + p] or any(
+                    x is not y and (x in self.pos or y in self.pos)
+                    and self.pos.get(y, -1) - self.pos.get(x, -1) != p
+                    and not (self.pos.get(x, -1) < s <= self.pos.get(y, -1) < s + p)
+                    for x, y in zip(self.args[i], self.args[i + p])):
+                own += 1
+                if own > _SLACK:
                     return False
         return True
 
@@ -336,8 +371,9 @@ def _flatten(args) -> list:
     return [args]
 
 
-def _runs(flags: list[bool], offset: int) -> list[tuple[int, int]]:
-    """The maximal runs [a, b) of True in flags, as positions offset + index."""
+def _runs(flags: list[bool], offset: int, slack: int = 0) -> list[tuple[int, int]]:
+    """The maximal runs [a, b) of True in flags, as positions offset + index, each bridging at
+    most `slack` False in all."""
     out, begin = [], None
     for i, f in enumerate(flags):
         if f and begin is None:
@@ -347,7 +383,18 @@ def _runs(flags: list[bool], offset: int) -> list[tuple[int, int]]:
             begin = None
     if begin is not None:
         out.append((offset + begin, offset + len(flags)))
-    return out
+    return _bridged(out, slack) if slack else out
+
+
+def _bridged(runs: list[tuple[int, int]], slack: int) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []           # [a, b, Falses bridged]
+    for a, b in runs:
+        if merged and a - merged[-1][1] <= slack - merged[-1][2]:
+            merged[-1][2] += a - merged[-1][1]
+            merged[-1][1] = b
+        else:
+            merged.append([a, b, 0])
+    return [(a, b) for a, b, _ in merged]
 
 
 def _crossing_counts(stream: list[fx.Node], pos: dict) -> list[int]:

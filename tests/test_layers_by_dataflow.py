@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
+import autopart
 from autopart.analysis import analyze, detect_layers, layer_of
 from autopart.capture import capture
 from autopart.passes.cut_pipeline_stages import cut_pipeline_stages
@@ -154,3 +156,40 @@ def test_whisper_pp2_trains_like_the_plain_model(spawn_cache):
     total = ranks[0]["total_numel"]
     assert sum(r["held_numel"] for r in ranks) >= total
     assert max(r["held_numel"] for r in ranks) / total <= 0.6, [r["held_numel"] for r in ranks]
+
+
+def test_switch_dense_and_moe_blocks_are_four_layers_each_recomputed():
+    """examples/switch.py at 4 layers (tests.workers.common.SWITCH): dense blocks 0 and 2, MoE
+    blocks 1 and 3. The graph repeats with a period of two blocks, yet the layers are the four
+    blocks: inside each period the residual stream alone crosses where block 1 begins (as
+    between periods), and there the period's first stretch (the attention: the same ops on
+    the same shapes) begins again, so a dense block and an MoE block are two layers of two
+    kinds, not one layer of two blocks (a block's own MLP never begins like its attention).
+    Pairs would also halve the pipeline chunks a Switch model can have (pp*virtual_stages at
+    most the layers). The first MoE block adds its auxiliary loss to a Python 0
+    (add(aux, 0.0), where block 3 adds add(total, aux)): the two copies differ in that one
+    node, which neither hides the layers nor gives the two MoE blocks one signature (they are
+    not the same graph). Each layer is then recomputed on its own under recompute="full"."""
+    from examples.switch import SwitchGPT, config
+    from tests.workers.common import SWITCH
+    torch.manual_seed(0)
+    model = SwitchGPT(config(SWITCH))
+    x = torch.randint(0, 128, (2, 16))
+    program = capture(model, (x, x))
+    layers = detect_layers(program)
+    blocks = [f"transformer.h.{i}" for i in range(4)]
+    assert [layer.path for layer in layers] == blocks
+    named = {n.name for n in program.gm.graph.nodes if n.meta.get("nn_module_stack")
+             and isinstance(n.meta.get("val"), torch.Tensor)}   # not a size both MoE blocks read
+    for layer, block in zip(layers, blocks):
+        assert set(layer.nodes) & named == _module_nodes(program, block) & named, block
+    assert layers[0].signature == layers[2].signature != layers[1].signature
+    assert layers[1].signature != layers[3].signature     # add(aux, 0.0) vs add(total, aux)
+    c = autopart.compile(SwitchGPT(config(SWITCH)), autopart.Mesh(pp=2), (x, x), microbatches=2,
+                         recompute="full")
+    assert c.plan.chunk_layers == (tuple(blocks[:2]), tuple(blocks[2:]))
+    recomputed = [[n.args[0].target for n in c.programs[r].chunks[0].gm.graph.nodes
+                   if n.op == "call_function" and n.target is torch.utils.checkpoint.checkpoint]
+                  for r in (0, 1)]
+    assert recomputed == [[f"recompute_transformer_h_{i}" for i in (0, 1)],
+                          [f"recompute_transformer_h_{i}" for i in (2, 3)]]
