@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from autopart.errors import _clean_path
-from autopart.ir import BATCH, META_TP, SEQ, NodeCost, Program, sym_shape
+from autopart.ir import BATCH, META_LAYER, META_TP, SEQ, NodeCost, Program, sym_shape
 from autopart.ops import op_info
 from autopart.placement import Partial, Shard
 from autopart.ops import aten_groups as G
@@ -132,7 +132,6 @@ def _evaluate(expr, b: int, s: int) -> float:
 
 # -- layers: the graph's repeated structure ------------------------------------------------
 
-META_LAYER = "autopart_layer"  # node.meta: the Layer.path of the node's layer (None: no layer)
 _PERIODS_TRIED = 16      # candidate periods per range: the commonest parameter-read spacings
 _SLACK = 2               # nodes where a run of copies may differ: a first or last copy's own
                          # op or two (an auxiliary loss summed from a Python 0: add(aux, 0.0)

@@ -31,6 +31,7 @@ BATCH, SEQ = sympy.Symbol("b", positive=True, integer=True), sympy.Symbol("s", p
 META_TP = "tp"            # split_tensor_parallel: the node's placement over tp (Shard/Replicate/Partial)
 META_EP = "ep"            # shard_experts: EP_LOCAL on nodes that compute on this rank's experts only
 EP_LOCAL = "local experts"
+META_LAYER = "autopart_layer"  # analysis.detect_layers: the Layer.path of the node's layer, or None
 
 
 # precision -> the dtype of compute and of floating transfers (None: as compiled, fp32); bf16

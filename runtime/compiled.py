@@ -1,7 +1,7 @@
 """compile=True: each rank's chunk programs run through Inductor, each distinct layer compiled once.
 
 Each chunk's graph is cut into segments: maximal runs of ATen ops that belong to the same layer
-(the layer paths of the chunk, from analysis.detect_layers) or to the same stretch outside the
+(the chunk's layers, as analysis.detect_layers marked each node) or to the same stretch outside the
 layers, broken at every op of ours (tensor-parallel collectives, expert all-to-alls, p2p
 markers: they stay eager, between compiled segments) and at recomputed regions (whose own
 graphs are cut the same way, so checkpoint replays compiled code). A segment takes the layer's
@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
+from autopart.ir import META_LAYER
 from autopart.ops import aten_groups as G
 from autopart.ops import op_info
 from autopart.runtime.executor import COMPILED
@@ -108,11 +109,13 @@ def _path(node: fx.Node) -> str:
 
 
 def _label(node: fx.Node, layers: tuple, outside: str) -> str:
-    path = _path(node)
-    for layer in layers:
-        if path == layer or path.startswith(layer + "."):
-            return layer
-    return outside
+    """The node's layer among the chunk's `layers`: the mark analysis.detect_layers left
+    (META_LAYER), the same record the passes read, so a layer its module paths do not name
+    (`layer.<i>`: blocks without a module of their own) is still one segment, shared by its
+    repeats. A node without the mark (a joint graph make_fx traced for a zero-bubble split)
+    lies outside the layers."""
+    layer = node.meta.get(META_LAYER)
+    return layer if layer is not None and layer in layers else outside
 
 
 def partition(gm: fx.GraphModule, layers: tuple, outside: str = "<outside layers>") -> list[list]:

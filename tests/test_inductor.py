@@ -67,6 +67,48 @@ def test_distinct_artifacts_do_not_grow_with_depth(mesh, per_layer):
         assert (rows[2]["segments"], rows[2]["distinct"]) == (4, 3), rows[2]
 
 
+class _Unnamed(nn.Module):
+    """Layers without a module of their own: each block's weights sit in ParameterLists and a
+    loop applies them with functional ops, so every op's module is the root and detect_layers
+    names the layers it finds by dataflow layer.0 .. layer.3 (no module path names them)."""
+
+    def __init__(self, width: int = 16, n: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(width, width)     # layer 0's input requires grad, as the others'
+        self.up = nn.ParameterList(nn.Parameter(torch.randn(2 * width, width) * 0.1)
+                                   for _ in range(n))
+        self.down = nn.ParameterList(nn.Parameter(torch.randn(width, 2 * width) * 0.1)
+                                     for _ in range(n))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for up, down in zip(self.up, self.down):
+            x = x + nn.functional.linear(torch.tanh(nn.functional.linear(x, up)), down)
+        return self.head(x).pow(2).mean()
+
+
+UNNAMED = [f"layer.{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_layers_no_module_names_are_one_artifact_each(pp):
+    """The segments follow the layers found by dataflow (the nodes' layer marks), not module
+    paths: each of the 4 unnamed layers is one segment and all 4 share one artifact (matched
+    by module path, no op was a layer's and each rank compiled its chunk as one segment)."""
+    from autopart.runtime.compiled import describe
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    compiled = autopart.compile(_Unnamed(), autopart.Mesh(pp=pp), (x,), microbatches=pp)
+    assert compiled.plan.chunk_layers == tuple(tuple(UNNAMED[c * 4 // pp:(c + 1) * 4 // pp])
+                                               for c in range(pp))
+    rows = describe(compiled)
+    for row, layers in zip(rows, compiled.plan.chunk_layers):
+        shared = [a for a in row["artifacts"] if a["labels"] == list(layers)]
+        assert len(shared) == 1 and shared[0]["uses"] == len(layers), row
+    assert sum(row["segments"] for row in rows) == 6, rows      # + the input and the head
+
+
 def _cli(argv, capsys):
     from autopart.cli.compile import add_compile_command, run_compile
     parser = argparse.ArgumentParser(prog="autopart")
@@ -165,6 +207,31 @@ def test_one_artifact_per_distinct_layer(single_process_group, tmp_path):
             assert (f"inductor (this rank): {n + 2} segments, 3 compiled artifacts ({lowered} "
                     f"forward/backward graphs lowered, {cached} artifacts from Inductor's "
                     "cache)") in pm.explain()
+
+
+@pytest.mark.full
+def test_unnamed_layers_compile_once(single_process_group):
+    """Inductor compiles the 4 unnamed layers (ParameterLists, functional ops) once: 3
+    artifacts (the input linear, the layer, the head with the loss) for 6 segment calls,
+    AOTAutograd's own count agreeing; 2 steps equal to the plain model (losses, the accumulated gradients)."""
+    import copy
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model, x = _Unnamed(), torch.randn(4, 16)
+    plain = copy.deepcopy(model)
+    before = counters["aot_autograd"]["total"]
+    pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), compile=True)
+    losses = [pm.train_step(x) for _ in range(2)]
+    report = pm.inductor.report
+    assert (report.segments, report.artifacts, report.fallbacks) == (6, 3, {}), report
+    assert counters["aot_autograd"]["total"] - before == 3
+    ref = plain(x)
+    ref.backward()
+    for loss in losses:
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    grads = dict(plain.named_parameters())
+    for name, p in pm.named_parameters():     # two steps accumulated: twice the plain's
+        torch.testing.assert_close(p.grad, 2 * grads[name].grad, rtol=1e-5, atol=1e-6)
 
 
 @torch.library.custom_op("autopart_test::doubled", mutates_args=())
