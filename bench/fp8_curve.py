@@ -60,12 +60,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--runs", default=",".join(n for n, _ in RUNS),
+                    help="which of " + ", ".join(n for n, _ in RUNS) + " (bf16 always)")
     args = ap.parse_args(argv)
     store = dist.FileStore(tempfile.mktemp(prefix="fp8_curve_"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         curves, seconds = {}, {}
-        for name, options in RUNS:
+        wanted = {"bf16", *args.runs.split(",")}
+        for name, options in [r for r in RUNS if r[0] in wanted]:
             start = time.perf_counter()
             curves[name] = train(options, args.steps, args.batch)
             seconds[name] = time.perf_counter() - start

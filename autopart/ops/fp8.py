@@ -14,9 +14,11 @@ The recipes (torchao Float8Linear's; docs/precision.md):
                to a power of 2; every operand e4m3 (torchao's ROWWISE recipe). Each backward GEMM
                contracts another dim, so x and w are kept in high precision and recast there.
 
-Every GEMM accumulates in fp32; the forward and the input gradient come out in bf16 (the rest of
-the step runs in bf16), the weight gradient in fp32 (the master gradient's precision; torchao
-rounds it to bf16 first). The bias is added in bf16 after the GEMM, as torchao adds it.
+Every GEMM accumulates in fp32 and comes out in bf16, the weight gradient too (as torchao's;
+CUDA's rowwise kernel has no other output type), which autograd adds into the fp32 .grad. The
+bias is added in bf16 after the GEMM, as torchao adds it. On CUDA the kernel also needs every
+GEMM dim a multiple of 16: the weight's sides (fp8_linears' "small" rule) and the tokens of a
+microbatch.
 
 Under tensor parallelism a scale reduced over a dim that is split over tp needs the global amax:
 one max all-reduce per linear in forward and one in backward, of every amax that needs it at
@@ -114,7 +116,7 @@ class _Fp8Linear(torch.autograd.Function):
         sg = amax_to_scale(ag, E5M2, False)
         g8 = to_fp8(g, sg, E5M2)
         grad_x = scaled_mm(g8, w8, sg, sw, torch.bfloat16)
-        grad_w = scaled_mm(g8.t(), x8, sg, sx, torch.float32)
+        grad_w = scaled_mm(g8.t(), x8, sg, sx, torch.bfloat16)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -125,7 +127,7 @@ def _rowwise_grads(g, x, w, n_split: bool, comm):
     sg, sw = amax_to_scale(ag, E4M3, True), amax_to_scale(aw, E4M3, True)
     grad_x = scaled_mm(to_fp8(g, sg, E4M3), to_fp8(w, sw, E4M3), sg, sw, torch.bfloat16)
     sgt, sx = amax_to_scale(_amax(g, 0), E4M3, True), amax_to_scale(_amax(x, 0), E4M3, True)
-    grad_w = scaled_mm(to_fp8(g, sgt, E4M3).t(), to_fp8(x, sx, E4M3), sgt.t(), sx, torch.float32)
+    grad_w = scaled_mm(to_fp8(g, sgt, E4M3).t(), to_fp8(x, sx, E4M3), sgt.t(), sx, torch.bfloat16)
     return grad_x, grad_w
 
 
