@@ -5,13 +5,15 @@
     python bench/gpu_step.py --precision fp32 --config tiny --batch 4
     python bench/gpu_step.py --nonfinite ignore      # without the health check
     python bench/gpu_step.py --microbatches 4        # the plain side accumulates over the same 4
+    python bench/gpu_step.py --precision fp8         # autopart's FP8 step against the plain bf16 one
 
 One rank on cuda:0, its process group NCCL (world 1). Two sides built from the same weights
 step back to back in every round (their order alternating round by round), each timed from a
 `torch.cuda.synchronize()` to one after `opt.step()`:
 
   plain     the unmodified model: forward under `torch.autocast(bf16)` (the recipe autopart's
-            `precision="bf16"` is held to), backward, AdamW
+            `precision="bf16"` is held to), backward, AdamW; also under `--precision fp8`,
+            so that the figure is autopart's FP8 step against bf16 (docs/precision.md)
   autopart  `parallelize(model, Mesh(pp=1), precision=..., microbatches=M)`: `pm.train_step`
             then AdamW over `pm.parameters()` (zero=0) or `pm.optimizer` (zero>=1)
 
@@ -69,7 +71,7 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
     g = torch.Generator().manual_seed(opts["seed"] + 1)
     x, y = (torch.randint(0, cfg.vocab_size, (opts["batch"], cfg.block_size), generator=g).to(device)
             for _ in range(2))
-    m, bf16 = opts["microbatches"], opts["precision"] == "bf16"
+    m, bf16 = opts["microbatches"], opts["precision"] in ("bf16", "fp8")   # the plain side's
     start = time.perf_counter()
     pm = autopart.parallelize(copy.deepcopy(plain), autopart.Mesh(pp=1), (x,), loss_fn=lm_loss,
                               target=y, microbatches=m, precision=opts["precision"],
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="gpt2-124m")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=1)
-    ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
+    ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp8"))
     ap.add_argument("--zero", type=int, default=0, choices=(0, 1))
     ap.add_argument("--nonfinite", default="raise", choices=("raise", "ignore"),
                     help="autopart's health check (the default, raise) or none")
