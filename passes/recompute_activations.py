@@ -34,7 +34,7 @@ from autopart.aliasing import storage_root, written_args
 from autopart.analysis import layer_of
 from autopart.config import Config, choices
 from autopart.errors import AutopartError
-from autopart.ir import ChunkProgram, Program, RecomputePlan, graph_module
+from autopart.ir import META_LAYER, ChunkProgram, Program, RecomputePlan, graph_module
 from autopart.ops import op_info
 from autopart.ops import aten_groups as G
 
@@ -252,9 +252,10 @@ def extract_region(gm: fx.GraphModule, region: list[fx.Node], name: str, layer: 
         fn = gm.graph.get_attr(name)
         call = gm.graph.create_node("call_function", torch.utils.checkpoint.checkpoint,
                                     (fn, *inputs), {"use_reentrant": False}, name=name + "_out")
-        # the layer's module path, so analysis.layer_of and explain see the call as the layer's
+        # the layer's mark (analysis.layer_of: a layer no module names, layer.<i>, too) and
+        # module path (explain), so both see the call as the layer's
         call.meta = {"nn_module_stack": region[0].meta.get("nn_module_stack", {}),
-                     "recompute": (layer, kind)}
+                     META_LAYER: layer, "recompute": (layer, kind)}
         results = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     for old, new in zip(outputs, results):
         new.meta = dict(old.meta)

@@ -46,6 +46,21 @@ def test_full_moves_each_layer_into_a_checkpointed_submodule():
     assert set(plan.regions[1]) == {"recompute_transformer_h_2", "recompute_transformer_h_3"}
 
 
+def test_a_layer_no_module_names_owns_its_checkpoint_call():
+    """Layers found by dataflow that no module names (tests.workers.layers.Unnamed: layer.0 ..
+    layer.3) are recomputed each, and the checkpoint call carries its layer's mark, so
+    analysis.layer_of (the memory table, ZeRO-3's gathers) sees the call as the layer's; by its
+    module path alone (the root's) it was no layer's."""
+    from autopart.analysis import layer_of
+    from tests.workers.layers import Unnamed
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    c = autopart.compile(Unnamed(), autopart.Mesh(pp=1), (x,), recompute="full")
+    chunk = c.programs[0].chunks[0]
+    assert chunk.layers == tuple(f"layer.{i}" for i in range(4))
+    assert [layer_of(n, set(chunk.layers)) for n in _checkpoints(chunk.gm)] == list(chunk.layers)
+
+
 def test_selective_recomputes_only_the_attention_core():
     c = _compile("selective")
     chunk = c.programs[1].chunks[0]

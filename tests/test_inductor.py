@@ -31,6 +31,7 @@ from autopart.errors import AutopartError
 from examples.gpt import GPT, GPTConfig, lm_loss
 from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
 from tests.workers.inductor import CompiledCase, compiled_cases
+from tests.workers.layers import Unnamed
 
 GPT_FILE = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
 
@@ -67,27 +68,6 @@ def test_distinct_artifacts_do_not_grow_with_depth(mesh, per_layer):
         assert (rows[2]["segments"], rows[2]["distinct"]) == (4, 3), rows[2]
 
 
-class _Unnamed(nn.Module):
-    """Layers without a module of their own: each block's weights sit in ParameterLists and a
-    loop applies them with functional ops, so every op's module is the root and detect_layers
-    names the layers it finds by dataflow layer.0 .. layer.3 (no module path names them)."""
-
-    def __init__(self, width: int = 16, n: int = 4):
-        super().__init__()
-        self.inp = nn.Linear(width, width)     # layer 0's input requires grad, as the others'
-        self.up = nn.ParameterList(nn.Parameter(torch.randn(2 * width, width) * 0.1)
-                                   for _ in range(n))
-        self.down = nn.ParameterList(nn.Parameter(torch.randn(width, 2 * width) * 0.1)
-                                     for _ in range(n))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for up, down in zip(self.up, self.down):
-            x = x + nn.functional.linear(torch.tanh(nn.functional.linear(x, up)), down)
-        return self.head(x).pow(2).mean()
-
-
 UNNAMED = [f"layer.{i}" for i in range(4)]
 
 
@@ -99,7 +79,7 @@ def test_layers_no_module_names_are_one_artifact_each(pp):
     from autopart.runtime.compiled import describe
     torch.manual_seed(0)
     x = torch.randn(4, 16)
-    compiled = autopart.compile(_Unnamed(), autopart.Mesh(pp=pp), (x,), microbatches=pp)
+    compiled = autopart.compile(Unnamed(), autopart.Mesh(pp=pp), (x,), microbatches=pp)
     assert compiled.plan.chunk_layers == tuple(tuple(UNNAMED[c * 4 // pp:(c + 1) * 4 // pp])
                                                for c in range(pp))
     rows = describe(compiled)
@@ -217,7 +197,7 @@ def test_unnamed_layers_compile_once(single_process_group):
     import copy
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
-    model, x = _Unnamed(), torch.randn(4, 16)
+    model, x = Unnamed(), torch.randn(4, 16)
     plain = copy.deepcopy(model)
     before = counters["aot_autograd"]["total"]
     pm = autopart.parallelize(model, autopart.Mesh(pp=1), (x,), compile=True)

@@ -1,4 +1,5 @@
-"""Rank functions and models for tests/test_layers_by_dataflow.py: Hugging Face Whisper (an
+"""Rank functions and models for tests/test_layers_by_dataflow.py (and layers no module names,
+Unnamed, for the compiled segments and recomputation): Hugging Face Whisper (an
 encoder of conv stem + layers, a decoder whose layers all read the encoder's output), built from
 its own config with random weights (no download), registered as the family "whisper" of the
 equivalence harness (tests/workers/equivalence.py) in every process that imports this module.
@@ -6,6 +7,8 @@ equivalence harness (tests/workers/equivalence.py) in every process that imports
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from tests.workers import common
 from tests.workers.equivalence import run_cases, run_group
@@ -30,6 +33,27 @@ def whisper_config():
         attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None,
         begin_suppress_tokens=None)
+
+
+class Unnamed(nn.Module):
+    """Layers without a module of their own: each block's weights sit in ParameterLists and a
+    loop applies them with functional ops, so every op's module is the root and detect_layers
+    names the layers it finds by dataflow layer.0 .. layer.3 (no module path names them)."""
+
+    def __init__(self, width: int = 16, n: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(width, width)     # layer 0's input requires grad, as the others'
+        self.up = nn.ParameterList(nn.Parameter(torch.randn(2 * width, width) * 0.1)
+                                   for _ in range(n))
+        self.down = nn.ParameterList(nn.Parameter(torch.randn(width, 2 * width) * 0.1)
+                                     for _ in range(n))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for up, down in zip(self.up, self.down):
+            x = x + F.linear(torch.tanh(F.linear(x, up)), down)
+        return self.head(x).pow(2).mean()
 
 
 class Whisper(torch.nn.Module):
