@@ -221,6 +221,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
             dump_dir: str | None = None, recompute: str | None = None,
             memory_budget: str | int | None = None, optimizer: str | None = None,
             precision: str | None = None, zero: int | None = None, cp_attention: str | None = None,
+            fp8_scaling: str | None = None, fp8_linears: str | None = None,
             capture_once: Callable[[Callable[[], Program]], Program] | None = None,
             trace_device: torch.device | str | None = None) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
@@ -248,7 +249,8 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
     cfg = from_options(config, dict(
         microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
-        optimizer=optimizer, precision=precision, zero=zero, cp_attention=cp_attention))
+        optimizer=optimizer, precision=precision, zero=zero, cp_attention=cp_attention,
+        fp8_scaling=fp8_scaling, fp8_linears=fp8_linears))
     example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
     return compile_checked(model, mesh, example_inputs, cfg, loss_fn=loss_fn, target=target,
                            dump_dir=dump_dir, capture_once=capture_once,

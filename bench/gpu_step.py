@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # for `examples.gpt`
 
+from autopart.config import choices  # noqa: E402
 from examples.gpt import GPT, config, lm_loss  # noqa: E402
 
 SIDES = ("autopart", "plain")
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="gpt2-124m")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=1)
-    ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp8"))
+    ap.add_argument("--precision", default="bf16", choices=choices("precision"))
     ap.add_argument("--zero", type=int, default=0, choices=(0, 1))
     ap.add_argument("--nonfinite", default="raise", choices=("raise", "ignore"),
                     help="autopart's health check (the default, raise) or none")

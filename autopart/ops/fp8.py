@@ -37,7 +37,6 @@ from autopart.ops.registry import register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12                    # torchao's floor under an amax (an all-zero tensor scales finitely)
-SCALINGS = ("tensorwise", "rowwise")
 
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
@@ -132,8 +131,7 @@ def _rowwise_grads(g, x, w, n_split: bool, comm):
 
 
 def _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm):
-    if scaling not in SCALINGS:
-        raise ValueError(f"fp8 scaling {scaling!r} is not one of {SCALINGS}")
+    # scaling: Config.fp8_scaling's value, checked where the user wrote it (autopart/config.py)
     w = w if w_out_dim == 0 else w.t()
     y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, scaling, k_split, n_split, comm)
     y = y.reshape(*x.shape[:-1], w.shape[0])
