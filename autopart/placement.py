@@ -342,13 +342,20 @@ def _stack(node, x, s, pl, tp):
     before it; a replicated part is needed sliced like the others."""
     parts = [a for a in node.args[0] if isinstance(a, fx.Node)]
     dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim(node))
+    shard, need = placed_alike(parts, pl, "stacking")
+    return need or Shard(shard.dim + (1 if dim <= shard.dim else 0), shard.origin)
+
+
+def placed_alike(parts, pl, what: str):
+    """(the shard the parts of a stack or cat share, a Need for the first replicated part or
+    None); raises NoRule when parts are sharded along different dims."""
     shard = next(pl[a] for a in parts if isinstance(pl.get(a), Shard))
     for a in parts:
         if not isinstance(pl.get(a), Shard):
-            return Need(a, shard.dim)
+            return shard, Need(a, shard.dim)
         if pl[a].dim != shard.dim:
-            raise NoRule("stacking tensors sharded along different dims")
-    return Shard(shard.dim + (1 if dim <= shard.dim else 0), shard.origin)
+            raise NoRule(f"{what} tensors sharded along different dims")
+    return shard, None
 
 
 @rule(aten.index.Tensor)
@@ -479,11 +486,6 @@ def _reduce(node, x, s, pl, tp):
     return Shard(s.dim - (0 if keep else sum(d < s.dim for d in dims)), s.origin)
 
 
-@rule(aten.cat.default)
-def _cat_rule(node, x, s, pl, tp):
-    return _cat(node, pl)
-
-
 @rule(aten.scaled_dot_product_attention.default)
 def _sdpa_rule(node, x, s, pl, tp):
     return _sdpa(node, pl)
@@ -565,30 +567,6 @@ def _batched_matmul(node, pl):
     if sa.dim != sb.dim:
         raise NoRule("matmul operands sharded along different batch dims")
     return Shard(sa.dim, sa.origin)
-
-
-def _cat(node, pl):
-    """Concatenation along a dim other than the shard; empty inputs (a fresh cache) drop out."""
-    parts = [a for a in node.args[0] if isinstance(a, fx.Node) and _numel(a) != 0]
-    out_nd = ndim(node)
-    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, out_nd)
-    shard = next(pl[a] for a in parts if isinstance(pl.get(a), Shard))
-    if shard.dim == dim:
-        raise NoRule("concatenation along the sharded dim")
-    for a in parts:
-        if not isinstance(pl.get(a), Shard):
-            return Need(a, shard.dim)
-        if pl[a].dim != shard.dim:
-            raise NoRule("concatenating tensors sharded along different dims")
-    return shard
-
-
-def _numel(node) -> int | None:
-    shape = shape_of(node)
-    try:
-        return int(sympy.prod([_expr(d) for d in shape])) if shape else 1
-    except TypeError:
-        return None
 
 
 from autopart import placement_scan  # noqa: E402,F401  (registers the recurrent layers' rules)

@@ -1,14 +1,17 @@
 """Tensor-parallel rules for the ops of recurrent (state-space and linear-attention) layers, split
 by heads as Megatron splits Mamba layers: a depthwise causal conv1d whose channels follow the
-heads, padding and cumulative sums along the sequence, and einsum contractions per head (the
-chunked scan of Mamba-2 and gated DeltaNet as torch writes it without the fused kernels).
+heads, padding and cumulative sums along the sequence, einsum contractions per head, triangular
+masks (the chunked scan of Mamba-2 and gated DeltaNet as torch writes it without the fused
+kernels), and concatenation (along the sharded dim: DeltaNet's cat((q, k, v), -1)).
 Registered into autopart.placement.RULES; each has a row in tests/test_placement_rules.py."""
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.fx as fx
 
-from autopart.placement import Need, NoRule, Shard, ndim, norm_dim, rule, shape_of
+from autopart.placement import (Need, NoRule, Shard, SplitOnShard, _expr, ndim, norm_dim,
+                                placed_alike, rule, shape_of)
 
 aten = torch.ops.aten
 
@@ -86,3 +89,38 @@ def _like(node, x, s, pl, tp):
     if not isinstance(s, Shard):
         raise NoRule(f"{node.target} of a replicated tensor with a sharded operand")
     return s
+
+
+@rule(aten.tril.default, aten.triu.default)
+def _triangle(node, x, s, pl, tp):
+    """A triangular mask over the last two dims (positions in a chunk) keeps a shard elsewhere."""
+    if s.dim >= ndim(x) - 2:
+        raise NoRule(f"{node.target} over the sharded dim {s.dim}")
+    return s
+
+
+@rule(aten.cat.default)
+def _cat(node, x, s, pl, tp):
+    """Concatenation along another dim than the shard, or along it: rank r's local cat then
+    holds its 1/tp of each part side by side, so the parts are the sections of a new origin,
+    the cat (the region follows what meets it per section). Empty inputs (a fresh cache) drop
+    out."""
+    parts = [a for a in node.args[0] if isinstance(a, fx.Node) and _numel(a) != 0]
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim(node))
+    shard, need = placed_alike(parts, pl, "concatenating")
+    if need or shard.dim != dim:
+        return need or shard
+    sizes = tuple(int(shape_of(a)[dim]) for a in parts)
+    if any(v % tp for v in sizes):
+        raise NoRule(f"concatenation along the sharded dim of parts {sizes}, not divisible by "
+                     f"tp={tp}")
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return SplitOnShard(node.name, sizes, tuple(zip(bounds, bounds[1:]))), Shard(dim, node.name)
+
+
+def _numel(node) -> int | None:
+    shape = shape_of(node)
+    try:
+        return int(sympy.prod([_expr(d) for d in shape])) if shape else 1
+    except TypeError:
+        return None

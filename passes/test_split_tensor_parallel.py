@@ -464,3 +464,45 @@ def test_scatter_to_tp_with_sections_and_its_gradient(monkeypatch):
              for r in (0, 1)]
     monkeypatch.setattr(tp_ops, "_all_gather", lambda g, dim, comm: torch.cat(parts, dim))
     assert torch.equal(tp_ops._gather_sections(parts[1], 0, Comm(), [4, 4, 4]), x.detach())
+
+
+class _ConcatConv(torch.nn.Module):
+    """Gated DeltaNet's pattern: q, k, v concatenated along the features before a depthwise
+    conv and split back, a norm over heads reshaped into rows (`reshape(-1, head_dim)`)."""
+
+    def __init__(self, mix: bool = False):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(16, 8) for _ in range(3))
+        self.conv = torch.nn.Conv1d(24, 24, 3, groups=24, padding=2)
+        self.o, self.a, self.b = (torch.nn.Linear(*io) for io in ((8, 16), (16, 12), (16, 12)))
+        self.mix = mix
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = torch.cat([self.q(x), self.k(x), self.v(x)], -1)
+        if self.mix:          # meets a cat of other parts: a rank holds other features of it
+            qkv = qkv * torch.cat([self.a(x), self.b(x)], -1)
+        qkv = self.conv(qkv.transpose(1, 2))[..., :s].transpose(1, 2)
+        q, k, v = qkv.split([8, 8, 8], -1)
+        y = (q * k + v).view(b, s, 2, 4).reshape(-1, 4)     # 2 heads merged into the rows
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.o(y.reshape(b, s, 2, 4).reshape(b, s, 8)).pow(2).mean()
+
+
+def test_a_concatenation_along_the_shard_and_heads_merged_into_rows():
+    """The cat's parts are sections a rank holds 1/tp of each: the conv's filters follow them;
+    the norm over rows merged from heads runs on each rank's heads, then splits them out."""
+    out, report = split_tensor_parallel(capture(_ConcatConv(), (torch.randn(2, 4, 16),)), tp=2)
+    assert report["replicated_linears"] == []
+    assert sorted(out.tp.scatter_sections.values()) == [(8, 8, 8)] * 2    # filters, bias
+    placements = out.tp.placements
+    rows = next(n for n in placements if n.target is torch.ops.aten.mean.dim)
+    assert placements[rows].dim == 0
+
+
+def test_concatenations_along_the_shard_with_other_parts_are_not_mixed():
+    """Rank 0 holds q[0:4] | k[0:4] | v[0:4] of one cat but features 0:6 and 12:18 of the
+    other: multiplying them would mix different features; the projections stay whole and the
+    warning says why."""
+    with pytest.warns(UserWarning, match="laid out differently over the ranks|a cut inside a part"):
+        split_tensor_parallel(capture(_ConcatConv(True), (torch.randn(2, 4, 16),)), tp=2)

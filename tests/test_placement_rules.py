@@ -186,8 +186,14 @@ ROWS = [
     ("select-shifts", lambda a: a[0], [x(2, 4, 8)], {0: S(2)}, aten.select.int, S(1)),
     ("cat-other-dim-needs-shard", lambda a, b: torch.cat([a, b], 1), [x(2, 4, 8), x(2, 4, 8)],
      {0: S(2)}, aten.cat.default, "need1:2"),
-    ("cat-sharded-dim", lambda a, b: torch.cat([a, b], 2), [x(2, 4, 8), x(2, 4, 8)],
-     {0: S(2), 1: S(2)}, aten.cat.default, NoRule),
+    ("cat-sharded-dim-makes-sections", lambda a, b: torch.cat([a, b], 2),
+     [x(2, 4, 8), x(2, 4, 4)], {0: S(2), 1: S(2)}, aten.cat.default, "cat"),
+    ("cat-sharded-dim-not-divisible", lambda a, b: torch.cat([a, b], 2),
+     [x(2, 4, 8), x(2, 4, 3)], {0: S(2), 1: S(2)}, aten.cat.default, NoRule),
+    ("tril-over-positions", lambda a: a.tril(-1), [x(2, 4, 8, 8)], {0: S(1)},
+     aten.tril.default, S(1)),
+    ("triu-over-the-shard", lambda a: a.triu(1), [x(2, 4, 8)], {0: S(2)}, aten.triu.default,
+     NoRule),
     ("sdpa-heads", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
      [x(2, 4, 8, 8), x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(1), 1: S(1), 2: S(1)}, aten.scaled_dot_product_attention.default,
      S(1)),
@@ -244,6 +250,10 @@ def test_rule(row):
         marker, part = out
         assert isinstance(marker, SplitOnShard) and marker.sections == (8, 8, 8), marker
         assert marker.pieces == ((0, 8), (8, 16), (16, 24)) and part == S(3, "qkv")
+    elif expected == "cat":        # parts of 8 and 4 along the shard: the cat's own sections
+        marker, part = out
+        assert isinstance(marker, SplitOnShard) and marker.sections == (8, 4), marker
+        assert marker.origin == part.origin and marker.pieces == ((0, 8), (8, 12))
     elif isinstance(expected, str) and expected.startswith("need"):
         arg, dim = (int(v) for v in expected[4:].split(":"))
         assert isinstance(out, Need) and out.dim == dim, out

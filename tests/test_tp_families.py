@@ -5,7 +5,9 @@ aten.index.Tensor and broadcast_to), ModernBERT (its fused Wqkv viewed (.., 3, -
 small hand-written decoder with all of them and an in-place add into a replicated accumulator,
 and Falcon-H1, whose Mamba-2 mixers split by heads (its fused in_proj cut z | x | B | C | dt,
 the depthwise conv1d's channels and the muP multipliers following x | B | C, the gated RMSNorm
-per group of heads on one rank, the chunked scan's einsums per head).
+per group of heads on one rank, the chunked scan's einsums per head), and Qwen3-Next, whose gated
+DeltaNet splits by k heads (q, k, v concatenated along the sharded dim before the conv, the
+gated norm over heads merged into the rows).
 Each trains 3 SGD steps at tp=2 in fp32 equal to the unmodified model (every loss, the first
 gradients, the clipped norm, every parameter: tests/workers/equivalence.py), and no rank holds
 more than 60% of the parameters, counted from the tensors the rank really holds.
@@ -31,7 +33,10 @@ SPLIT = {"llama-interleaved": ("attention.wq.weight", "attention.wk.weight", "at
          "handwritten": ("wqkv.weight", "wo.weight", "grouped.weight", "down.weight",
                          "up.weight", "out.weight"),
          "falcon-h1": ("mamba.in_proj.weight", "mamba.out_proj.weight", "self_attn.q_proj.weight",
-                       "self_attn.o_proj.weight", "feed_forward.up_proj.weight")}
+                       "self_attn.o_proj.weight", "feed_forward.up_proj.weight"),
+         "qwen3-next": ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight",
+                        "linear_attn.out_proj.weight", "self_attn.q_proj.weight",
+                        "self_attn.o_proj.weight", "mlp.down_proj.weight")}
 KEY = ("tp-families", 2)
 
 

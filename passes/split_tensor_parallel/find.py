@@ -14,6 +14,8 @@ from autopart.ir import SEQ, ParamShard, Program, TensorParallelPlan, sym_shape
 from autopart.placement import (NoRule, Need, P, R, Shard, SplitOnShard, carry, ndim, shape_of)
 
 from .expert_linears import expert_matmul, moe_matmuls, weight_users
+from .layouts import (_Reject, check_meets, keep_merged, merged_rows, new_origin, range_met,
+                      section_scatter, track_offset)
 
 aten = torch.ops.aten
 
@@ -91,12 +93,9 @@ class _Region:
     totals: dict = field(default_factory=dict)      # origin -> its feature count
     scatter_at: dict = field(default_factory=dict)  # (consumer, input) -> (origin, start, size)
     scatter_sections: dict = field(default_factory=dict)
-
-
-class _Reject(Exception):
-    def __init__(self, node, reason):
-        super().__init__(reason)
-        self.node, self.reason = node, reason
+    fixed: dict = field(default_factory=dict)       # a concatenation's parts: its sections
+    meets: dict = field(default_factory=dict)       # op -> its sharded inputs (check_meets)
+    merged: dict = field(default_factory=dict)      # heads merged into the rows (layouts.py)
 
 
 def decide(program: Program, tp: int, sequence_parallel: bool) -> TensorParallelPlan:
@@ -274,6 +273,7 @@ def _grow(seeds, committed, ctx, unpullable=frozenset()) -> _Region:
     if not region.rows and not region.ces:
         raise _Reject(seeds[0].name, "no row-parallel linear or vocabulary-parallel loss closes it")
     _check_sections(region, ctx)
+    check_meets(region)
     return region
 
 
@@ -287,7 +287,7 @@ def _check_sections(region, ctx) -> None:
             raise _Reject(name, f"an index of the sharded dim of {origin}, which is cut in "
                           f"sections {region.sections[origin]}")
     for (name, arg), dim in region.scatters.items():
-        if _section_scatter(region, (name, arg), ctx.tp):
+        if section_scatter(region, (name, arg), ctx.tp):
             continue
         node = ctx.nodes[name]
         p = region.pl.get(node)
@@ -296,28 +296,6 @@ def _check_sections(region, ctx) -> None:
             raise _Reject(name, f"{arg} (replicated) meets {p.origin}'s output, which is cut in "
                           f"sections {sections}, before the cut: a rank's share of it is not "
                           "one contiguous slice")
-
-
-def _section_scatter(region, key, tp) -> bool:
-    """A replicated operand meeting a known range of a projection cut in sections (Falcon-H1's
-    `in_proj(x) * mup_vector`, the conv1d filters of x|B|C): each rank takes its 1/tp of each
-    section in that range, as its weight shard holds. False when the range is not known."""
-    at = region.scatter_at.get(key)
-    if at is None:
-        return False
-    origin, start, size = at
-    sections = region.sections.get(origin, (region.totals.get(origin, start + size),))
-    bounds, parts = 0, []
-    for v in sections:
-        if start <= bounds and bounds + v <= start + size:
-            parts.append(v)
-        bounds += v
-    if sum(parts) != size:
-        raise _Reject(key[0], f"{key[1]} (replicated) meets features [{start}, {start + size}) "
-                      f"of {origin}, which do not follow its sections {sections}")
-    if len(parts) > 1:
-        region.scatter_sections[key] = tuple(parts)
-    return True
 
 
 @dataclass
@@ -366,6 +344,10 @@ def _plain_ce(node) -> bool:
 def _carry_into(node, region, linears, tp, unpullable):
     """Set node's placement in the region; return linears to pull into it, or None."""
     sliced: dict = {}     # inputs this node reads through a local slice (R -> Shard)
+    merged = merged_rows(node, region, region.pl, tp)
+    if merged is not None:
+        region.pl[node] = merged
+        return None
     for _ in range(8):
         try:
             out = carry(node, ChainMap(sliced, region.pl), tp)
@@ -376,7 +358,7 @@ def _carry_into(node, region, linears, tp, unpullable):
             if sources and not sources & unpullable:
                 return sorted(sources)
             region.scatters[(node.name, out.arg.name)] = out.dim
-            at = _range_met(node, out, ChainMap(sliced, region.pl), region)
+            at = range_met(node, out, ChainMap(sliced, region.pl), region)
             if at is not None:
                 region.scatter_at[(node.name, out.arg.name)] = at
             sliced[out.arg] = Shard(out.dim, None)
@@ -384,9 +366,16 @@ def _carry_into(node, region, linears, tp, unpullable):
         marker = None
         if isinstance(out, tuple) and out and isinstance(out[0], SplitOnShard):
             marker, out = out
-            _merge_sections(region, marker, node, tp)
+            if marker.origin == node.name:       # a concatenation along the sharded dim
+                new_origin(region, node, marker)
+            else:
+                _merge_sections(region, marker, node, tp)
         region.pl[node] = out
-        _track_offset(node, out, marker, region)
+        track_offset(node, out, marker, region)
+        keep_merged(node, out, region)
+        shards = [a for a in node.all_input_nodes if isinstance(region.pl.get(a), Shard)]
+        if len(shards) > 1:
+            region.meets[node.name] = shards
         src = region.pl.get(node.args[0]) if node.target is aten.index.Tensor else None
         if isinstance(src, Shard) and src.dim < len(node.args[1]) and node.args[1][src.dim] is not None:
             region.indexed[node.name] = src.origin     # per-rank groups of one block (_grow)
@@ -415,47 +404,10 @@ def _merge_sections(region, marker, node, tp) -> None:
     sections = tuple(b - a for a, b in zip(cuts, cuts[1:]))
     if any(v % tp for v in sections):
         raise _Reject(node.name, f"sections {sections} of one projection do not divide by tp={tp}")
+    if marker.origin in region.fixed and sections != region.fixed[marker.origin]:
+        raise _Reject(node.name, f"a cut inside a part {sections} of the concatenation "
+                      f"{marker.origin} along the sharded dim {region.fixed[marker.origin]}")
     region.sections[marker.origin] = sections
-
-
-def _track_offset(node, out, marker, region) -> None:
-    """Where node's sharded dim lies in its origin's features: a split's outputs and a slice
-    at their starts, getitem picking one, an op keeping the dim's size (elementwise, transpose,
-    a depthwise conv) at its input's; unknown after a view that changes it (heads)."""
-    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    base = region.offsets.get(src)
-    if marker is not None:
-        if isinstance(base, int) or (base is None and sum(marker.sections) ==
-                                     region.totals.get(marker.origin)):
-            starts = tuple((base or 0) + a for a, _ in marker.pieces)
-            if node.target is aten.slice.Tensor:
-                region.offsets[node] = starts[0]
-            elif isinstance(out, tuple):
-                region.offsets[node] = starts
-        return
-    if node.target is operator.getitem and isinstance(base, tuple):
-        region.offsets[node] = base[node.args[1]]
-        return
-    if not isinstance(out, Shard) or ndim(node) <= out.dim:
-        return
-    for a in node.all_input_nodes:
-        p, off = region.pl.get(a), region.offsets.get(a)
-        if isinstance(p, Shard) and isinstance(off, int) and p.origin == out.origin \
-                and shape_of(a)[p.dim] == shape_of(node)[out.dim]:
-            region.offsets[node] = off
-            return
-
-
-def _range_met(node, need, pl, region):
-    """(origin, start, size): the features of an origin that a replicated operand of `node`
-    meets along need.dim, from a sharded input whose place is known; None if none is."""
-    size = shape_of(need.arg)[need.dim]
-    for a in node.all_input_nodes:
-        p, off = pl.get(a), region.offsets.get(a)
-        if isinstance(p, Shard) and p.origin is not None and isinstance(off, int) \
-                and shape_of(a)[p.dim] == size:
-            return p.origin, off, int(size)
-    return None
 
 
 def _column_sources(arg: fx.Node, linears, region) -> set[str]:

@@ -10,6 +10,9 @@
     handwritten        the four rules in one small decoder (Handwritten)
     falcon-h1          Hugging Face FalconH1ForCausalLM: attention and a Mamba-2 mixer in every
                        layer, split by heads (2 groups of B and C, gated RMSNorm per group)
+    qwen3-next         Hugging Face Qwen3NextForCausalLM: a gated DeltaNet layer (cat((q, k, v))
+                       before its conv, a gated norm over heads reshaped into rows) and a gated
+                       attention layer, dense MLPs
 
 Each is built from a tiny config with random weights (no download) and registered in
 tests.workers.common.FAMILIES, so the equivalence harness (tests/workers/equivalence.py) trains
@@ -93,6 +96,20 @@ def falcon_h1(case, g):
     return _causal_lm(tf.FalconH1ForCausalLM(cfg), case, g)
 
 
+def qwen3_next(case, g):
+    """A gated DeltaNet layer (2 k heads, 4 v heads) and a gated full-attention layer, dense
+    MLPs."""
+    tf = _quiet_transformers()
+    cfg = tf.Qwen3NextConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             intermediate_size=64, linear_conv_kernel_dim=4,
+                             linear_key_head_dim=8, linear_value_head_dim=8,
+                             linear_num_key_heads=2, linear_num_value_heads=4, num_experts=0,
+                             layer_types=["linear_attention", "full_attention"],
+                             max_position_embeddings=64, attn_implementation="eager")
+    return _causal_lm(tf.Qwen3NextForCausalLM(cfg), case, g)
+
+
 class Handwritten(torch.nn.Module):
     """Issue 49's four rules in one small decoder, written as people write them: a fused Wqkv
     viewed (.., 3, -1, d) and unbound (the 3 is q|k|v), rotary embeddings by torch.stack of
@@ -133,7 +150,8 @@ def handwritten(case, g):
 
 
 BUILDERS = {"llama-interleaved": llama_interleaved, "falcon-new": falcon_new,
-            "modernbert": modernbert, "handwritten": handwritten, "falcon-h1": falcon_h1}
+            "modernbert": modernbert, "handwritten": handwritten, "falcon-h1": falcon_h1,
+            "qwen3-next": qwen3_next}
 
 
 build_tp_family = build_with(BUILDERS)
