@@ -46,13 +46,14 @@ def test_trace_of_three_steps_says_three_steps_and_the_time_of_one(tmp_path, fig
 @pytest.fixture(scope="module")
 def gpt3():
     """GPT-3 175B's cost model for a batch of 64 on Selene, and the paper's model-FLOPs count
-    (72 B s l h^2 (1 + s/6h + V/16lh): no recomputation), written out here."""
+    (Megatron-LM's num_floating_point_operations, 72 B s l h^2 (1 + s/6h + V/12lh): no
+    recomputation), written out here."""
     from autopart.planner import CostModel
     from autopart.planner.cluster import cluster
     from autopart.planner.profile import load_profile
     p = load_profile(f"{ROOT}/examples/gpt.py:GPT", "gpt3-175b")
     B, s, l, h, V = 64, p.seq, p.blocks or p.layers, p.hidden, p.vocab
-    flops = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    flops = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))   # Megatron-LM's count
     return CostModel(p, cluster("a100-80gb-selene"), B, precision="bf16"), flops
 
 

@@ -52,18 +52,19 @@ def test_128k_tokens_on_1024_gpus_chooses_cp(long_model, long_ranked):
 def test_activations_divide_by_cp(long_model, long_ranked):
     """Rows with cp > 1 keep 1/cp of the activations of the same layout with cp = 1, checked
     by hand: pp = 1, full recomputation, one microbatch in flight: every layer's input (counted
-    from the shape here), the rerun layer's saved tensors, the embedding's and the head's (the
+    from the shape here), the rerun layer's kept tensors, the embedding's and the head's (the
     captured profile's), at bf16 (half the fp32 capture's bytes); the state from the parameter
     count of the config (gpt_params_per_rank), not from the planner's."""
     parts = long_model.profile.parts
-    rows = [e for e in long_ranked if e.layout.cp > 1 and e.layout.pp == 1 and e.layout.recompute == "full"]
+    rows = [e for e in long_ranked if e.layout.cp > 1 and e.layout.pp == 1 and e.layout.recompute == "full"
+            and not e.layout.recompute_layers]
     assert rows
     for e in rows[:20]:
         lay = e.layout
         p, b = parts[(lay.tp, lay.ep)], lay.microbatch_size
         layer_input = b * LONG * 8192 * 4         # fp32 (B, T, hidden), whole on every tp rank
-        whole = (80 * layer_input + p["layer"].saved_bytes(b) + p["first"].saved_bytes(b)
-                 + p["last"].saved_bytes(b)) * 0.5
+        whole = (80 * layer_input + p["layer"].kept_bytes(b) + p["first"].kept_bytes(b)
+                 + p["last"].kept_bytes(b)) * 0.5        # what autograd keeps (planner/saves.py)
         assert e.memory["activations"] == pytest.approx(whole / lay.cp, rel=1e-9)
         same = long_model.estimate(Layout(lay.tp, 1, lay.dp, b, 1, lay.schedule, "full", lay.ep, lay.zero),
                                    simulate=False)
@@ -160,7 +161,9 @@ def test_llama_70b_at_128k_chooses_cp_and_tensor_parallelism_within_the_peak():
     model = CostModel(load_profile(LLAMA, LLAMA_70B, LONG), SELENE, BATCH)
     ranked = search(model, GPUS)
     best = next(e for e in ranked if e.fits)
-    assert best.layout.cp > 1 and best.layout.tp >= 4     # its vocabulary split over tp too
+    # its weights (and vocabulary) split over tp, or sharded by ZeRO-3, whose gathers hide behind
+    # the layers' 128K-token compute now that the planner overlaps them as the runtime does
+    assert best.layout.cp > 1 and (best.layout.tp >= 4 or best.layout.zero == 3), best.layout
     assert "ring's K/V exchange" in cp_choice(model, best, ranked)
     # a device never beats its peak: the rate the costs give is model FLOPs over time
     assert all(0 < e.tflops_per_device * 1e12 < SELENE.peak_flops for e in ranked if e.fits)

@@ -25,7 +25,7 @@ import time
 from autopart.config import Config, choices
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
-from autopart.planner.cost import PRECISIONS     # what the cost model prices (fp16 too)
+from autopart.planner.cost import PRECISIONS, RUNTIMES     # what the cost model prices (fp16 too)
 from autopart.planner.search import RECOMPUTE, SCHEDULE_NAMES, ZERO_LEVELS
 from autopart.cli.parsers import documented_parser
 
@@ -55,6 +55,10 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--precision", default=None, choices=tuple(PRECISIONS),
                    help="default bf16 mixed precision (fp32 on the local cluster)")
     p.add_argument("--optimizer", default=Config().optimizer, choices=choices("optimizer"))
+    p.add_argument("--runtime", default="autopart", choices=RUNTIMES[:2],
+                   help="whose overlaps the prediction assumes: autopart's runtime (default) or "
+                        "Megatron-LM's (tp collectives behind GEMMs, sequence parallelism, parameter "
+                        "gathers behind the forward); --explain-cost prints the other's figure too")
     p.add_argument("--top", type=int, default=12, help="rows of the printed table (default 12)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--explain-cost", action="store_true",
@@ -132,7 +136,7 @@ def _plan(args: argparse.Namespace) -> int:
     axes = parse_mesh(args.mesh, args.gpus)
     profile = load_profile(args.target, args.config, args.seq)
     model = CostModel(profile, c, args.batch, precision=args.precision or default_precision(c),
-                      optimizer=args.optimizer)
+                      optimizer=args.optimizer, runtime=args.runtime)
     ranked = search(model, args.gpus, tp=axes.get("tp"), pp=axes.get("pp"), dp=axes.get("dp"), ep=axes.get("ep"),
                     microbatch_size=args.microbatch_size, virtual_stages=args.virtual_stages,
                     schedule=args.schedule, recompute=args.recompute, zero=args.zero, cp=axes.get("cp"))
@@ -145,7 +149,8 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(json.dumps({"layouts": [e.row() for e in ranked], "best": best.row() if best else None,
-                          "zero_choice": why_zero, "cp_choice": why_cp}))
+                          "zero_choice": why_zero, "cp_choice": why_cp, "runtime": args.runtime,
+                          "best_other_runtime": other_runtime(model, best)}))
     else:
         print(report(model, ranked, best, args.top, seconds))
         if why_zero:
@@ -187,13 +192,13 @@ def report(model, ranked, best, top: int, seconds: float) -> str:
 
 
 def model_tflops(model, e) -> float:
-    """`e`'s TFLOP/s per device counting the model's FLOPs only (72 B s l h^2 (...), Megatron-LM's
-    count): a layout that recomputes activations does more work for the same training step, so
-    the recomputed FLOPs (which Estimate.tflops_per_device, the paper's Table 1 count that the
-    cluster constants were fitted on, includes) earn it nothing here."""
-    from dataclasses import replace
-    plain = replace(e.layout, recompute="none")
-    return model.model_flops(plain) / (e.step_time * e.layout.devices) / 1e12
+    """`e`'s TFLOP/s per device counting the model's FLOPs only, as Megatron-LM's
+    num_floating_point_operations does (CostModel.counted_flops: three times the forward's
+    matmuls read from the graph, 72 B s l h^2 (1 + s/6h + V/12lh) for a GPT): a layout that
+    recomputes activations does more work for the same training step, so the recomputed FLOPs
+    (which Estimate.tflops_per_device, the paper's Table 1 count that the A100 constants were
+    fitted on, includes) earn it nothing here."""
+    return model.counted_flops() / (e.step_time * e.layout.devices) / 1e12
 
 
 def _cells(model, e) -> tuple:
@@ -206,6 +211,17 @@ def _cells(model, e) -> tuple:
             f"{r['memory_per_rank_gb']:.1f}", note)
 
 
+def other_runtime(model, best) -> dict | None:
+    """The chosen layout's step time under the other runtime's overlaps (cost.RUNTIMES)."""
+    if best is None:
+        return None
+    from autopart.planner import CostModel
+    name = "megatron" if model.runtime == "autopart" else "autopart"
+    other = CostModel(model.profile, model.cluster, model.batch, precision=model.precision,
+                      optimizer=model.optimizer, runtime=name).estimate(best.layout)
+    return {"runtime": name, "step_time_s": round(other.step_time, 4), "fits": other.fits}
+
+
 def explain(model, best) -> str:
     lines = [model.cluster.explain()]
     if best is not None:
@@ -213,7 +229,14 @@ def explain(model, best) -> str:
         f, b, _ = model.part_times(model.parts(lay)["layer"], lay.tp, lay.microbatch_size, lay.ep, lay.cp)
         lines.append(f"chosen layout {lay.mesh}: one layer, one microbatch of {lay.microbatch_size}: forward "
                      f"{f * 1e3:.2f} ms, backward {b * 1e3:.2f} ms (+ forward again with full recompute)")
-        lines += [f"  {k}: {v:.4f} s" for k, v in best.breakdown.items()]
+        notes = model.assumptions(lay)
+        lines.append(f"  step time as {model.runtime}'s runtime overlaps (the figure plan reports; "
+                     f"--runtime chooses); each term and the overlap it assumes:")
+        lines += [f"  {k}: {v:.4f} s" + (f"  [{notes[k]}]" if k in notes else "") for k, v in best.breakdown.items()]
+        lines += [f"  {k}: {v}" for k, v in notes.items() if k not in best.breakdown]
+        o = other_runtime(model, best)
+        lines.append(f"  the same layout as {o['runtime']}'s runtime overlaps: {o['step_time_s']:.4f} s a step"
+                     + ("" if o["fits"] else " (does not fit there)"))
         m = best.memory
         lines.append("  memory per rank (GB): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in m.items()))
     return "\n".join(lines)

@@ -49,6 +49,9 @@ class Cluster:
     memory_efficiency: float = 0.8
     latency_s: float = 1e-5
     op_overhead_s: float = 0.0     # per op: 0 on GPUs (launches are async, hidden behind the work)
+    fused_attention_efficiency: float = 0.0   # > 0: SDPA runs as one fused kernel (flash/cuDNN) at
+                                              # this fraction of peak on its unmasked FLOPs; 0:
+                                              # scores materialized (attention_score_bytes)
 
     def __post_init__(self):
         problems = [f"{k} = {v!r}: {need}" for k, v, need in self._checks() if need]
@@ -73,9 +76,11 @@ class Cluster:
             yield k, getattr(self, k), number(getattr(self, k), 0, 1)
         for k in ("gemm_half_dim", "attention_score_bytes", "latency_s", "op_overhead_s"):
             yield k, getattr(self, k), number(getattr(self, k), 0, lo_open=False)
+        for k in ("fused_attention_efficiency",):
+            yield k, getattr(self, k), number(getattr(self, k), 0, 1, lo_open=False)
 
-    CONSTANTS = ("gemm_efficiency", "gemm_half_dim", "attention_score_bytes", "intra_efficiency",
-                 "inter_efficiency", "memory_efficiency", "latency_s", "op_overhead_s")
+    CONSTANTS = ("gemm_efficiency", "gemm_half_dim", "attention_score_bytes", "fused_attention_efficiency",
+                 "intra_efficiency", "inter_efficiency", "memory_efficiency", "latency_s", "op_overhead_s")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,26 +122,56 @@ class Cluster:
         lines = [f"cluster {self.name}: {self.gpus_per_node} devices/node, peak {self.peak_flops / 1e12:g} TFLOP/s, "
                  f"HBM {self.hbm_bw / 1e9:g} GB/s, memory {self.memory_bytes / 1e9:g} GB, intra-node "
                  f"{self.intra_bw / 1e9:g} GB/s, inter-node {self.inter_bw / 1e9:g} GB/s per device (one direction)",
-                 "calibration constants (global to the cluster; " + ("measured by `autopart calibrate`)" if self.name == "local"
-                 else "fitted on megatron_table1_given.json, A100):")]
+                 "calibration constants (global to the cluster; " + _source(self.name) + "):"]
         lines += [f"  {k} = {getattr(self, k):g}" for k in self.CONSTANTS]
         return "\n".join(lines)
 
 
-# The constants below were fitted by autopart/planner/fit.py on the five rows of
-# autopart/planner/data/megatron_table1_given.json only (A100). H100 and H200 reuse them: no
-# measurements of ours to fit them on, so those presets are the A100's efficiencies at their specs.
+def _source(name: str) -> str:
+    return {"local": "measured by `autopart calibrate`",
+            "a100-80gb-selene": "fitted on megatron_table1_given.json, A100",
+            "h100-sxm": "fitted on published_h100_runs_given.json, H100",
+            "h200": "the H100's, fitted on published_h100_runs_given.json"}.get(name, "from the cluster file")
+
+
+# a100-80gb-selene: fitted by autopart/planner/fit.py on the five rows of
+# autopart/planner/data/megatron_table1_given.json only (A100, Megatron-LM of 2021: materialized
+# attention scores, runtime="megatron-2021").
 _FITTED = dict(gemm_efficiency=0.6649, gemm_half_dim=31.19, attention_score_bytes=6.220, intra_efficiency=0.9285,
                inter_efficiency=0.9922, memory_efficiency=0.9284, latency_s=1e-5)
+
+# h100-sxm: fitted by autopart/planner/published.py (`python -m bench.published --fit`) on the ten
+# rows of autopart/planner/data/published_h100_runs_given.json (Megatron-LM's H100 scaling table,
+# Llama 3 405B), runtime="megatron". What each means, and its physical range:
+#   gemm_efficiency      a large bf16 GEMM's fraction of the 989 TFLOP/s dense peak (cuBLAS on
+#                        H100 SXM reaches 0.6-0.8 in practice, below the 700 W clock's peak)
+#   gemm_half_dim        the dimension at which a GEMM runs at half that (thin tp shards, heads)
+#   fused_attention_efficiency  the fused SDPA kernel's fraction of peak on its unmasked FLOPs,
+#                        forward; its backward is FLASH_BACKWARD (2.5) times the forward
+#   intra/inter_efficiency  the bus bandwidth NCCL reaches of NVLink 4 (450 GB/s a direction) and
+#                        of one 400 Gb/s NIC per GPU (50 GB/s): large messages; small ones pay
+#                        latency_s per ring step (10 us, NCCL's order; not fitted), so the bandwidth
+#                        a message gets grows with its size, n / (steps * latency + n / bw)
+#   memory_efficiency    HBM3 bandwidth reached by the memory-bound ops (norms, activations,
+#                        cross-entropy over the vocabulary)
+#   op_overhead_s        per kernel, what launching adds where kernels are too short to hide it
+# The rows were not split by this fit; H100_HALF_FIT below is the same fit on half of them
+# (published.half_split), which tests/test_planner_h100.py checks on the other half.
+_H100 = dict(gemm_efficiency=0.5852, gemm_half_dim=113.1, fused_attention_efficiency=0.1743, intra_efficiency=0.8582,
+             inter_efficiency=0.9718, memory_efficiency=0.8106, op_overhead_s=2.419e-06, latency_s=1e-5,
+             attention_score_bytes=0.0)
+H100_HALF_FIT = dict(gemm_efficiency=0.5578, gemm_half_dim=101.0, fused_attention_efficiency=0.2358,
+                     intra_efficiency=0.9926, inter_efficiency=0.8629, memory_efficiency=0.6941, op_overhead_s=2.429e-06)
 
 PRESETS: dict[str, Cluster] = {
     # Selene (Narayanan et al. 2021): DGX A100 80GB, NVSwitch 600 GB/s bidirectional per GPU,
     # 8 x 200 Gb/s HDR InfiniBand per node (one HCA per GPU).
     "a100-80gb-selene": Cluster("a100-80gb-selene", 8, 312e12, 2.039e12, 80e9, 300e9, 25e9, **_FITTED),
     # DGX H100: 989 TFLOP/s dense bf16, NVLink 4 900 GB/s bidirectional, 8 x 400 Gb/s NDR.
-    "h100-sxm": Cluster("h100-sxm", 8, 989e12, 3.35e12, 80e9, 450e9, 50e9, **_FITTED),
-    # H200: the H100's compute and links, 141 GB of HBM3e at 4.8 TB/s.
-    "h200": Cluster("h200", 8, 989e12, 4.8e12, 141e9, 450e9, 50e9, **_FITTED),
+    "h100-sxm": Cluster("h100-sxm", 8, 989e12, 3.35e12, 80e9, 450e9, 50e9, **_H100),
+    # H200: the H100's compute, links and kernels (the same constants: no H200 rows to fit), 141 GB
+    # of HBM3e at 4.8 TB/s.
+    "h200": Cluster("h200", 8, 989e12, 4.8e12, 141e9, 450e9, 50e9, **_H100),
 }
 
 

@@ -22,6 +22,7 @@ cluster's, global; nothing here is per model.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -31,6 +32,14 @@ from autopart.planner.cluster import Cluster
 from autopart.planner.profile import Part, Profile
 
 SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b")
+# whose overlaps a prediction assumes (autopart/planner/overlap.py): autopart's runtime as it is,
+# Megatron-LM's (tp collectives behind GEMMs, sequence parallelism, the distributed optimizer's
+# parameter all-gather behind the next forward), the runtime of the published H100 runs; or the
+# Megatron-LM of the 2021 paper (Table 1: gradients all-reduced after the last backward, no
+# sequence parallelism, tp collectives exposed)
+RUNTIMES = ("autopart", "megatron", "megatron-2021")
+FLASH_BACKWARD = 2.5      # a fused attention's backward runs 5 matmuls to the forward's 2 (it
+                          # recomputes Q K^T from the saved log-sum-exp instead of keeping scores)
 # precision -> (param bytes, grad bytes, master bytes, activation bytes, gradient all-reduce bytes).
 # Megatron keeps fp32 main gradients; with fp16 (the paper) it all-reduces them in fp16, with bf16
 # in fp32 (accumulate_allreduce_grads_in_fp32), so bf16 moves twice the bytes.
@@ -52,6 +61,9 @@ class Layout:
     zero: int = 0               # ZeRO level (runtime/optimizer.py): 1 shards the optimizer
                                 # state and master weights over dp * cp, 2 the gradients too
     cp: int = 1                 # context parallelism: each sequence split over cp ranks (adds ranks)
+    recompute_layers: int = 0   # with recompute="full": 0 every layer, N > 0 the first N layers of
+                                # each chunk (Megatron-LM's --recompute-method block
+                                # --recompute-num-layers N), the others keep their activations
 
     @property
     def mesh(self) -> str:
@@ -83,7 +95,8 @@ class Estimate:
     def row(self) -> dict:
         lay = self.layout
         return {"mesh": lay.mesh, "cp": lay.cp, "microbatch_size": lay.microbatch_size, "virtual_stages": lay.virtual_stages,
-                "schedule": lay.schedule, "recompute": lay.recompute, "zero": lay.zero,
+                "schedule": lay.schedule, "recompute": lay.recompute, "recompute_layers": lay.recompute_layers,
+                "zero": lay.zero,
                 "step_time_s": round(self.step_time, 4),
                 "tflops_per_device": round(self.tflops_per_device, 1),
                 "memory_per_rank_gb": round(self.memory["total"] / 1e9, 2), "fits": self.fits,
@@ -94,9 +107,11 @@ class CostModel:
     """Predicts layouts of one model (its profile) for one global batch on one cluster."""
 
     def __init__(self, profile: Profile, cluster: Cluster, batch: int, *, precision: str = "bf16",
-                 optimizer: str = "adam"):
+                 optimizer: str = "adam", runtime: str = "autopart"):
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime {runtime!r}: one of {RUNTIMES}")
         self.profile, self.cluster, self.batch = profile, cluster, batch
-        self.precision, self.optimizer = precision, optimizer
+        self.precision, self.optimizer, self.runtime = precision, optimizer, runtime
         self.bytes = PRECISIONS[precision]
         self._act_scale = self.bytes[3] / 4          # the profile was captured in fp32
 
@@ -132,24 +147,56 @@ class CostModel:
             return 0.0
         return (ranks - 1) / ranks * nbytes / self.link(intra) + (ranks - 1) * self.cluster.latency_s
 
+    def attention_time(self, flops: float, m: float, n: float, k: float, causal: bool) -> tuple[float, float]:
+        """(forward, backward) of one attention core (scaled_dot_product_attention) of `flops`
+        (its whole Q K^T and P V). Fused (the cluster's fused_attention_efficiency > 0: flash or
+        cuDNN kernels): a causal core skips the masked half, as the kernels do, at that fraction of
+        peak; its backward recomputes the scores (FLASH_BACKWARD). Unfused (a 2021 Megatron-LM):
+        two GEMMs plus the memory-bound passes over materialized scores, backward twice that."""
+        c = self.cluster
+        if c.fused_attention_efficiency > 0:
+            fwd = flops * (0.5 if causal else 1.0) / (c.peak_flops * c.fused_attention_efficiency)
+            return fwd, FLASH_BACKWARD * fwd
+        fwd = self.gemm_time(flops, m, n, k) + self.attention_scores_time(flops, k)
+        return fwd, 2 * fwd
+
+    def sequence_parallel(self, lay_tp: int) -> bool:
+        """Megatron-LM's published runs shard the norms', residuals' and dropouts' activations over
+        tp (sequence parallelism); autopart's runtime does with Config(sequence_parallel=True), off
+        by default, so its figure keeps them whole."""
+        return self.runtime == "megatron" and lay_tp > 1
+
+    def elementwise_time(self, part: Part, tp: int, b: int, cp: int = 1) -> float:
+        """Forward seconds of a part's memory-bound ops (and the launches of all its ops)."""
+        c = self.cluster
+        elementwise = part.elementwise_bytes(b)
+        if self.sequence_parallel(tp):
+            elementwise -= part.replicated_bytes(b) * (1 - 1 / tp)
+        return elementwise / cp * self._act_scale / (c.hbm_bw * c.memory_efficiency) + part.ops * c.op_overhead_s
+
     def part_times(self, part: Part, tp: int, b: int, ep: int = 1, cp: int = 1) -> tuple[float, float, float]:
         """(forward, backward, communication) of one part for one microbatch; with cp > 1 on one
-        context-parallel rank: 1/cp of the tokens, plus the ring's exposed time."""
+        context-parallel rank: 1/cp of the tokens, plus the ring's exposed time. The tp
+        collectives are exposed under autopart's runtime; under Megatron-LM's (tp-comm-overlap)
+        they run chunked behind the part's GEMMs, exposed only where longer."""
         c = self.cluster
         # a linear's M (tokens) is 1/cp; an attention core runs cp blocks of s/cp queries by
         # s/cp keys, together 1/cp of its FLOPs (the causal load balancing evens them out)
-        gemm = sum(self.gemm_time(f(b) / cp, mm(b) / cp, n / cp if att else n, k)
-                   for f, mm, n, k, att in part.gemms)
-        # the score_bytes constant is per fp16 element; _act_scale*2 turns it back for fp32 runs
-        gemm += sum(self.attention_scores_time(f(b) / cp, k) for f, _, _, k, att in part.gemms if att)
-        mem = part.elementwise_bytes(b) / cp * self._act_scale / (c.hbm_bw * c.memory_efficiency)
-        mem += part.ops * c.op_overhead_s
+        gemm = sum(self.gemm_time(f(b) / cp, mm(b) / cp, n, k) for f, mm, n, k, att, _ in part.gemms if not att)
+        att_f = att_b = 0.0
+        for f, mm, n, k, att, causal in part.gemms:
+            if att:
+                af, ab = self.attention_time(f(b) / cp, mm(b) / cp, n / cp, k, causal)
+                att_f, att_b = att_f + af, att_b + ab
+        mem = self.elementwise_time(part, tp, b, cp)
         ar_f = self.allreduce_time(part.allreduce_fwd(b) / cp * self._act_scale, tp, True)
         ar_b = self.allreduce_time(part.allreduce_bwd(b) / cp * self._act_scale, tp, True)
+        if self.runtime == "megatron":
+            ar_f, ar_b = max(0.0, ar_f - gemm), max(0.0, ar_b - 2 * gemm)
         # expert all-to-alls: ep ranks are dp ranks, tp * cp apart; the backward mirrors the forward's
         a2a = self.alltoall_time(part.alltoall(b) / cp * self._act_scale, ep, tp * cp * ep <= c.gpus_per_node)
         ring_f, ring_b = self.ring_times(part, tp, b, cp)
-        return (gemm + mem + ar_f + a2a + ring_f, 2 * (gemm + mem) + ar_b + a2a + ring_b,
+        return (gemm + att_f + mem + ar_f + a2a + ring_f, 2 * (gemm + mem) + att_b + ar_b + a2a + ring_b,
                 ar_f + ar_b + 2 * a2a + ring_f + ring_b)
 
     def ring_transfer(self, part: Part, tp: int, b: int, cp: int) -> float:
@@ -171,8 +218,8 @@ class CostModel:
         bytes) while computing blocks of twice the forward's work: max(0, 2 transfer - 2 block)."""
         if cp <= 1 or part.kv_bytes(b) <= 0:
             return 0.0, 0.0
-        block = sum(self.gemm_time(f(b) / cp, mm(b) / cp, n / cp, k) + self.attention_scores_time(f(b) / cp, k)
-                    for f, mm, n, k, att in part.gemms if att) / cp
+        block = sum(self.attention_time(f(b) / cp, mm(b) / cp, n / cp, k, causal)[0]
+                    for f, mm, n, k, att, causal in part.gemms if att) / cp
         step = self.ring_transfer(part, tp, b, cp)
         return (cp - 1) * max(0.0, step - block), (cp - 1) * max(0.0, 2 * step - 2 * block)
 
@@ -181,20 +228,32 @@ class CostModel:
         parts = self.parts(lay)
         b = lay.microbatch_size
         lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep, lay.cp)
+        again = 0.0
         if lay.recompute == "full":
-            lb += lf                      # the layer's forward once more before its backward
-        elif lay.recompute == "selective":   # its attention core's (and its ring's, with cp)
-            lb += self.part_times(parts["core"], lay.tp, b, lay.ep, lay.cp)[0]
+            again = lf                    # the layer's forward once more before its backward
+        elif lay.recompute == "selective":   # its attention core's (and its ring's, with cp) and
+            # its memory-bound ops' forward (norms, activation functions: what selective drops)
+            core = parts["core"]
+            again = self.part_times(core, lay.tp, b, lay.ep, lay.cp)[0] + max(
+                0.0, self.elementwise_time(parts["layer"], lay.tp, b, lay.cp)
+                - self.elementwise_time(core, lay.tp, b, lay.cp))     # the core's own counted once
         ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep, lay.cp)
         tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep, lay.cp)
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
         fwd = [n * lf for n in counts]
-        bwd = [n * lb for n in counts]
+        bwd = [n * lb + self.recomputed(lay, n) * again for n in counts]
         fwd[0] += ff
         bwd[0] += fb
         fwd[-1] += tf
         bwd[-1] += tb
         return fwd, bwd, counts
+
+    @staticmethod
+    def recomputed(lay: Layout, layers: int) -> int:
+        """Layers of a chunk of `layers` that rerun in backward."""
+        if lay.recompute == "none":
+            return 0
+        return min(lay.recompute_layers, layers) if lay.recompute_layers else layers
 
     def parts(self, lay: Layout) -> dict:
         return self.profile.parts[(lay.tp, lay.ep)]
@@ -230,28 +289,35 @@ class CostModel:
                 total -= parts.get("shared_params", 0.0)
         return total
 
-    def after_pipeline(self, lay: Layout) -> dict:
-        """Gradient all-reduce over dp * cp, tied-embedding all-reduce, optimizer step (seconds)."""
+    def after_pipeline(self, lay: Layout, fwd: list | None = None, bwd: list | None = None) -> dict:
+        """Exposed data-parallel traffic over dp * cp (overlap.py: behind which compute), the
+        tied-embedding all-reduce and the optimizer step (seconds); `fwd`, `bwd`: the chunk costs
+        (chunk_costs), whose sums on the fullest rank are the windows the collectives hide behind."""
+        return self._after(lay, fwd, bwd)[0]
+
+    def _after(self, lay: Layout, fwd=None, bwd=None) -> tuple[dict, dict]:
+        from autopart.planner.overlap import data_parallel_terms
         c = self.cluster
+        if fwd is None:
+            fwd, bwd, _ = self.chunk_costs(lay)
         params = max(self.params_on(lay, 0), self.params_on(lay, lay.pp - 1))
         experts = max(self.params_on(lay, 0, True), self.params_on(lay, lay.pp - 1, True))
         intra = lay.tp * lay.cp * lay.dp <= c.gpus_per_node
         # expert weights are reduced only over the dp / ep (times cp) ranks holding the same experts
         grads = (self.allreduce_time((params - experts) * self.bytes[4], lay.replicas, intra)
                  + self.allreduce_time(experts * self.bytes[4], lay.dp // lay.ep * lay.cp, intra))
-        if lay.zero == 2:
-            # a reduce-scatter (half an all-reduce's traffic) per microbatch, one all-gather
-            grads *= (self.microbatches(lay) + 1) / 2
-        elif lay.zero == 3:
-            # per microbatch a reduce-scatter and two parameter all-gathers (forward, backward;
-            # passes/gather_parameters.py), each half an all-reduce's traffic; the gathers are
-            # prefetched a layer ahead, but counted here as exposed (an upper bound)
-            grads *= 3 * self.microbatches(lay) / 2
+        windows = [(sum(fwd[k::lay.pp]), sum(bwd[k::lay.pp])) for k in {0, lay.pp - 1}]
+        fw, bw = min(w[0] for w in windows), min(w[1] for w in windows)
+        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        terms, notes = data_parallel_terms(lay.zero, grads, params * self.bytes[4], self.bytes[0] / self.bytes[4],
+                                           self.microbatches(lay), fw, bw, sum(counts[::lay.pp]), self.runtime)
         shared = self.parts(lay).get("shared_params", 0.0)
         tied = self.allreduce_time(shared * self.bytes[4], 2, False) if lay.pp > 1 else 0.0
         stepped = self.sharded(lay, params, experts) if lay.zero else params
         step = stepped * STEP_BYTES[self.optimizer] / (c.hbm_bw * c.memory_efficiency)
-        return {"dp_allreduce": grads, "tied_allreduce": tied, "optimizer": step}
+        notes.update(tied_allreduce="after the pipeline, not overlapped",
+                     optimizer="memory-bound, after the gradients are reduced")
+        return {**terms, "tied_allreduce": tied, "optimizer": step}, notes
 
     @staticmethod
     def sharded(lay: Layout, params: float, experts: float) -> float:
@@ -271,17 +337,23 @@ class CostModel:
         per_chunk = sum(counts) / len(counts)
         layer = parts["layer"]
         kept, rerun = self.kept_per_layer(lay)
+        if lay.recompute_layers:     # the chunk's other layers keep all their activations
+            whole = self.kept_per_layer(dataclasses.replace(lay, recompute="none", recompute_layers=0))[0]
+            again = sum(self.recomputed(lay, n) for n in counts) / len(counts)
+            per_layer = (again * kept + (per_chunk - again) * whole) / per_chunk
+        else:
+            per_layer = kept
         best = None
         for rank in {0, lay.pp - 1}:
             params = self.params_on(lay, rank)
-            acts = in_flight[rank] * per_chunk * kept + rerun   # + the region rerunning in backward
+            acts = in_flight[rank] * per_chunk * per_layer + rerun   # + the region rerunning in backward
             if rank == 0:
                 # the embedding's output is the first layer's input (counted above); what it saves
                 # for its own backward (the token ids) is one microbatch's working memory at most
-                acts += parts["first"].saved_bytes(b) / lay.cp * scale
+                acts += self._kept(parts["first"], b) / lay.cp * scale
             if rank == lay.pp - 1:
                 # logits and loss: one microbatch at a time
-                acts += parts["last"].saved_bytes(b) / lay.cp * scale
+                acts += self._kept(parts["last"], b) / lay.cp * scale
             buffers = 2 * layer.out_bytes(b) / lay.cp * scale if lay.pp > 1 else 0.0
             if lay.cp > 1:
                 buffers += 2 * layer.kv_bytes(b) / lay.cp * scale
@@ -298,6 +370,12 @@ class CostModel:
             if best is None or row["total"] > best["total"]:
                 best = row
         return best
+
+    def _kept(self, part: Part, b: int) -> float:
+        """What autograd keeps for a part (saves.py), or every op's output for a profile cached
+        before it was counted (its layer keeps nothing)."""
+        new = next(iter(self.profile.parts.values()))["layer"].kept_bytes(1) > 0
+        return part.kept_bytes(b) if new else part.saved_bytes(b)
 
     def ring_exposed(self, lay: Layout) -> float:
         """Seconds a step waits on the context-parallel ring on the first pipeline rank: its
@@ -318,25 +396,67 @@ class CostModel:
         """(bytes a layer keeps per microbatch in flight, bytes of the region rerunning in
         backward): full keeps the layer's input and reruns all of it; selective keeps all but
         the attention core's insides (its output, read by the projection, stays) and reruns the
-        core; none keeps everything (an upper bound: every non-view op's output). A
-        context-parallel rank keeps 1/cp of each."""
+        core; none keeps what autograd keeps (saves.py: the values the ops' backwards read). A
+        context-parallel rank keeps 1/cp of each; sequence parallelism 1/tp of the values
+        outside the tp regions."""
         layer, core = self.parts(lay)["layer"], self.parts(lay).get("core")
         b, scale = lay.microbatch_size, self._act_scale / lay.cp
+        # what autograd keeps (saves.py); a profile without it: every op's output (a bound)
+        kept = layer.kept_bytes(b) > 0
+        saved = layer.kept_bytes(b) if kept else layer.saved_bytes(b)
+        out = layer.out_bytes(b)
+        if self.sequence_parallel(lay.tp):      # outside the tp regions, 1/tp of the sequence
+            saved -= (layer.replicated_kept(b) if kept else layer.replicated_saved(b)) * (1 - 1 / lay.tp)
+            out /= lay.tp
         if lay.recompute == "full":
-            return layer.out_bytes(b) * scale, layer.saved_bytes(b) * scale
+            return out * scale, saved * scale
         if lay.recompute == "selective":
-            inside = core.saved_bytes(b) - core.out_bytes(b)
-            return (layer.saved_bytes(b) - inside) * scale, inside * scale
-        return layer.saved_bytes(b) * scale, 0.0
+            if layer.selective_kept(b) > 0:
+                stays = layer.selective_kept(b)
+                if self.sequence_parallel(lay.tp):
+                    stays -= layer.replicated_selective(b) * (1 - 1 / lay.tp)
+                stays = min(stays, saved)
+                return stays * scale, (saved - stays) * scale
+            inside = min(core.saved_bytes(b) - core.out_bytes(b), saved)
+            return (saved - inside) * scale, inside * scale
+        return saved * scale, 0.0
 
     def model_flops(self, lay: Layout) -> float:
         """The paper's count: 96 (72 without recomputation) B s l h^2 (1 + s/6h + V/16lh);
         selective adds the attention core's forward once more, 4 B s^2 h per layer (QK^T, AV)."""
         p = self.profile
         B, s, l, h, V = self.batch, p.seq, p.blocks or p.layers, p.hidden, p.vocab
-        k = 96 if lay.recompute == "full" else 72
+        again = sum(self.recomputed(lay, n) for n in chunk_layers(p.layers, lay.pp * lay.virtual_stages))
+        k = 72 + 24 * again / p.layers if lay.recompute == "full" else 72
         extra = 4 * B * s * s * h * l if lay.recompute == "selective" else 0.0
         return k * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)) + extra
+
+    def assumptions(self, lay: Layout) -> dict:
+        """{term: the overlap (or kernel) it assumes}, as `autopart plan --explain-cost` prints them."""
+        c = self.cluster
+        megatron = self.runtime == "megatron"
+        notes = {"attention": (f"fused SDPA kernel at {c.fused_attention_efficiency:g} of peak, causal half of "
+                               "the FLOPs, O(s) memory" if c.fused_attention_efficiency > 0 else
+                               "scores materialized (attention_score_bytes per score element)"),
+                 "tp_collectives": ("behind the part's GEMMs (tp-comm-overlap), exposed only where longer"
+                                    if megatron else "exposed (autopart's runtime does not overlap them)"),
+                 "activations": ("what autograd keeps; sequence parallelism: 1/tp outside the tp regions"
+                                 if self.sequence_parallel(lay.tp) else "what autograd keeps"),
+                 "message": "pipeline sends between stages, behind other microbatches' work where the "
+                            "schedule has some (the simulator's delay)"}
+        if lay.cp > 1:
+            notes["cp_ring_exposed"] = "each K/V chunk's transfer behind one attention block, max(0, transfer - block)"
+        return {**notes, **self._after(lay)[1]}
+
+    def counted_flops(self) -> float:
+        """The model's FLOPs a step as Megatron-LM counts them (num_floating_point_operations):
+        three times the forward's matmuls, attention whole (causal masking not subtracted),
+        recomputation not counted; read from the captured graph (tp=1), so grouped-query
+        attention, SwiGLU and an untied head count as they are."""
+        parts = self.profile.parts[(1, 1)]
+        per_sequence = (self.profile.layers * parts["layer"].flops(1) + parts["first"].flops(1)
+                        + parts["last"].flops(1))
+        return 3 * self.batch * per_sequence
 
     # -- a whole step ---------------------------------------------------------------------------
 
@@ -345,6 +465,10 @@ class CostModel:
         p = self.profile
         if (lay.tp, lay.ep) not in p.parts:
             return p.invalid_tp.get((lay.tp, lay.ep), f"tp={lay.tp}, ep={lay.ep} was not analysed")
+        if lay.recompute_layers and (lay.recompute != "full" or lay.recompute_layers < 0
+                                     or lay.recompute_layers >= p.layers / (lay.pp * lay.virtual_stages)):
+            return (f"recompute_layers={lay.recompute_layers} reruns part of each chunk's layers under "
+                    f"recompute='full', fewer than its {p.layers / (lay.pp * lay.virtual_stages):g}")
         if lay.recompute == "selective" and p.parts[(lay.tp, lay.ep)].get("core") is None:
             return "selective recomputation reruns attention cores, and the layer has none"
         if lay.zero and lay.replicas == 1:
@@ -378,7 +502,7 @@ class CostModel:
             makespan, in_flight = pipeline(lay.schedule, lay.pp, m, lay.virtual_stages, tuple(fwd), tuple(bwd), msg)
         else:
             makespan, in_flight = _pipeline_formula(lay, m, fwd, bwd, msg)
-        after = self.after_pipeline(lay)
+        after = self.after_pipeline(lay, fwd, bwd)
         step = makespan + sum(after.values())
         mem = self.memory(lay, in_flight)
         fits = mem["total"] <= self.cluster.memory_bytes

@@ -49,7 +49,8 @@ def predict_row(row: dict, cluster, *, simulate_top: int = 24):
     from autopart.planner.profile import load_profile
     from autopart.planner.search import search
     profile = load_profile(GPT, row["config"])
-    model = CostModel(profile, cluster, row["batch_size"], precision="fp16", optimizer="adam")
+    model = CostModel(profile, cluster, row["batch_size"], precision="fp16", optimizer="adam",
+                      runtime="megatron-2021")
     tp, pp = row["tensor_parallel"], row["pipeline_parallel"]
     dp = row["num_gpus"] // (tp * pp)
     ranked = search(model, row["num_gpus"], tp=tp, pp=pp, dp=dp, recompute="full", zero=0,

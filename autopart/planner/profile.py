@@ -55,7 +55,9 @@ class Lin:
 @dataclass(frozen=True)
 class Part:
     """One part (first / layer / last) of the model on one tensor-parallel rank, fp32 capture."""
-    gemms: tuple            # (flops Lin, M Lin, N, K, is_attention): one per matmul, local to the rank
+    gemms: tuple            # (flops Lin, M Lin, N, K, is_attention, causal): one per matmul, local
+                            # to the rank; causal: an SDPA with is_causal (a fused kernel skips
+                            # the masked half)
     elementwise_bytes: Lin  # bytes moved by the memory-bound ops (forward)
     allreduce_fwd: Lin      # bytes all-reduced over tp in forward (reduce_from_tp, embeddings)
     allreduce_bwd: Lin      # bytes all-reduced over tp in backward (copy_to_tp)
@@ -67,6 +69,15 @@ class Part:
     expert_params: float = 0.0      # of `params`, the expert weights (reduced over dp / ep only)
     kv_bytes: Lin = Lin(0.0, 0.0)   # K and V of its attention cores (scaled_dot_product_attention),
                                     # before a grouped-query repeat: what a context-parallel ring passes on
+    replicated_saved: Lin = Lin(0.0, 0.0)   # of saved_bytes, outputs of ops not split over tp (norms,
+                                            # residual adds): what sequence parallelism cuts by tp
+    replicated_bytes: Lin = Lin(0.0, 0.0)   # of elementwise_bytes, those ops' traffic (the same)
+    kept_bytes: Lin = Lin(0.0, 0.0)         # what autograd keeps for the backward (saves.py), by op
+    replicated_kept: Lin = Lin(0.0, 0.0)    # of kept_bytes, values not split over tp
+    selective_kept: Lin = Lin(0.0, 0.0)     # of kept_bytes, what selective recomputation keeps:
+                                            # GEMM outputs outside attention cores, the cores'
+                                            # outputs, the part's inputs (saves.py)
+    replicated_selective: Lin = Lin(0.0, 0.0)   # of selective_kept, values not split over tp
 
     def flops(self, b: float) -> float:
         return sum(g[0](b) for g in self.gemms)
@@ -249,10 +260,10 @@ def _parts(program, tp: int, ep: int, seq: int, unit_paths: set) -> dict:
             groups["last" if seen_layer else "first"].append(n)
     shards = local.tp.params if tp > 1 else {}
     experts = local.ep.params if local.ep is not None and ep > 1 else {}
-    parts = {k: _part(nodes, costs, local, shards, tp, seq, k, experts, ep) for k, nodes in groups.items()}
     # selective recomputation reruns the layer's attention cores, found as the runtime's
     # recompute_activations pass finds them (None: no core, selective is not offered)
     core = [n for c in attention_cores(groups["layer"]) for n in c]
+    parts = {k: _part(nodes, costs, local, shards, tp, seq, k, experts, ep, set(core)) for k, nodes in groups.items()}
     parts["core"] = _part(core, costs, local, shards, tp, seq, "core", experts, ep) if core else None
     # tied weights (GPT's embedding = head): one tensor when first and last share a rank
     shared = _param_names(groups["first"], local) & _param_names(groups["last"], local)
@@ -272,7 +283,7 @@ def _numel(shape) -> float:
     return float(total)
 
 
-def _part(nodes, costs, program, shards, tp, seq, which, experts, ep) -> dict:
+def _part(nodes, costs, program, shards, tp, seq, which, experts, ep, core=frozenset()) -> dict:
     from autopart.analysis import _VIEWS, evaluate
     from autopart.ops import op_info
 
@@ -284,7 +295,7 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep) -> dict:
         return _numel_expr(v, program) * (v.element_size() if hasattr(v, "element_size") else 4)
 
     gemms, elt, ar_f, ar_b, saved, ops = [], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], 0
-    a2a = [0.0, 0.0]
+    a2a, rep_saved, rep_bytes = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
     for n in nodes:
         info = op_info(n.target)
         if info is not None and info.communicates:
@@ -302,11 +313,17 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep) -> dict:
             continue
         g = _gemm(n, c, program, tp, seq)
         ops += 1
+        replicated = tp > 1 and not _is_split(n)
         if g is not None:
             gemms.append(g)
         else:
             elt = _add(elt, lin(c.bytes_moved))
+            if replicated:
+                rep_bytes = _add(rep_bytes, lin(c.bytes_moved))
         saved = _add(saved, lin(c.out_bytes))
+        if replicated and g is None:
+            rep_saved = _add(rep_saved, lin(c.out_bytes))
+    kept, rep_kept, sel, rep_sel = _kept(nodes, costs, lin, tp, core)
     out = lin(costs[nodes[-1].name].out_bytes) if nodes and nodes[-1].name in costs else [0.0, 0.0]
     if which == "layer":
         last = [n for n in nodes if n.name in costs and costs[n.name].out_bytes != 0]
@@ -316,7 +333,30 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep) -> dict:
     return {"gemms": gemms, "elementwise_bytes": elt, "allreduce_fwd": ar_f, "allreduce_bwd": ar_b,
             "saved_bytes": saved, "out_bytes": out, "params": _params(nodes, program, shards, tp, experts, ep),
             "ops": ops, "alltoall": a2a, "kv_bytes": _kv_bytes(nodes, costs, lin, nbytes),
+            "replicated_saved": rep_saved, "replicated_bytes": rep_bytes, "kept_bytes": kept,
+            "replicated_kept": rep_kept, "selective_kept": sel, "replicated_selective": rep_sel,
             "expert_params": _params(nodes, program, shards, tp, experts, ep, only=set(experts))}
+
+
+def _kept(nodes, costs, lin, tp, core) -> tuple[list, list, list, list]:
+    """(bytes autograd keeps for the part's ops, those of values not split over tp; the same two
+    of what selective recomputation keeps). Selective as Megatron-LM's --recompute-modules
+    core_attn, layernorm and the activation functions: the attention cores and every memory-bound
+    op rerun in backward from what stays, the GEMMs' outputs (outside the cores), the cores'
+    outputs and the part's inputs."""
+    from autopart.planner.saves import kept_values, stays_under_selective
+    kept, rep, sel, rep_sel = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
+    mine = set(nodes)
+    for n in kept_values(nodes):
+        if n.name in costs:
+            size = lin(costs[n.name].out_bytes)
+            replicated = tp > 1 and not _is_split(n)
+            kept = _add(kept, size)
+            rep = _add(rep, size) if replicated else rep
+            if stays_under_selective(n, mine, core):
+                sel = _add(sel, size)
+                rep_sel = _add(rep_sel, size) if replicated else rep_sel
+    return kept, rep, sel, rep_sel
 
 
 def _kv_bytes(nodes, costs, lin, nbytes) -> list:
@@ -404,8 +444,9 @@ def _gemm(node, cost, program, tp, seq):
     if "scaled_dot_product" in name:
         k = _shape(node.args[1], program.symbols)
         dims = [a0[-2], k[-2], a0[-1]]            # s x s x head_dim (and P V: s x head_dim x s)
+        causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
         return [flops, [float(evaluate(dims[0], 1, seq))] * 2, float(evaluate(dims[1], 1, seq)),
-                float(evaluate(dims[2], 1, seq)), True]
+                float(evaluate(dims[2], 1, seq)), True, causal]
     n_dim, k_dim = out[-1], a0[-1]
     m_dim = sympy.prod(out[:-1]) if len(out) > 1 else sympy.Integer(1)
     if tp > 1 and program.tp is not None:
@@ -416,7 +457,7 @@ def _gemm(node, cost, program, tp, seq):
         elif _is_split(node):
             n_dim = n_dim / tp            # a vocab-parallel head: its output columns split
     return [flops, [evaluate(m_dim, 1, seq), evaluate(m_dim, 2, seq)], float(evaluate(n_dim, 1, seq)),
-            float(evaluate(k_dim, 1, seq)), False]
+            float(evaluate(k_dim, 1, seq)), False, False]
 
 
 def _is_split(node) -> bool:
@@ -462,10 +503,13 @@ def _add(a, b):
 
 def _from_json(data: dict, cached: bool = False) -> Profile:
     def part(d):
-        return Part(tuple((Lin(*g[0]), Lin(*g[1]), g[2], g[3], g[4]) for g in d["gemms"]),
+        return Part(tuple((Lin(*g[0]), Lin(*g[1]), g[2], g[3], g[4], bool(g[5:6] and g[5])) for g in d["gemms"]),
                     Lin(*d["elementwise_bytes"]), Lin(*d["allreduce_fwd"]), Lin(*d["allreduce_bwd"]),
                     Lin(*d["saved_bytes"]), Lin(*d["out_bytes"]), d["params"], d["ops"],
-                    Lin(*d["alltoall"]), d["expert_params"], Lin(*d.get("kv_bytes", (0.0, 0.0))))
+                    Lin(*d["alltoall"]), d["expert_params"], Lin(*d.get("kv_bytes", (0.0, 0.0))),
+                    Lin(*d.get("replicated_saved", (0.0, 0.0))), Lin(*d.get("replicated_bytes", (0.0, 0.0))),
+                    Lin(*d.get("kept_bytes", (0.0, 0.0))), Lin(*d.get("replicated_kept", (0.0, 0.0))),
+                    Lin(*d.get("selective_kept", (0.0, 0.0))), Lin(*d.get("replicated_selective", (0.0, 0.0))))
     parts = {tuple(map(int, key.split(","))): {k: (part(v) if isinstance(v, dict) else v) for k, v in ps.items()}
              for key, ps in data["parts"].items()}
     invalid = {tuple(map(int, k.split(","))): v for k, v in data["invalid_tp"].items()}

@@ -102,8 +102,9 @@ def _schedules(pp: int, layers: int, virtual_stages, schedule):
             continue
         vs = [virtual_stages] if virtual_stages else range(2, MAX_VIRTUAL_STAGES + 1)
         for v in vs:
-            # Megatron's interleaving gives every chunk the same number of layers
-            if pp > 1 and v > 1 and layers % (pp * v) == 0:
+            # interleaving: v chunks a rank, as even as possible (chunk_layers: Megatron-LM's
+            # uneven first and last stages, as Llama 3's 126 layers over pp=16 had)
+            if pp > 1 and v > 1 and layers >= pp * v:
                 yield name, v
 
 
@@ -122,11 +123,36 @@ def search(model: CostModel, gpus: int, *, simulate_top: int = 24, **knobs) -> l
         rough += [model.estimate(lay, simulate=False) for lay in more]
     if not rough:
         raise AutopartError(_nothing(model, gpus, {**knobs, "cp": cp}))
+    if knobs.get("recompute") in (None, "full"):
+        rough += partial_recompute(model, rough, simulate_top)
     rough.sort(key=_rank)
     fitting = [e for e in rough if e.fits][:simulate_top]
     rejected = [e for e in rough if not e.fits][: max(4, simulate_top // 4)]
     exact = {e.layout: model.estimate(e.layout) for e in fitting + rejected}
     return sorted((exact.get(e.layout, e) for e in rough), key=_rank)
+
+
+def partial_recompute(model: CostModel, rough: list[Estimate], top: int) -> list[Estimate]:
+    """For the `top` fastest layouts without recomputation that do not fit: the same layout
+    recomputing the fewest layers of each chunk that fits (Megatron-LM's block method), found by
+    bisection (memory falls as more layers rerun)."""
+    tried = sorted((e for e in rough if e.layout.recompute == "none" and not e.fits), key=lambda e: e.step_time)
+    out = []
+    for e in tried[:4 * top]:
+        lay = e.layout
+        counts = chunk_layers(model.profile.layers, lay.pp * lay.virtual_stages)
+        lo, hi = 1, max(counts) - 1          # all of a chunk's layers is recompute="full" itself
+        best = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            est = model.estimate(dataclasses.replace(lay, recompute="full", recompute_layers=mid), simulate=False)
+            if est.fits:
+                best, hi = est, mid - 1
+            else:
+                lo = mid + 1
+        if best is not None:
+            out.append(best)
+    return out
 
 
 def zero_choice(model: CostModel, best: Estimate) -> str:
