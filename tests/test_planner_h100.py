@@ -166,3 +166,24 @@ def test_llama3_405b_on_16384_h100_picks_metas_layout_class_or_a_faster_one():
           f"zero={lay.zero}: {best.step_time:.2f} s; Meta's class best {metas.layout.mesh}: {metas.step_time:.2f} s")
     assert (lay.tp == 8 and lay.pp <= 16 and lay.cp == 1) or best.step_time < metas.step_time
     assert best.step_time <= metas.step_time * (1 + 1e-9)
+
+
+def test_explain_cost_versus_a_published_layout_term_by_term():
+    """`--explain-cost --versus MESH` sets the chosen layout against the fastest of MESH, each
+    term with both figures and their difference, which add up to the step times' difference."""
+    import re
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "autopart", "plan", "examples/gpt.py:GPT", "--config",
+                          "megatron-1.7b", "--gpus", "32", "--batch", "512", "--cluster", "h100-sxm",
+                          "--explain-cost", "--versus", "tp=2,pp=1,dp=16", "--top", "2"],
+                         capture_output=True, text=True, cwd=P.ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    head = re.search(r"versus (tp=2,pp=1,dp=16 .*): ([\d.]+) s a step against ([\d.]+) s", out.stdout)
+    assert head, out.stdout
+    terms = re.findall(r"^    (\w+): ([\d.]+), ([\d.]+), ([-+][\d.]+)$", out.stdout, re.M)
+    assert {"pipeline", "optimizer"} <= {t[0] for t in terms}
+    for _, a, b, d in terms:
+        assert float(d) == pytest.approx(float(b) - float(a), abs=2e-4)
+    parts = [t for t in terms if t[0] not in ("compute_rank0", "bubble_and_p2p", "message")]
+    assert sum(float(t[3]) for t in parts) == pytest.approx(float(head[2]) - float(head[3]), abs=2e-3)

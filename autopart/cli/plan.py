@@ -59,6 +59,9 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
                    help="whose overlaps the prediction assumes: autopart's runtime (default) or "
                         "Megatron-LM's (tp collectives behind GEMMs, sequence parallelism, parameter "
                         "gathers behind the forward); --explain-cost prints the other's figure too")
+    p.add_argument("--versus", metavar="MESH", default=None,
+                   help="with --explain-cost: compare the chosen layout term by term with the fastest "
+                        "fitting layout of this mesh (e.g. a published one, tp=8,pp=16,dp=128)")
     p.add_argument("--top", type=int, default=12, help="rows of the printed table (default 12)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--explain-cost", action="store_true",
@@ -158,7 +161,8 @@ def _plan(args: argparse.Namespace) -> int:
         if why_cp:
             print(f"CP: {why_cp}")
     if args.explain_cost:
-        print(explain(model, best), file=sys.stderr if args.json else sys.stdout)
+        rival = _versus(model, args, axes) if args.versus and best is not None else None
+        print(explain(model, best, rival), file=sys.stderr if args.json else sys.stdout)
     return 0 if best is not None else 1
 
 
@@ -222,7 +226,33 @@ def other_runtime(model, best) -> dict | None:
     return {"runtime": name, "step_time_s": round(other.step_time, 4), "fits": other.fits}
 
 
-def explain(model, best) -> str:
+def _versus(model, args, axes):
+    """The fastest fitting layout of --versus's mesh (the other knobs as given), or None."""
+    from autopart.planner.search import search
+    v = parse_mesh(args.versus, args.gpus)
+    ranked = search(model, args.gpus, tp=v.get("tp"), pp=v.get("pp"), dp=v.get("dp"), ep=v.get("ep"),
+                    cp=v.get("cp", 1), microbatch_size=args.microbatch_size, virtual_stages=args.virtual_stages,
+                    schedule=args.schedule, recompute=args.recompute, zero=args.zero)
+    return next((e for e in ranked if e.fits), None) or (ranked[0] if ranked else None)
+
+
+def versus_lines(best, rival) -> list[str]:
+    """The chosen layout and `rival` term by term: seconds a step and the difference."""
+    def name(e):
+        lay = e.layout
+        return (f"{lay.mesh} b={lay.microbatch_size} v={lay.virtual_stages} {lay.recompute}"
+                + (f"({lay.recompute_layers})" if lay.recompute_layers else "") + f" zero={lay.zero}")
+    lines = [f"  versus {name(rival)}" + ("" if rival.fits else f" (does not fit: {rival.rejected_because})")
+             + f": {rival.step_time:.4f} s a step against {best.step_time:.4f} s ({name(best)})",
+             "    term: chosen, versus, difference (s)"]
+    for k in dict.fromkeys([*best.breakdown, *rival.breakdown]):
+        a, b = best.breakdown.get(k, 0.0), rival.breakdown.get(k, 0.0)
+        lines.append(f"    {k}: {a:.4f}, {b:.4f}, {b - a:+.4f}")
+    lines.append(f"    memory per rank: {best.memory['total'] / 1e9:.1f} GB, {rival.memory['total'] / 1e9:.1f} GB")
+    return lines
+
+
+def explain(model, best, rival=None) -> str:
     lines = [model.cluster.explain()]
     if best is not None:
         lay = best.layout
@@ -237,6 +267,8 @@ def explain(model, best) -> str:
         o = other_runtime(model, best)
         lines.append(f"  the same layout as {o['runtime']}'s runtime overlaps: {o['step_time_s']:.4f} s a step"
                      + ("" if o["fits"] else " (does not fit there)"))
+        if rival is not None:
+            lines += versus_lines(best, rival)
         m = best.memory
         lines.append("  memory per rank (GB): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in m.items()))
     return "\n".join(lines)
