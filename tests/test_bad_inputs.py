@@ -393,7 +393,7 @@ def test_save_refuses_extra_that_cannot_be_pickled_before_writing(one_rank_pm, t
 def test_a_failed_save_removes_its_temporary_folder(one_rank_pm, tmp_path, monkeypatch):
     from autopart.runtime import checkpoint
 
-    def dies_half_way(state, storage_writer, planner):
+    def dies_half_way(state, storage_writer, planner, process_group=None):
         Path(storage_writer.path).mkdir(parents=True)
         (Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"half")
         raise RuntimeError("disk full")
