@@ -139,7 +139,7 @@ def _check_fp8(cfg: Config, mesh: Mesh) -> None:
         raise AutopartError(
             f"precision='fp8' is not supported with {', '.join(untested)}: no test holds FP8 "
             "to its recipe there.\n  remedy: precision='bf16' with these options, or "
-            "precision='fp8' without them (pp, tp, dp, zero=1/2 and every schedule train FP8)")
+            "precision='fp8' without them (pp, tp, dp and zero=1/2 are held to its recipe)")
 
 
 _DEVICES = "cuda|xpu|mps|hpu|npu|mtia|meta|cpu|privateuseone"
