@@ -21,7 +21,10 @@ CASES = [
     FCase("gpt4-pp2", model="gpt4", pp=2, microbatches=2),
     FCase("gpt4-pp2-zb-v", model="gpt4", pp=2, schedule="zb-v", virtual_stages=2,
           microbatches=4),
+    FCase("gpt4-pp2-dualpipe-v", model="gpt4", pp=2, schedule="dualpipe-v", virtual_stages=2,
+          microbatches=4),
     FCase("gpt4-dp2-zero1", model="gpt4", dp=2, microbatches=2, zero=1),
+    FCase("gpt4-dp2-zero2", model="gpt4", dp=2, microbatches=2, zero=2),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
