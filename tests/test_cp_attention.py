@@ -39,6 +39,7 @@ class Case:
     scale: float | None = None
     groups: tuple = ()             # context-parallel groups (sorted global ranks); (): the world
     padded: bool = False           # a key padding mask (_keep): whole chunks, a rank's block
+    docs: bool = False             # packed documents (_docs): one across chunks, padding chunks
 
 
 def _grid(world: int, seq: int) -> list[Case]:
@@ -56,6 +57,10 @@ TWO = _grid(2, 16) + [
     Case("allgather-causal-gqa-padded", "allgather", True, kv_heads=2, padded=True),
     Case("ring-full-mha-padded-fp32", "ring", False, padded=True, dtype=torch.float32),
     Case("allgather-full-mha-padded", "allgather", False, padded=True),
+    Case("ring-causal-gqa-docs", "ring", True, kv_heads=2, docs=True),
+    Case("allgather-causal-gqa-docs", "allgather", True, kv_heads=2, docs=True),
+    Case("ring-full-mha-docs-fp32", "ring", False, docs=True, dtype=torch.float32),
+    Case("allgather-full-mha-docs", "allgather", False, docs=True),
 ]
 # four ranks: the whole world as one ring of 4, and two rings of 2 whose group ranks are not
 # their global ranks ({0, 2} and {1, 3}); NCCL's batch_isend_irecv contract kept over Gloo
@@ -68,6 +73,8 @@ FOUR = [
          groups=((0, 2), (1, 3))),
     Case("ring-causal-gqa-padded-cp4", "ring", True, 4, kv_heads=2, seq=32, padded=True),
     Case("allgather-causal-mha-padded-cp4", "allgather", True, 4, seq=32, padded=True),
+    Case("ring-causal-gqa-docs-cp4", "ring", True, 4, kv_heads=2, seq=32, docs=True),
+    Case("allgather-causal-mha-docs-cp4", "allgather", True, 4, seq=32, docs=True),
 ]
 
 
@@ -81,6 +88,24 @@ def _keep(case: Case) -> torch.Tensor | None:
     keep[0, case.seq - 3 * case.seq // 8:] = False
     keep[1, case.seq // 4: case.seq // 2 + 1] = False
     return keep
+
+
+def _docs(case: Case) -> torch.Tensor | None:
+    """(batch 2, seq) packed documents' ids: row 0 three documents, the middle one across most
+    chunks; row 1 two short documents, then padding (id -1, a document of its own) over the
+    last half (whole chunks of padding). Some blocks are empty in both rows."""
+    if not case.docs:
+        return None
+    n = case.seq
+    row0 = [0] * (n // 8 + 1) + [1] * (n - n // 4 - 2) + [2] * (n // 8 + 1)
+    row1 = [5] * (n // 4 + 2) + [9] * (n // 4 - 2) + [-1] * (n // 2)
+    return torch.tensor([row0, row1])
+
+
+def _doc_mask(doc: torch.Tensor, causal: bool) -> torch.Tensor:
+    n = doc.shape[1]
+    same = (doc[:, :, None] == doc[:, None, :])[:, None]
+    return same & torch.ones(n, n, dtype=torch.bool).tril() if causal else same
 
 
 def _inputs(case: Case):
@@ -121,7 +146,10 @@ def _run_cases(rank: int, world: int, cases: list, nccl_contract: bool) -> dict:
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         keep = _keep(case)
         keep = shard_sequence(keep, 1, cp, cp_rank) if keep is not None else None
-        out = OPS[case.op](q, k, v, comm, case.causal, scale=case.scale, key_mask=keep)
+        doc = _docs(case)
+        doc = shard_sequence(doc, 1, cp, cp_rank) if doc is not None else None
+        out = OPS[case.op](q, k, v, comm, case.causal, scale=case.scale, key_mask=keep,
+                           doc_ids=doc)
         out.backward(dout)
         results[case.name] = dict(members=members, cp_rank=cp_rank, out=out.detach(),
                                   dq=q.grad, dk=k.grad, dv=v.grad)
@@ -153,6 +181,8 @@ def _reference(case: Case) -> dict:
         n = case.seq
         mask = keep[:, None, None, :] & (torch.ones(n, n, dtype=torch.bool).tril()
                                          if case.causal else torch.ones(n, n, dtype=torch.bool))
+    if _docs(case) is not None:
+        mask = _doc_mask(_docs(case), case.causal)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                          is_causal=case.causal and mask is None, scale=case.scale,
                                          enable_gqa=case.kv_heads != case.heads)
@@ -297,3 +327,39 @@ def test_fused_cpu_blocks_equal_the_portable_ones(lq, lk, causal):
     delta = (dout * out).sum(-1)
     torch.testing.assert_close(cp._block_backward(q, k, v, dout, lse, delta, scale, causal, out),
                                cp._matmul_block_backward(q, k, v, dout, lse, delta, scale, causal))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("docs, blocks", [
+    # a document across the two chunks, padding of its own: every causal block is computed
+    ([[0] * 5 + [1] * 6 + [2] * 5, [3] * 3 + [4] * 5 + [-1] * 8], 3),
+    # the second chunk holds other documents (and all padding) in both rows: its block
+    # against the first chunk is empty, skipped without a matmul
+    ([[0] * 8 + [1] * 8, [2] * 4 + [3] * 4 + [-1] * 8], 2),
+])
+def test_document_blocks_match_masked_sdpa_and_skip_empty_ones(op, docs, blocks, monkeypatch):
+    """One rank (no spawn) holds both chunks of a 16-token sequence: the per-block document
+    mask, and the empty-block skip, against plain SDPA with the whole mask, forward and
+    backward; the blocks computed are counted (3 causal blocks, 2 when one is empty)."""
+    from autopart.ops import cp
+    calls = []
+    real = cp._block_forward
+    monkeypatch.setattr(cp, "_block_forward", lambda q, k, *a: calls.append(k.shape[2]) or
+                        real(q, k, *a))
+    case = Case("docs", op, True, 1, kv_heads=2, seq=16)
+    doc = torch.tensor(docs)
+    q, k, v, dout = _inputs(case)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = OPS[op](q, k, v, CPComm(1), True, doc_ids=doc)
+    out.backward(dout)
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=_doc_mask(doc, True),
+                                         enable_gqa=True)
+    ref.backward(dout)
+    for what, got, want in (("out", out, ref), ("dq", q.grad, q2.grad), ("dk", k.grad, k2.grad),
+                            ("dv", v.grad, v2.grad)):
+        assert torch.isfinite(got).all(), what
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=what)
+    # ring: one call per block; all-gather: one per query chunk over the keys it can see
+    keys = 8 * blocks if op == "ring" else 8 + (16 if blocks == 3 else 8)
+    assert sum(calls) == keys, calls

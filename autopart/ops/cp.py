@@ -19,7 +19,8 @@ layout (pure tensor functions, no communication).
 
 Both take k, v with fewer heads than q (GQA/MQA: head h of q reads kv head h // (heads/kv_heads),
 as SDPA's enable_gqa), compute scores and softmax in fp32 (fp64 for fp64 inputs), and return the
-output in the inputs' dtype. Not supported (refused): attention masks other than causal, dropout,
+output in the inputs' dtype. Masks: causal or none, each with padded keys (`key_mask`) and/or
+packed documents (`doc_ids`, cp_documents.py). Not supported (refused): other masks, dropout,
 a sequence not divisible by 2*cp.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from autopart.mesh import sequence_chunks
 from autopart.ops.comm import GroupComm
+from autopart.ops.cp_documents import block_bias, check_doc, doc_bits, doc_from_bits, key_span
 from autopart.ops.registry import register
 from autopart.ops.tp import _all_gather, _reduce_scatter
 
@@ -222,8 +224,9 @@ def _visibility(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
     return "causal" if k_chunk == q_chunk else None
 
 
-def _check_inputs(q, k, v, comm, scale, key_mask=None) -> float:
+def _check_inputs(q, k, v, comm, scale, key_mask=None, doc_ids=None) -> float:
     """The softmax scale; ValueError for what these ops do not support."""
+    check_doc(doc_ids, q)
     if key_mask is not None and tuple(key_mask.shape) != (q.shape[0], k.shape[2]):
         raise ValueError(f"key_mask must be (batch, local_seq) = {(q.shape[0], k.shape[2])}, "
                          f"got {tuple(key_mask.shape)}")
@@ -294,40 +297,49 @@ def _ring_steps(comm: CPComm) -> int:
     return comm.size if comm.moves_data else 1
 
 
-def _held_kv(kv, k, v, heads: int, dtype, keep=None):
-    """The K/V block this step holds, heads expanded, cut into its two chunks, and each
-    chunk's key bias (None without padding)."""
-    if keep is None:
-        k_s, v_s = _unpack(kv, k.shape, v.shape)
-        biases = (None, None)
-    else:
-        k_s, v_s, keep_s = _unpack(kv, k.shape, v.shape, keep.shape)
-        biases = _key_bias(keep_s, dtype).chunk(2, 3)
+def _held_kv(kv, k, v, heads: int, dtype, keep=None, doc=None):
+    """The K/V block this step holds, heads expanded, cut into its two chunks, each chunk's
+    key bias (None without padding) and document ids (None without documents)."""
+    shapes = [k.shape, v.shape] + ([keep.shape] if keep is not None else []) + \
+        ([doc_bits(doc, k.dtype).shape] if doc is not None else [])
+    parts = _unpack(kv, *shapes)
+    k_s, v_s = parts[:2]
+    biases = _key_bias(parts[2], dtype).chunk(2, 3) if keep is not None else (None, None)
+    docs = doc_from_bits(parts[-1], doc.shape).chunk(2, 1) if doc is not None else (None, None)
     return (_expand_heads(k_s.to(dtype), heads).chunk(2, 2),
-            _expand_heads(v_s.to(dtype), heads).chunk(2, 2), biases)
+            _expand_heads(v_s.to(dtype), heads).chunk(2, 2), biases, docs)
 
 
-def _kv(k, v, keep):
-    return _pack(k, v) if keep is None else _pack(k, v, keep)
+def _kv(k, v, keep, doc=None):
+    """One message: k, v, the keys' padding, their document ids (bit for bit)."""
+    return _pack(k, v, *([keep] if keep is not None else []),
+                 *([doc_bits(doc, k.dtype)] if doc is not None else []))
 
 
-def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float, keep=None):
+def _q_docs(doc):
+    return doc.chunk(2, 1) if doc is not None else (None, None)
+
+
+def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float, keep=None, doc=None):
     cp, rank, heads = comm.size, comm.rank, q.shape[1]
     dtype = _compute_dtype(q.dtype)
-    qs = q.to(dtype).chunk(2, 2)
+    qs, qds = q.to(dtype).chunk(2, 2), _q_docs(doc)
     state = [None, None]                      # (out, lse) so far, per local query chunk
-    kv = _kv(k, v, keep)
+    kv = _kv(k, v, keep, doc)
     steps = _ring_steps(comm)
     for step in range(steps):
         # post the next hop first: the transfer runs while this block is computed
         hop = _Shift(kv, comm, _KV_TAG) if step < steps - 1 else None
-        ks, vs, bs = _held_kv(kv, k, v, heads, dtype, keep)
+        ks, vs, bs, kds = _held_kv(kv, k, v, heads, dtype, keep, doc)
         src = (rank - step) % cp               # whose K/V this rank holds at this step
         for i, qa in enumerate(_chunk_ids(rank, cp)):
             for j, kb in enumerate(_chunk_ids(src, cp)):
                 seen = _visibility(qa, kb, causal)
-                if seen is not None:
-                    blk = _block_forward(qs[i], ks[j], vs[j], scale, seen == "causal", bs[j])
+                if seen is None:
+                    continue
+                skip, bias = block_bias(bs[j], qds[i], kds[j], dtype, comm.moves_data)
+                if not skip:
+                    blk = _block_forward(qs[i], ks[j], vs[j], scale, seen == "causal", bias)
                     state[i] = _merge(state[i], blk)
         if hop is not None:
             kv = hop.wait()
@@ -335,9 +347,11 @@ def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float, keep=None):
     return out, torch.cat([state[0][1], state[1][1]], 2)
 
 
-def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp, causal, scale, outs, bs):
+def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, comm, causal, scale, outs, bs,
+                      qds, kds):
     """One step of the backward ring: this step's dq (per local query chunk), and the dk, dv
     that this rank's queries give the K/V it holds (rank src's)."""
+    cp = comm.size
     dq = []
     dk = [torch.zeros_like(t) for t in ks]
     dv = [torch.zeros_like(t) for t in vs]
@@ -345,30 +359,33 @@ def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp, causal, scal
         dq_i = torch.zeros_like(qs[i])
         for j, kb in enumerate(_chunk_ids(src, cp)):
             seen = _visibility(qa, kb, causal)
-            if seen is not None:
+            if seen is None:
+                continue
+            skip, bias = block_bias(bs[j], qds[i], kds[j], qs[i].dtype, comm.moves_data)
+            if not skip:
                 g = _block_backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i], scale,
-                                    seen == "causal", outs[i], bs[j])
+                                    seen == "causal", outs[i], bias)
                 dq_i, dk[j], dv[j] = dq_i + g[0], dk[j] + g[1], dv[j] + g[2]
         dq.append(dq_i)
     return dq, torch.cat(dk, 2), torch.cat(dv, 2)
 
 
 def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: float,
-                   keep=None):
+                   keep=None, doc=None):
     cp, rank, heads = comm.size, comm.rank, q.shape[1]
     dtype = _compute_dtype(q.dtype)
     dout = dout.to(dtype)
     delta = (dout * out.to(dtype)).sum(-1)     # rowsum(dO * O): softmax's backward term
     qs, dos = q.to(dtype).chunk(2, 2), dout.chunk(2, 2)
     lses, deltas, outs = lse.chunk(2, 2), delta.chunk(2, 2), out.to(dtype).chunk(2, 2)
-    dq = [torch.zeros_like(t) for t in qs]
-    kv, sums, steps = _kv(k, v, keep), None, _ring_steps(comm)
+    dq, qds = [torch.zeros_like(t) for t in qs], _q_docs(doc)
+    kv, sums, steps = _kv(k, v, keep, doc), None, _ring_steps(comm)
     for step in range(steps):
         hop = _Shift(kv, comm, _KV_TAG) if step < steps - 1 else None
-        ks, vs, bs = _held_kv(kv, k, v, heads, dtype, keep)
+        ks, vs, bs, kds = _held_kv(kv, k, v, heads, dtype, keep, doc)
         src = (rank - step) % cp
-        dq_s, dk, dv = _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, cp,
-                                         causal, scale, outs, bs)
+        dq_s, dk, dv = _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, comm,
+                                         causal, scale, outs, bs, qds, kds)
         dq = [a + b for a, b in zip(dq, dq_s)]
         grads = _pack(_fold_heads(dk, k.shape[1]), _fold_heads(dv, v.shape[1]))
         if sums is not None:                   # the sums of the ranks this K/V passed before
@@ -384,11 +401,11 @@ def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: f
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale, keep):
+    def forward(ctx, q, k, v, comm, causal, scale, keep, doc):
         comm._check()
-        out, lse = _ring_forward(q, k, v, comm, causal, scale, keep)
+        out, lse = _ring_forward(q, k, v, comm, causal, scale, keep, doc)
         out = out.to(q.dtype)
-        ctx.comm, ctx.causal, ctx.scale, ctx.keep = comm, causal, scale, keep
+        ctx.comm, ctx.causal, ctx.scale, ctx.keep, ctx.doc = comm, causal, scale, keep, doc
         ctx.save_for_backward(q, k, v, out, lse)   # lse: (batch, heads, local_seq), fp32
         return out
 
@@ -396,8 +413,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.comm, ctx.causal, ctx.scale,
-                                    ctx.keep)
-        return dq, dk, dv, None, None, None, None
+                                    ctx.keep, ctx.doc)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # -- the all-gather form ------------------------------------------------------------------------
@@ -410,11 +427,12 @@ def _gather_kv(k, v, comm: CPComm):
     return both[..., :k.shape[-1]], both[..., k.shape[-1]:]
 
 
-def _gather_keep(keep, comm: CPComm):
-    """The whole sequence's key padding (batch, seq), in global order, or None."""
+def _gather_keep(keep, comm: CPComm, dtype=torch.float32):
+    """The whole sequence's key padding (batch, seq), or its document ids (dtype int64), in
+    global order; or None."""
     if keep is None:
         return None
-    x = keep.to(torch.float32)[:, None, :, None]
+    x = keep.to(dtype)[:, None, :, None]
     if comm.size > 1:
         x = _rank_major_to_global(_all_gather(x, 2, comm), 2, comm.size)
     return x[:, 0, :, 0]
@@ -433,24 +451,39 @@ def _visible_keys(chunk: int, c: int, seq: int, causal: bool) -> int:
     return (chunk + 1) * c if causal else seq
 
 
+def _gathered_blocks(q, comm, causal, keep, doc, dtype):
+    """Per local query chunk: (its global index, keys [lo, hi) it attends, their bias): the
+    causal prefix, narrowed to the key chunks that hold its documents (the rest are empty
+    blocks, skipped), and the key padding's and documents' additive mask over those keys."""
+    c, seq = q.shape[2] // 2, q.shape[2] * comm.size
+    keep, kdoc = _gather_keep(keep, comm), _gather_keep(doc, comm, torch.int64)
+    bias = _key_bias(keep, dtype) if keep is not None else None
+    out = []
+    for qa, qd in zip(_chunk_ids(comm.rank, comm.size), _q_docs(doc)):
+        n = _visible_keys(qa, c, seq, causal)
+        lo, hi = key_span(qd, kdoc, c, n, comm.moves_data)
+        lo, hi = (0, n) if hi <= lo else (lo, n if causal else hi)  # causal: the last is its own
+        kb = None if bias is None else bias[..., lo:hi]
+        _, b = block_bias(kb, qd, None if kdoc is None else kdoc[:, lo:hi], dtype, False)
+        out.append((qa, lo, hi, b))
+    return out
+
+
 class _AllGatherKVAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale, keep):
+    def forward(ctx, q, k, v, comm, causal, scale, keep, doc):
         comm._check()
         dtype, heads = _compute_dtype(q.dtype), q.shape[1]
         kf, vf = (_expand_heads(t.to(dtype), heads) for t in _gather_kv(k, v, comm))
-        c, seq = q.shape[2] // 2, kf.shape[2]
-        keep = _gather_keep(keep, comm)
-        bias = _key_bias(keep, dtype) if keep is not None else None
+        blocks = _gathered_blocks(q, comm, causal, keep, doc, dtype)
         outs, lses = [], []
-        for qa, q_chunk in zip(_chunk_ids(comm.rank, comm.size), q.to(dtype).chunk(2, 2)):
-            n = _visible_keys(qa, c, seq, causal)
-            out, lse = _block_forward(q_chunk, kf[:, :, :n], vf[:, :, :n], scale, causal,
-                                      None if bias is None else bias[..., :n])
+        for (_, lo, hi, bias), q_chunk in zip(blocks, q.to(dtype).chunk(2, 2)):
+            out, lse = _block_forward(q_chunk, kf[:, :, lo:hi], vf[:, :, lo:hi], scale, causal,
+                                      bias)
             outs.append(out)
             lses.append(lse)
         out = torch.cat(outs, 2).to(q.dtype)
-        ctx.comm, ctx.causal, ctx.scale, ctx.bias = comm, causal, scale, bias
+        ctx.comm, ctx.causal, ctx.scale, ctx.blocks = comm, causal, scale, blocks
         # only the local K/V are kept: the backward gathers them again (as gather_linear_sp)
         ctx.save_for_backward(q, k, v, out, torch.cat(lses, 2))
         return out
@@ -462,44 +495,46 @@ class _AllGatherKVAttention(torch.autograd.Function):
         kf, vf = (_expand_heads(t.to(dtype), heads) for t in _gather_kv(k, v, comm))
         dout = dout.to(dtype)
         delta = (dout * out.to(dtype)).sum(-1)
-        dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
-        c, seq, dq = q.shape[2] // 2, kf.shape[2], []
-        parts = zip(_chunk_ids(comm.rank, comm.size), q.to(dtype).chunk(2, 2),
-                    dout.chunk(2, 2), lse.chunk(2, 2), delta.chunk(2, 2),
-                    out.to(dtype).chunk(2, 2))
-        for qa, q_chunk, do, ls, dl, o in parts:
-            n = _visible_keys(qa, c, seq, ctx.causal)
-            g = _block_backward(q_chunk, kf[:, :, :n], vf[:, :, :n], do, ls, dl, ctx.scale,
-                                ctx.causal, o, None if ctx.bias is None else ctx.bias[..., :n])
+        dkf, dvf, dq = torch.zeros_like(kf), torch.zeros_like(vf), []
+        parts = zip(ctx.blocks, q.to(dtype).chunk(2, 2), dout.chunk(2, 2), lse.chunk(2, 2),
+                    delta.chunk(2, 2), out.to(dtype).chunk(2, 2))
+        for (_, lo, hi, bias), q_chunk, do, ls, dl, o in parts:
+            g = _block_backward(q_chunk, kf[:, :, lo:hi], vf[:, :, lo:hi], do, ls, dl,
+                                ctx.scale, ctx.causal, o, bias)
             dq.append(g[0])
-            dkf[:, :, :n] += g[1]
-            dvf[:, :, :n] += g[2]
+            dkf[:, :, lo:hi] += g[1]
+            dvf[:, :, lo:hi] += g[2]
         dk, dv = _scatter_kv_grads(_fold_heads(dkf, k.shape[1]), _fold_heads(dvf, v.shape[1]),
                                    comm)
         return (torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None,
-                None)
+                None, None)
 
 
 # -- the ops ------------------------------------------------------------------------------------
 
-def ring_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None):
+def ring_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None, doc_ids=None):
     """Attention of this rank's query chunks against the whole sequence, K/V passed around the
     ring of `comm`'s ranks; q, k, v: (batch, heads, local_seq, head_dim) in the load-balanced
     layout. The same result as SDPA over the whole sequence, in this rank's chunks.
     `key_mask` (batch, local_seq), this rank's chunks of a padding mask (non-zero: a key that
-    may be attended to), travels with the K/V: SDPA's mask causal & key_mask[:, None, None, :]."""
+    may be attended to), travels with the K/V: SDPA's mask causal & key_mask[:, None, None, :].
+    `doc_ids` (batch, local_seq), this rank's chunks of packed documents' ids, travel with the
+    K/V too: SDPA's mask causal & (doc[:, :, None] == doc[:, None, :])[:, None], applied per
+    block, a block of disjoint documents skipped (cp_documents.py)."""
     q, k, v = _autocast(q, k, v)
-    scale = _check_inputs(q, k, v, comm, scale, key_mask)
-    return _sdpa_layout(_RingAttention.apply(q, k, v, comm, bool(causal), scale, key_mask))
+    scale = _check_inputs(q, k, v, comm, scale, key_mask, doc_ids)
+    return _sdpa_layout(_RingAttention.apply(q, k, v, comm, bool(causal), scale, key_mask,
+                                             doc_ids))
 
 
-def allgather_kv_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None):
+def allgather_kv_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None,
+                           doc_ids=None):
     """ring_attention's result by one all-gather of K/V (and one reduce-scatter of dK/dV):
     fewer, larger messages, and the whole sequence's K/V held at once."""
     q, k, v = _autocast(q, k, v)
-    scale = _check_inputs(q, k, v, comm, scale, key_mask)
+    scale = _check_inputs(q, k, v, comm, scale, key_mask, doc_ids)
     return _sdpa_layout(_AllGatherKVAttention.apply(q, k, v, comm, bool(causal), scale,
-                                                    key_mask))
+                                                    key_mask, doc_ids))
 
 
 def _autocast(q, k, v):
