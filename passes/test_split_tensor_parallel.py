@@ -441,13 +441,49 @@ class _NestedSplit(torch.nn.Module):
 
 def test_a_split_of_a_section_cuts_the_projection_where_it_lies():
     """The split of xBC (features 8:24 of up) into x | B | C cuts up's weight at 8, 16, 20, 24,
-    and the depthwise conv's filters and bias follow x | B | C per section (groups halved)."""
+    and the depthwise conv's filters and bias follow x | B | C per section (groups halved).
+    (The section-following scatter they are sliced by is tested on _ScaledFused's buffer.)"""
     out, report = split_tensor_parallel(capture(_NestedSplit(), (torch.randn(2, 4, 16),)), tp=2)
     assert report["replicated_linears"] == []
     assert out.tp.params["up.weight"] == ParamShard(0, (8, 8, 4, 4, 4))
-    assert sorted(out.tp.scatter_sections.values()) == [(8, 4, 4)] * 2   # filters, bias
+    # the filters and bias, read only per section, are split by the same sections
+    assert out.tp.params["conv.weight"] == out.tp.params["conv.bias"] == ParamShard(0, (8, 4, 4))
     conv = next(n for n in out.gm.graph.nodes if n.target is torch.ops.aten.conv1d.default)
     assert conv.args[6] == 8
+
+
+class _PerHead(torch.nn.Module):
+    """Mamba-2's per-head parameters: A = -exp(A_log) and dt_bias meet the heads' dt, D is
+    unsqueezed onto the heads, a norm weight viewed per group of heads; `scale` is also read
+    whole (a sum over it), so it stays replicated."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 8), torch.nn.Linear(8, 16)
+        for name in ("a_log", "dt_bias", "d", "scale"):
+            setattr(self, name, torch.nn.Parameter(torch.rand(4)))
+        self.norm = torch.nn.Parameter(torch.rand(8))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.up(x).view(b, s, 4, 2)
+        dt = torch.nn.functional.softplus(h.sum(-1) + self.dt_bias) * -torch.exp(self.a_log)
+        y = (h * dt[..., None] + self.d.unsqueeze(1) * h) * self.scale[:, None]
+        y = y.view(b, s, 2, 4) * self.norm.view(2, 4)
+        return self.down(y.reshape(b, s, 8)).pow(2).mean() + self.scale.sum()
+
+
+def test_parameters_read_only_per_head_are_split_by_heads():
+    """A_log, dt_bias, D and the norm weight are only read through their heads' slice: each
+    rank holds its heads' share (no scatter left for them); `scale`, also summed whole, keeps
+    its slice read through a scatter and stays whole."""
+    out, _ = split_tensor_parallel(capture(_PerHead(), (torch.randn(2, 4, 16),)), tp=2)
+    params = out.tp.params
+    assert all(params[n] == ParamShard(0, (n_,)) for n, n_ in
+               (("a_log", 4), ("dt_bias", 4), ("d", 4), ("norm", 8))), params
+    assert "scale" not in params
+    assert _counts(out.gm)["scatter_to_tp"] == 1, out.gm.code     # scale's slice only
+    assert "torch.ops.aten.view.default(norm, [1, 4])" in out.gm.code, out.gm.code
 
 
 def test_scatter_to_tp_with_sections_and_its_gradient(monkeypatch):
@@ -494,7 +530,7 @@ def test_a_concatenation_along_the_shard_and_heads_merged_into_rows():
     the norm over rows merged from heads runs on each rank's heads, then splits them out."""
     out, report = split_tensor_parallel(capture(_ConcatConv(), (torch.randn(2, 4, 16),)), tp=2)
     assert report["replicated_linears"] == []
-    assert sorted(out.tp.scatter_sections.values()) == [(8, 8, 8)] * 2    # filters, bias
+    assert out.tp.params["conv.weight"] == out.tp.params["conv.bias"] == ParamShard(0, (8, 8, 8))
     placements = out.tp.placements
     rows = next(n for n in placements if n.target is torch.ops.aten.mean.dim)
     assert placements[rows].dim == 0

@@ -33,10 +33,12 @@ SPLIT = {"llama-interleaved": ("attention.wq.weight", "attention.wk.weight", "at
          "handwritten": ("wqkv.weight", "wo.weight", "grouped.weight", "down.weight",
                          "up.weight", "out.weight"),
          "falcon-h1": ("mamba.in_proj.weight", "mamba.out_proj.weight", "self_attn.q_proj.weight",
-                       "self_attn.o_proj.weight", "feed_forward.up_proj.weight"),
+                       "self_attn.o_proj.weight", "feed_forward.up_proj.weight", "mamba.A_log",
+                       "mamba.D", "mamba.dt_bias", "mamba.conv1d.weight", "mamba.norm.weight"),
          "qwen3-next": ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight",
                         "linear_attn.out_proj.weight", "self_attn.q_proj.weight",
-                        "self_attn.o_proj.weight", "mlp.down_proj.weight")}
+                        "self_attn.o_proj.weight", "mlp.down_proj.weight", "linear_attn.A_log",
+                        "linear_attn.dt_bias", "linear_attn.conv1d.weight")}
 KEY = ("tp-families", 2)
 
 

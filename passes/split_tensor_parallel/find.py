@@ -14,6 +14,7 @@ from autopart.ir import SEQ, ParamShard, Program, TensorParallelPlan, sym_shape
 from autopart.placement import (NoRule, Need, P, R, Shard, SplitOnShard, carry, ndim, shape_of)
 
 from .expert_linears import expert_matmul, moe_matmuls, weight_users
+from .sliced_params import shard_sliced_params
 from .layouts import (_Reject, check_meets, keep_merged, merged_rows, new_origin, range_met,
                       section_scatter, track_offset)
 
@@ -126,6 +127,7 @@ def decide(program: Program, tp: int, sequence_parallel: bool) -> TensorParallel
         _commit(region, plan, committed, linears)
     _decide_embeddings(gm, plan, program, tp)
     plan.placements = {k: v for k, v in committed.items()}
+    shard_sliced_params(gm, plan, program.params)     # A_log, D, conv filters: by heads
     _plan_partial_grads(gm, plan, ctx.activations)
     if sequence_parallel:
         _plan_sequence(gm, plan, program, linears, ctx.activations)
