@@ -56,7 +56,7 @@ def test_the_survivors_error_names_the_action_the_peer_and_the_step():
                      r"at step 2", text), text[-3000:]
 
 
-@pytest.mark.parametrize("what", ["save", "load"])
+@pytest.mark.parametrize("what", ["save", pytest.param("load", marks=pytest.mark.full)])
 def test_a_rank_killed_in_save_or_load_is_named_by_the_survivors(what, tmp_path):
     """Rank 1 dies as DCP's save (load) begins: rank 0 once raised Gloo's bare "Connection closed
     by peer" from DCP's gather; it must name the phase, the rank that went silent and a remedy,
@@ -93,7 +93,7 @@ def test_a_rank_stuck_in_save_or_load_fails_the_others_within_parallelizes_timeo
     assert f"no report from rank(s) [1]: dead, or stuck outside {what}" in text, text[-3000:]
 
 
-@pytest.mark.parametrize("differ", ["model", "options"])
+@pytest.mark.parametrize("differ", ["model", pytest.param("options", marks=pytest.mark.full)])
 def test_ranks_that_compiled_different_programs_are_named(differ):
     """The ranks that differ are named, and the cause: a deeper model on rank 1 was traced
     differently (the remedy names the model, the inputs and a process-dependent forward); the
@@ -120,6 +120,7 @@ def test_nonfinite_loss_raises_with_the_step_stage_and_microbatch():
         assert "rank 0: the gradient of" in error, error
 
 
+@pytest.mark.full      # fast: runtime/test_nonfinite.py's reduced-loss flag, in one process
 def test_a_non_finite_loss_alone_is_found_from_the_reduced_loss():
     """Only microbatch 1's loss is inf and every gradient is finite: no rank checks its losses
     (the reduced global loss carries them), yet every rank raises, naming that microbatch."""

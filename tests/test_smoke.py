@@ -28,6 +28,7 @@ ROWS = ["cuda tests", "train bf16 zero=1", "save / resume", "compile=True", "com
 SKIPPED_ON_CPU = {"cuda tests", "compile=cudagraphs"}
 
 
+@pytest.mark.full      # about a minute on 2 cores; the rows' verdicts are tested one by one below
 @pytest.mark.timeout(660)
 def test_dry_run_passes_or_skips_every_row():
     """Every row that can run on the CPU passes; the CUDA tests (all skip here) and
