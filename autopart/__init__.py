@@ -14,8 +14,10 @@ from autopart.mesh import Mesh
 from autopart.materialize import materialize, meta_device
 from autopart.api import parallelize
 from autopart.runtime import ParallelModel
+from autopart.runtime.batches import BatchShard
 from autopart.verification import VerifyReport, verify
 from autopart._version import __version__
-__all__ = ["AutopartError", "Compiled", "Config", "Mesh", "ParallelModel", "Plan", "RankProgram",
+__all__ = ["AutopartError", "BatchShard", "Compiled", "Config", "Mesh", "ParallelModel", "Plan",
+           "RankProgram",
            "VerifyReport",
            "compile", "materialize", "meta_device", "parallelize", "verify"]

@@ -60,6 +60,9 @@ REMEDIES = {
                       "interleaved and V schedules)",
     "zero_bucket_size": "an int such as 40000000 (gradient elements per reduce-scatter and "
                         "all-gather, Megatron-LM's 40M, the default), or leave it out",
+    "batch_check_every": "a positive integer: train_step checks every this many steps that "
+                         "ranks training the same share were given the same data (100 by "
+                         "default; the first step and new shapes are always checked)",
     "memory_budget": "bytes per rank as an int, or a size such as '20GB' or '512MiB'",
 }
 
@@ -87,6 +90,9 @@ class Config:
     nonfinite: Nonfinite = "raise"
     compile: CompileMode = False
     zero_bucket_size: Union[int, None] = None
+    # train_step checks that the ranks training one share of the batch were given the same
+    # values (one all-gather of hashes) on its first step, on new shapes and every this many
+    batch_check_every: int = 100
 
     def __post_init__(self):
         if self.memory_budget is not None:     # '20GB', 20e9 -> bytes, or a clear error

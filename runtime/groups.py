@@ -124,17 +124,50 @@ def batch_digest(values: list) -> str:
     return h.hexdigest()[:16]
 
 
-def check_same_batch(values: list, groups: RankGroups, step: int) -> None:
-    """Raise on every rank, naming the ranks that differ, unless every rank passed train_step
-    the same global batch (autopart splits it over dp replicas and microbatches itself)."""
-    parts = _differing(batch_digest(values), groups, "passed batch")
-    if not parts:
-        return
-    raise AutopartError(
-        f"train_step (step {step}) was given different global batches on different ranks "
-        f"({parts}).\n  remedy: pass the same whole global batch on every rank (load it with the "
-        "same seed and order everywhere); autopart gives each data-parallel replica and "
-        "microbatch its share. Do not shard the data per rank as for DistributedDataParallel")
+def check_same_batch(given, groups: RankGroups, step: int) -> None:
+    """Raise on every rank, naming the ranks that differ, unless (one all-gather of hashes) the
+    ranks that train the same share (same dp and cp coordinates: tp and pipeline peers) were
+    given the same values of each tensor they hold, and the ranks given the global batch the
+    same one. `given`: runtime/batches.py Given."""
+    coords = groups.mesh.coords(groups.rank)
+    mine = (coords["dp"], coords["cp"], {n: batch_digest([v]) for n, v in given.values.items()
+                                          if v is not None},
+            batch_digest(given.whole) if given.whole else None)
+    every: list = [None] * groups.mesh.world_size
+    dist.all_gather_object(every, mine, group=groups.world)
+    whole: dict = {}
+    for rank, (_, _, _, d) in enumerate(every):
+        if d is not None:
+            whole.setdefault(d, []).append(rank)
+    if len(whole) > 1:
+        parts = "; ".join(f"ranks {ranks} passed batch {d}" for d, ranks in whole.items())
+        hint = (" If these are each rank's own share (under cp with dp=1 the shapes cannot "
+                "tell), pass train_step(..., local=True)." if groups.mesh.cp > 1 else "")
+        raise AutopartError(
+            f"train_step (step {step}) was given different global batches on different ranks "
+            f"({parts}).\n  remedy: pass the same whole global batch on every rank (load it "
+            "with the same seed and order everywhere), or each rank its own share "
+            "(pm.local_batch, pm.batch_shard); autopart gives each data-parallel replica and "
+            f"microbatch its share.{hint}")
+    _check_same_shares(every, step)
+
+
+def _check_same_shares(every: list, step: int) -> None:
+    """Raise unless the ranks of one (dp, cp) share hold the same digest of each tensor."""
+    by: dict = {}
+    for rank, (dp, cp, digests, _) in enumerate(every):
+        for name, d in digests.items():
+            by.setdefault((dp, cp, name), {}).setdefault(d, []).append(rank)
+    for (dp, cp, name), seen in by.items():
+        if len(seen) > 1:
+            parts = "; ".join(f"ranks {ranks} hold {d}" for d, ranks in seen.items())
+            raise AutopartError(
+                f"train_step (step {step}): the ranks of data-parallel replica {dp}, "
+                f"context-parallel rank {cp} (tensor-parallel and pipeline peers, which train "
+                f"the same share of the batch) were given different values of {name!r} "
+                f"({parts}).\n  remedy: give every rank of one (dp, cp) coordinate the same "
+                "share: pm.batch_shard (its rows and seq_chunks depend on dp and cp alone), "
+                "pm.local_batch(...) of one global batch, read with the same seed and order")
 
 
 def check_same_program(digest: str, groups: RankGroups, traced: str = "") -> None:

@@ -26,7 +26,8 @@ from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check
 from autopart.runtime import nonfinite
 from autopart.runtime.state import StateGatherer
 from autopart.schedule_lowering import hoist_receives
-from autopart.runtime.step import StepDriver, step_loss_scale
+from autopart.runtime.batches import BatchShard, agree, batch_shard, share_count
+from autopart.runtime.step import StepDriver
 from autopart.runtime.step_watch import watch_for
 from autopart.runtime.trace import Recorder
 
@@ -80,9 +81,10 @@ class ParallelModel:
         actions = hoist_receives(compiled.schedule, independent_posts=posts_never_wait(device)
                                  ).ranks[self.coords["pp"]]
         self._trace = Recorder(trace, rank, self.mesh.world_size) if trace else None
+        self.batch_shard: BatchShard = batch_shard(compiled, rank)
         self._step = StepDriver(plan, self.program, actions, compiled.program.inputs,
                                 self._groups.pp, device, trace=self._trace,
-                                input_specs=compiled.input_specs)
+                                input_specs=compiled.input_specs, shard=self.batch_shard)
         self._grads = GradientReducer(plan, self._params, self._groups, self.coords, device)
         self._step.reducer = self._grads    # its buckets go out during the backward
         # a failure names the step, the action and the peer, also where NCCL would only hang
@@ -102,12 +104,21 @@ class ParallelModel:
         # the microbatches and data-parallel replicas of the global batch, on every rank
         self.last_stats: dict[str, torch.Tensor] = {}
         self._zero_optimizers = weakref.WeakSet()     # pm.optimizer's, zero=1: see load()
-        # the batch shapes whose global batch was checked alike on every rank (train_step)
-        self._batch_shapes: list | None = None
+        # the sequence length of the last batch checked alike on every rank (train_step)
+        self._batch_length: tuple | None = None
 
     # -- training ---------------------------------------------------------------------------
-    def train_step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    def train_step(self, *inputs: torch.Tensor | None, target: torch.Tensor | None = None,
+                   local: bool | None = None) -> torch.Tensor:
         """Forward and backward over the global batch; returns its mean loss on every rank.
+
+        Each tensor is either the global batch (identical on every rank) or this rank's share
+        of it, `pm.local_batch(...)` (its rows and, under cp, sequence chunks:
+        `pm.batch_shard`); a rank passes None (or no inputs at all) for a tensor it does not
+        read (not in `pm.batch_shard.reads`: a middle pipeline stage reads none, the last only
+        what the loss reads). `local=None` tells the two apart by the shapes, and where they
+        cannot (cp > 1 with dp = 1, a sequence both cut and whole could have) takes the global
+        batch; `local=True` / `False` says which.
 
         Leaves fully reduced gradients in `.grad` of this rank's parameters, as loss.backward()
         would on the plain model (zero=1: in this rank's elements of them; zero=2: in the
@@ -117,18 +128,24 @@ class ParallelModel:
         # as after two loss.backward() calls) was reduced then; reducing it again would count it
         # once per replica or per stage sharing it. It is added back after the reduction.
         self._require_filled("train_step")
-        checked = self._step.check_inputs(inputs, target)   # refused before any .grad moves
-        shapes = [tuple(v.shape) for v in checked]
-        relearn = shapes != self._batch_shapes
-        if relearn:   # first step, new shapes: one all-gather of a hash
-            check_same_batch(checked, self._groups, self.steps + 1)
-            self._batch_shapes = shapes
+        try:            # refused before any .grad moves, on every rank alike (_agree)
+            given, refused = self._step.check_inputs(inputs, target, local), None
+        except AutopartError as e:
+            given, refused = None, e
+        count, length = self._agree(given, refused)
+        relearn = (length,) != self._batch_length
+        every = self.compiled.config.batch_check_every
+        if relearn or (self.steps + 1) % every == 0:   # one all-gather of hashes
+            check_same_batch(given, self._groups, self.steps + 1)
+            self._batch_length = (length,)
         earlier = self._grads.set_aside()
         self.steps += 1
         with self._step.watch.watching(self.steps):
-            scale = step_loss_scale(self.compiled.plan, self.compiled.program.loss_count,
-                                    self.compiled.program.inputs, checked)
-            ctx = self._step.run(inputs, target, self.steps, checked, loss_scale=scale)
+            scale = self.compiled.plan.loss_scale
+            if self.compiled.program.loss_count is not None:
+                scale = 1.0 / count if count else 0.0
+            ctx = self._step.run(self._step.replica_rows(given, length), self.steps,
+                                 loss_scale=scale)
             if self._sharded is not None:
                 self._sharded.end_step()
             if self._trace is not None:
@@ -145,6 +162,51 @@ class ParallelModel:
                     self.skipped_steps.append(self.steps)
         self._grads.add_back(earlier)
         return loss
+
+    def _agree(self, given, refused) -> tuple[int, int | None]:
+        """(the global batch's token count, its sequence length), or every rank raises if one
+        refused its tensors: one all-reduce (runtime/batches.py agree). The count is the sum of
+        each share's, counted by the last stage's tp rank 0 of each (dp, cp) share."""
+        plan, counter = self.compiled.plan, self.compiled.program.loss_count
+        count = 0
+        if refused is None and counter is not None and self.coords["pp"] == plan.last_rank \
+                and self.coords["tp"] == 0:
+            try:
+                count = share_count(counter, given.values, plan.microbatch_size, self.mesh.cp)
+            except AutopartError as e:
+                refused = e
+        return agree(count, given.length if given is not None else None, refused,
+                     self._groups.world, self.device, self.steps + 1)
+
+    def local_batch(self, *tensors: torch.Tensor, target: torch.Tensor | None = None
+                    ) -> tuple[tuple, torch.Tensor | None]:
+        """This rank's share of a global batch, as train_step takes it: `(inputs, target)`
+        where each tensor is cut to `pm.batch_shard`'s rows (dim 0) and, under cp, its
+        sequence chunks (dim 1, for the inputs captured with a symbolic sequence), and is None
+        where this rank does not read it (not in `batch_shard.reads`). The tensors are in
+        train_step's order (the model's inputs, then target=); views where the cut allows.
+
+            inputs, target = pm.local_batch(tokens, target=labels)   # the global batch
+            loss = pm.train_step(*inputs, target=target)             # this rank's share only
+
+        A data loader that feeds each rank its own share must yield exactly this."""
+        step = self._step.local
+        values = step.values(tensors, target)
+        shard, out = self.batch_shard, []
+        for i, (name, v) in enumerate(zip(step.names, values)):
+            if v is None or name not in shard.reads:
+                out.append(None)
+                continue
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or \
+                    v.shape[0] != self.compiled.plan.global_batch:
+                raise AutopartError(
+                    f"local_batch: {name!r} is not the global batch "
+                    f"({self.compiled.plan.global_batch} rows): "
+                    f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}.\n"
+                    "  remedy: pass the global batch; local_batch cuts this rank's share of it")
+            out.append(shard.cut(v, step.on_sequence(i) and self.mesh.cp > 1))
+        n = step.n_inputs
+        return tuple(out[:n]), (out[n] if len(out) > n else None)
 
     # -- parameters -------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -1,6 +1,6 @@
-"""The step driver: one training step of one rank, from the global batch to local gradients.
+"""The step driver: one training step of one rank, from its share of the batch to local gradients.
 
-It takes this data-parallel replica's rows of the global batch, cuts them into microbatches, and
+It takes this rank's share of the global batch (runtime/batches.py), cuts them into microbatches, and
 runs this rank's action list from the schedule (runtime/executor.py). Reducing gradients across
 ranks is the GradientReducer's job, not this one's.
 
@@ -19,21 +19,36 @@ import torch
 
 from autopart.errors import AutopartError
 from autopart.ir import REDUCED_DTYPES, Plan, RankProgram
-from autopart.ops.cp import shard_sequence
+from autopart.runtime.batches import BatchShard, Given, LocalInputs, share_count
 from autopart.runtime.compiled import cudagraph_steps
 from autopart.runtime.executor import StepContext, run_actions
 
 
 class StepDriver:
-    """Runs `actions` (this pipeline rank's list) over `rank_program`'s chunks."""
+    """Runs `actions` (this pipeline rank's list) over `rank_program`'s chunks. `shard`: this
+    rank's BatchShard (runtime/batches.py; default: it reads every input)."""
 
     def __init__(self, plan: Plan, rank_program: RankProgram, actions, input_names: list[str],
-                 peer_group, device: torch.device, trace=None, input_specs: tuple = ()):
+                 peer_group, device: torch.device, trace=None, input_specs: tuple = (),
+                 shard: BatchShard | None = None):
         self.plan, self.actions, self.input_names = plan, actions, input_names
         self.input_specs = input_specs  # autopart/capture.py InputSpec, per input: what to check
         self.trace = trace          # a runtime.trace.Recorder, or None
         self.coords, self.group, self.device = rank_program.coords, peer_group, device
         self.chunks = {c.chunk: c for c in rank_program.chunks}
+        mesh = plan.mesh
+        if shard is None:
+            rows = plan.global_batch // mesh.dp
+            cp, c = mesh.cp, self.coords.get("cp", 0)
+            shard = BatchShard(rank_program.rank, tuple(range(self.coords["dp"] * rows,
+                                                              (self.coords["dp"] + 1) * rows)),
+                               (c, 2 * cp - 1 - c) if cp > 1 else (0,),
+                               mesh.sequence_chunks if cp > 1 else 1, True, True,
+                               tuple(input_names))
+        self.shard = shard
+        chunk_inputs = {n for c in rank_program.chunks for n in c.inputs} or set(input_names)
+        self.local = LocalInputs(shard, input_names, input_specs, plan.global_batch, mesh.cp,
+                                 chunk_inputs)
         # compile="cudagraphs": the step's beginning marked, what outlives it cloned out of the
         # CUDA graph pool at its end (runtime/compiled.py); None otherwise
         self.cudagraphs = cudagraph_steps(rank_program.chunks)
@@ -41,20 +56,18 @@ class StepDriver:
         self.reducer = None
         self.watch = None       # a runtime.step_watch.StepWatch: names what a failure waited for
 
-    def run(self, inputs: tuple, target: torch.Tensor | None, step: int = 0,
-            checked: list | None = None, loss_scale: float | None = None) -> StepContext:
-        """Forward and backward of every microbatch of this replica; returns the step's context
-        (microbatch losses, statistics). `step` numbers the train_step for error messages;
-        `checked`: what check_inputs returned for these tensors (not checked again);
-        `loss_scale`: each microbatch loss's factor (default plan.loss_scale; step_loss_scale)."""
+    def run(self, batch: dict, step: int = 0, loss_scale: float | None = None) -> StepContext:
+        """Forward and backward of every microbatch of this replica (`batch`: replica_rows');
+        returns the step's context (microbatch losses, statistics). `step` numbers the
+        train_step for error messages; `loss_scale`: each microbatch loss's factor (default
+        plan.loss_scale; step_loss_scale)."""
         plan, mesh = self.plan, self.plan.mesh
-        batch = self.replica_rows(inputs, target, checked)
         mbs = plan.microbatch_size
         ctx = StepContext(
             chunks=self.chunks,
             peer=lambda p: mesh.rank(**{**self.coords, "pp": p}),
             microbatch=lambda i: {k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()},
-            batch=mbs, seq=self._local_seq(inputs),
+            batch=mbs, seq=self._local_seq(batch),
             device=self.device, group=self.group, trace=self.trace,
             loss_scale=plan.loss_scale if loss_scale is None else loss_scale,
             step=step, reduced=REDUCED_DTYPES[plan.config.precision],
@@ -70,74 +83,44 @@ class StepDriver:
             self.cudagraphs.end(ctx)
         return ctx
 
-    def replica_rows(self, inputs: tuple, target, checked: list | None = None
-                     ) -> dict[str, torch.Tensor]:
-        """This data-parallel replica's rows of each input (and the target), by input name;
-        under context parallelism, of those rows this rank's sequence chunks (i and 2*cp-1-i)
-        of every input whose dim 1 is the sequence."""
-        values = checked if checked is not None else self.check_inputs(inputs, target)
-        rows = self.plan.microbatch_size * self.plan.config.microbatches
-        dp = self.coords["dp"]
-        out = {name: v[dp * rows:(dp + 1) * rows] for name, v in zip(self.input_names, values)}
-        cp = self.plan.mesh.cp
-        if cp > 1:
-            out = {name: shard_sequence(v, 1, cp, self.coords["cp"]) if self._on_sequence(i) else v
-                   for i, (name, v) in enumerate(out.items())}
-        return {name: v.to(self.device) for name, v in out.items()}
+    def replica_rows(self, given: Given, length: int | None = None) -> dict[str, torch.Tensor]:
+        """This rank's share of each input its chunks take (and the target), by input name, on
+        its device: its data-parallel replica's rows and, under context parallelism, of those
+        rows its sequence chunks (i and 2*cp-1-i) of every input whose dim 1 is the sequence;
+        a zero-stride stand-in of that shape for one it was not given (its chunks read only
+        the shape). `length`: the global sequence length (default: given's)."""
+        return self.local.fill(given, given.length if length is None else length, self.device)
 
-    def _on_sequence(self, i: int) -> bool:
-        """Is dim 1 of input `i` the sequence (captured symbolic)?"""
-        return i < len(self.input_specs) and 1 in self.input_specs[i].dynamic
-
-    def _local_seq(self, inputs: tuple) -> int | None:
+    def _local_seq(self, batch: dict) -> int | None:
         """The sequence length this rank's programs see (its share under cp)."""
-        if not inputs or inputs[0].dim() < 2:
-            return None
-        cp = self.plan.mesh.cp if self._on_sequence(0) else 1
-        return int(inputs[0].shape[1]) // cp
+        for name in self.input_names:
+            v = batch.get(name)
+            if v is not None:
+                return int(v.shape[1]) if v.dim() >= 2 else None
+        return None
 
-    def check_inputs(self, inputs: tuple, target) -> list[torch.Tensor]:
-        """The train_step tensors (inputs, then the target), checked against what was compiled:
-        their count, the global batch and check_step_inputs. On the global batch, so every rank
-        refuses alike (no rank is left waiting on another). train_step calls it before it
-        touches any gradient, and hands the result to run."""
-        names, plan = self.input_names, self.plan
-        values = list(inputs) + ([target] if target is not None else [])
-        if len(values) != len(names):
-            raise AutopartError(f"train_step got {len(values)} tensors (inputs and target) but the "
-                                f"model was compiled with {len(names)}: {names}")
-        for name, v in zip(names, values):
-            if not isinstance(v, torch.Tensor):
-                raise AutopartError(f"train_step input {name!r} is a {type(v).__name__}, not a "
-                                    "tensor: pass tensors shaped as the example batch")
-            if v.dim() == 0 or v.shape[0] != plan.global_batch:
-                raise AutopartError(f"train_step input {name!r} has batch "
-                                    f"{v.shape[0] if v.dim() else 'none (a scalar)'}, but the "
-                                    f"model was compiled for the global batch {plan.global_batch}")
-        check_step_inputs(values, self.input_specs)
-        cp, n = plan.mesh.cp, plan.mesh.sequence_chunks
-        for i, (name, v) in enumerate(zip(names, values)):
-            if cp > 1 and self._on_sequence(i) and v.shape[1] % n:
-                raise AutopartError(
-                    f"train_step input {name!r} has {v.shape[1]} positions; context parallelism "
-                    f"(cp={cp}) cuts the sequence into 2*cp = {n} equal chunks.\n  remedy: "
-                    f"pad the sequence to a multiple of {n} (padding labels -100)")
-        return values
+    def check_inputs(self, inputs: tuple, target, local: bool | None = None) -> Given:
+        """The train_step tensors (inputs, then the target), checked against what was compiled
+        and resolved into this rank's share (runtime/batches.py LocalInputs): their count, the
+        global batch or this rank's share of it (`local`: None decides from the shapes), None
+        only where this rank reads none, and check_step_inputs. train_step calls it before it
+        touches any gradient, and hands the result to replica_rows."""
+        values = self.local.values(inputs, target)
+        self.local.check_types(values)
+        pairs = [(spec, v) for spec, v in zip(self.input_specs, values) if v is not None]
+        check_step_inputs([v for _, v in pairs], tuple(s for s, _ in pairs))
+        return self.local.resolve(values, local)
 
 
 def step_loss_scale(plan, counter, names: list[str], values: list) -> float:
-    """The factor of each microbatch loss: 1 / (microbatches * dp) (a mean of microbatch
-    means), or for a token-weighted loss (passes/weigh_loss_by_tokens.py, `counter` its
-    TokenCount) 1 / the elements counted over the whole global batch, which every rank holds
-    and counts alike, microbatch by microbatch as the program sees them; 0 if none counts."""
+    """The factor of each microbatch loss of the whole global batch `values` counted in one
+    process (tests and tools; train_step counts each rank's share and sums the counts over the
+    ranks, runtime/batches.py agree): 1 / (microbatches * dp), or for a token-weighted loss
+    (passes/weigh_loss_by_tokens.py, `counter` its TokenCount) 1 / the elements counted over the
+    global batch, microbatch by microbatch as the program sees them; 0 if none counts."""
     if counter is None:
         return plan.loss_scale
-    by_name = dict(zip(names, values))
-    mbs = plan.microbatch_size
-    with torch.no_grad():
-        counts = [counter.gm(*(by_name[n][k * mbs:(k + 1) * mbs] for n in counter.inputs))
-                  for k in range(plan.global_batch // mbs)]
-        total = int(torch.stack([c.reshape(()).to(torch.float64) for c in counts]).sum())
+    total = int(share_count(counter, dict(zip(names, values)), plan.microbatch_size, 1))
     return 1.0 / total if total else 0.0
 
 

@@ -55,7 +55,8 @@ def test_train_step_leaves_gradients_and_does_not_step(pp2):
 
 @pytest.mark.parametrize("what,expected", [
     ("batch", "has batch 4, but the model was compiled for the global batch 8"),
-    ("arity", "got 1 tensors (inputs and target) but the model was compiled with 2"),
+    # the first stage reads no target: it names the last stage's refusal
+    ("arity", "input 'target' is None, but this rank's chunks read it"),
     ("extra", "got 3 tensors (inputs and target) but the model was compiled with 2"),
 ])
 def test_train_step_rejects_inputs_it_was_not_compiled_for(pp2, what, expected):

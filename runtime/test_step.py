@@ -24,10 +24,15 @@ def test_step_driver_takes_this_replicas_rows():
     driver = StepDriver(plan, RankProgram(1, mesh.coords(1), ()), [], ["idx", "target"], None,
                         torch.device("cpu"))
     x = torch.arange(8).reshape(8, 1)
-    rows = driver.replica_rows((x,), x + 100)
+    rows = driver.replica_rows(driver.check_inputs((x,), x + 100))
     assert rows["idx"].flatten().tolist() == [4, 5, 6, 7]
     assert rows["target"].flatten().tolist() == [104, 105, 106, 107]
+    # this rank's share (rows 4..7) is taken as it is
+    rows = driver.replica_rows(driver.check_inputs((x[4:],), x[4:] + 100))
+    assert rows["target"].flatten().tolist() == [104, 105, 106, 107]
     with pytest.raises(AutopartError, match="compiled for the global batch 8"):
-        driver.replica_rows((x[:4],), x[:4])
-    with pytest.raises(AutopartError, match="got 1 tensors"):
-        driver.replica_rows((x,), None)
+        driver.check_inputs((x[:3],), x[:3])
+    with pytest.raises(AutopartError, match="'target' is None, but this rank's chunks read it"):
+        driver.check_inputs((x,), None)
+    with pytest.raises(AutopartError, match="got 2 tensors"):
+        driver.check_inputs((x, x), None)

@@ -37,9 +37,10 @@ _GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
 CASES = [pytest.param(c, id=c.name) for c in CASES_2 + CASES_4]
 
 # runtime/step.py: check_step_inputs `low, high = (int(x) for x in torch.aminmax(ids))` (a
-# generator expression), step_loss_scale `int(torch.stack(counts).sum())`
+# generator expression), and the one all-reduce of runtime/batches.py agree (the token count,
+# the sequence length, whether a rank refused its tensors) read by one tolist
 EXPECTED_SYNCS = ["__int__ at step.py (<genexpr>)", "__int__ at step.py (<genexpr>)",
-                  "__int__ at step.py (step_loss_scale)"]
+                  "tolist at batches.py (agree)"]
 # the default nonfinite="raise": one more, runtime/nonfinite.py `loss, flags = reduced.tolist()`
 DEFAULT_SYNCS = EXPECTED_SYNCS + ["tolist at nonfinite.py (flagged)"]
 

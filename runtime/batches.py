@@ -1,0 +1,351 @@
+"""Local batches: which part of the global batch each rank reads, and train_step's tensors cut to it.
+
+The global batch is `global_batch` rows; data-parallel replica d trains rows [d*R, (d+1)*R)
+(R = global_batch / dp, in microbatch order); under context parallelism a rank of cp index c
+trains sequence chunks c and 2*cp-1-c of the 2*cp equal chunks (the causal load balance of
+autopart/ops/cp.py shard_sequence) of every input whose dim 1 is the sequence. A rank reads an
+input's values only if one of its chunk programs uses more than its shape: a middle pipeline
+stage reads none (its chunks take the sequence length only), the last stage what the loss reads.
+`BatchShard` says all that for one rank; `LocalInputs` turns what train_step was given (the global
+batch, this rank's share, or None where the rank reads nothing) into this rank's share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopart.errors import AutopartError
+
+# ops that read a tensor's shape, not its values: an input used only by them needs no data
+SHAPE_ONLY = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
+              torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default}
+
+
+@dataclass(frozen=True)
+class BatchShard:
+    """The part of the global batch one rank's train_step reads (`pm.batch_shard`).
+
+    `rows`: the global row indices (dim 0 of the global batch) it needs, in the order it needs
+    them; `seq_chunks`: which of the `seq_chunks_total` equal chunks of the sequence (dim 1 of
+    every input captured with a symbolic sequence) it needs, in order: under cp, (c, 2*cp-1-c)
+    of 2*cp; without cp, (0,) of 1. `needs_inputs`: it reads the values of some model input
+    (positional train_step tensors); `needs_targets`: it reads the target's (train_step's
+    `target=`). `reads`: the names (the compiled program's inputs, target last) of the tensors
+    it reads; the others it may pass as None. `rank` is the global rank. Stable: a loader
+    yields for each rank `pm.local_batch(...)` of the global batch, built from these fields."""
+    rank: int
+    rows: tuple[int, ...]
+    seq_chunks: tuple[int, ...]
+    seq_chunks_total: int
+    needs_inputs: bool
+    needs_targets: bool
+    reads: tuple[str, ...] = ()
+
+    @property
+    def local_rows(self) -> int:
+        """How many rows of the global batch this rank's share holds."""
+        return len(self.rows)
+
+    def positions(self, length: int) -> list[int]:
+        """The global sequence positions this rank's share holds, in order, for a global
+        sequence of `length` (which seq_chunks_total must divide)."""
+        if length % self.seq_chunks_total:
+            raise AutopartError(f"a sequence of {length} positions does not cut into "
+                                f"{self.seq_chunks_total} equal chunks.\n  remedy: pad it to a "
+                                f"multiple of {self.seq_chunks_total} (padding labels -100)")
+        c = length // self.seq_chunks_total
+        return [i * c + p for i in self.seq_chunks for p in range(c)]
+
+    def cut(self, tensor: torch.Tensor, sequence: bool) -> torch.Tensor:
+        """This rank's share of a global tensor: its rows (dim 0) and, when `sequence` (dim 1
+        is the sequence), its sequence chunks."""
+        if tensor.dim() == 0 or tensor.shape[0] < max(self.rows, default=-1) + 1:
+            raise AutopartError(f"cannot cut rows {self.rows[0]}..{self.rows[-1]} of a tensor "
+                                f"of shape {tuple(tensor.shape)}: pass the global batch")
+        lo = self.rows[0]
+        contiguous = self.rows == tuple(range(lo, lo + len(self.rows)))
+        out = tensor[lo:lo + len(self.rows)] if contiguous else tensor[list(self.rows)]
+        if sequence and self.seq_chunks_total > 1:
+            n = out.shape[1]
+            if n % self.seq_chunks_total:
+                self.positions(n)       # raises, naming the remedy
+            c = n // self.seq_chunks_total
+            out = torch.cat([out.narrow(1, i * c, c) for i in self.seq_chunks], 1)
+        return out
+
+
+def data_reads(gm: fx.GraphModule, names) -> set[str]:
+    """The inputs among `names` whose values `gm` uses (not only their shape)."""
+    return {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in names
+            and any(u.op != "call_function" or u.target not in SHAPE_ONLY for u in n.users)}
+
+
+def pipeline_reads(compiled) -> dict[int, set[str]]:
+    """pp rank -> the inputs whose values its chunks read; the last rank also what the token
+    count reads (passes/weigh_loss_by_tokens.py: it counts there)."""
+    plan, program = compiled.plan, compiled.program
+    out: dict[int, set[str]] = {p: set() for p in range(plan.mesh.pp)}
+    for c in program.chunks:
+        out[plan.chunk_ranks[c.chunk]] |= data_reads(c.gm, c.inputs)
+    if program.loss_count is not None:
+        out[plan.last_rank] |= set(program.loss_count.inputs)
+    return out
+
+
+def batch_shard(compiled, rank: int) -> BatchShard:
+    """Rank `rank`'s BatchShard of `compiled` (an autopart Compiled)."""
+    plan, mesh = compiled.plan, compiled.plan.mesh
+    coords = mesh.coords(rank)
+    local = plan.global_batch // mesh.dp
+    names = list(compiled.program.inputs)
+    reads = pipeline_reads(compiled)[coords["pp"]]
+    target = names[-1] if has_target(names) else None
+    cp, c = mesh.cp, coords["cp"]
+    chunks = (c, 2 * cp - 1 - c) if cp > 1 else (0,)
+    return BatchShard(rank, tuple(range(coords["dp"] * local, (coords["dp"] + 1) * local)),
+                      chunks, mesh.sequence_chunks if cp > 1 else 1,
+                      any(n in reads for n in names if n != target),
+                      target is not None and target in reads,
+                      tuple(n for n in names if n in reads))
+
+
+def has_target(names) -> bool:
+    """Whether the compiled inputs end with the loss's target (capture names it 'target')."""
+    return bool(names) and names[-1] == "target"
+
+
+
+
+# -- train_step's tensors -> this rank's share ----------------------------------------------------
+
+@dataclass
+class Given:
+    """train_step's tensors resolved (LocalInputs.resolve): `values` name -> this rank's share
+    (None: a tensor the rank does not read, filled by a stand-in of the right shape once the
+    sequence length is known); `length`: the global sequence length the tensors given carry
+    (None if none carries one); `whole`: the global tensors given, for the batch check."""
+    values: dict
+    length: int | None
+    local: bool
+    whole: list
+
+
+class LocalInputs:
+    """Resolves what one rank's train_step was given against its BatchShard and the compiled
+    input specs (autopart/capture.py InputSpec)."""
+
+    def __init__(self, shard: BatchShard, names: list[str], specs: tuple, global_batch: int,
+                 cp: int, chunk_inputs: set[str]):
+        self.shard, self.names, self.specs = shard, list(names), specs
+        self.global_batch, self.cp, self.chunk_inputs = global_batch, cp, chunk_inputs
+        self.n_inputs = len(names) - has_target(names)
+
+    def on_sequence(self, i: int) -> bool:
+        """Is dim 1 of input `i` the sequence (captured symbolic)?"""
+        return i < len(self.specs) and 1 in self.specs[i].dynamic
+
+    def values(self, inputs: tuple, target) -> list:
+        """train_step's positional tensors and target as one list in the compiled order."""
+        names, n = self.names, self.n_inputs
+        if not inputs:
+            inputs = (None,) * n
+        if len(inputs) != n or (target is not None and n == len(names)):
+            got = len(inputs) + (target is not None)
+            raise AutopartError(
+                f"train_step got {got} tensors (inputs and target) but the model was compiled "
+                f"with {len(names)}: {names}.\n  remedy: pass the inputs positionally (None, or "
+                "none at all, where this rank reads none: pm.batch_shard.reads) and the target "
+                "as target=")
+        return list(inputs) + ([target] if n < len(names) else [])
+
+    def check_types(self, values: list) -> None:
+        for name, v in zip(self.names, values):
+            if v is not None and not isinstance(v, torch.Tensor):
+                raise AutopartError(f"train_step input {name!r} is a {type(v).__name__}, not a "
+                                    "tensor: pass tensors shaped as the example batch (or None "
+                                    "where this rank reads none: pm.batch_shard.reads)")
+
+    def resolve(self, values: list, local: bool | None) -> Given:
+        """Each tensor's share, after checking it is the global batch or this rank's share."""
+        shard, rank = self.shard, self.shard.rank
+        modes = {True, False} if local is None else {local}
+        for i, (name, v) in enumerate(zip(self.names, values)):
+            if v is None:
+                if name in shard.reads:
+                    raise AutopartError(
+                        f"train_step on rank {rank}: input {name!r} is None, but this rank's "
+                        f"chunks read it (pm.batch_shard.reads = {list(shard.reads)}).\n  "
+                        f"remedy: pass its share, pm.local_batch(...) of the global batch, or "
+                        "the global batch")
+                continue
+            modes &= self._modes(i, name, v, local)
+        if not modes:
+            raise AutopartError(
+                f"train_step on rank {rank}: some tensors are the global batch and others this "
+                f"rank's share ({self._sizes(values)}).\n  remedy: pass all of them alike")
+        is_local = (True in modes and False not in modes) if len(modes) == 1 else False
+        out, length = {}, None
+        for i, (name, v) in enumerate(zip(self.names, values)):
+            if v is None:
+                if name in self.chunk_inputs:
+                    out[name] = None
+                continue
+            seq = self.on_sequence(i) and self.cp > 1
+            n = None if v.dim() < 2 or not self.on_sequence(i) else \
+                int(v.shape[1]) * (self.cp if is_local else 1)
+            if n is not None and length is not None and n != length:
+                raise AutopartError(f"train_step on rank {rank}: the tensors carry sequences of "
+                                    f"different lengths ({self._sizes(values)}).\n  remedy: "
+                                    "cut them to one length")
+            length = n if n is not None else length
+            out[name] = v if is_local else shard.cut(v, seq)
+        whole = [] if is_local else [v for v in values if v is not None]
+        return Given(out, length, is_local, whole)
+
+    def _modes(self, i: int, name: str, v: torch.Tensor, local: bool | None) -> set:
+        """Which readings of `v` fit: False (the global batch), True (this rank's share)."""
+        shard, rows = self.shard, v.shape[0] if v.dim() else None
+        fits = set()
+        G, R = self.global_batch, shard.local_rows
+        seq, cp = self.on_sequence(i) and self.cp > 1, self.cp
+        n, most = (int(v.shape[1]), self.specs[i].shape[1]) if seq else (0, 0)
+        if rows == G and (not seq or n % (2 * cp) == 0):
+            fits.add(False)
+        if rows == R and (not seq or (n % 2 == 0 and n * cp <= most)):
+            fits.add(True)
+        if local is not None:
+            fits &= {local}
+        if not fits:
+            raise AutopartError(self._wrong_size(name, v, local, seq))
+        if G == R and not seq:
+            return {True, False}        # dp=1, no cp: the share is the global batch
+        return fits
+
+    def _wrong_size(self, name: str, v: torch.Tensor, local, seq: bool) -> str:
+        shard, cp = self.shard, self.cp
+        rows = v.shape[0] if v.dim() else "none (a scalar)"
+        what = {None: "", True: " (local=True: this rank's share)",
+                False: " (local=False: the global batch)"}[local]
+        share = (f"rank {shard.rank}'s share is {shard.local_rows} rows (rows {shard.rows[0]}.."
+                 f"{shard.rows[-1]})" + (f" and sequence chunks {shard.seq_chunks} of "
+                                         f"{shard.seq_chunks_total}" if seq else ""))
+        return (f"train_step input {name!r} has batch {rows}{what}, but the model was compiled "
+                f"for the global batch {self.global_batch}"
+                + (f" of a sequence cut into 2*cp = {2 * cp} equal chunks" if seq else "")
+                + f", and {share} (shape {tuple(v.shape)} fits neither).\n  remedy: pass the global batch, or pm.local_batch(...) of "
+                "it" + (f"; pad the sequence to a multiple of {2 * cp} (padding labels -100)"
+                        if seq else ""))
+
+    def _sizes(self, values) -> str:
+        return ", ".join(f"{n} {tuple(v.shape)}" for n, v in zip(self.names, values)
+                         if isinstance(v, torch.Tensor))
+
+    def fill(self, given: Given, length: int | None, device) -> dict:
+        """Given's values on `device`, with a zero-stride stand-in (no memory) of this rank's
+        share's shape for each tensor it was not given: its chunks read only its shape."""
+        out = {}
+        for i, name in enumerate(self.names):
+            if name not in given.values:
+                continue
+            v = given.values[name]
+            if v is None:
+                spec = self.specs[i]
+                shape = list(spec.shape)
+                shape[0] = self.shard.local_rows
+                if self.on_sequence(i):
+                    if length is None:
+                        raise AutopartError(
+                            f"train_step on rank {self.shard.rank}: no tensor says the sequence "
+                            f"length {name!r} has.\n  remedy: pass {name!r} (its share)")
+                    shape[1] = length // self.cp
+                dtype = torch.long if spec.integer else torch.float32
+                v = torch.zeros((), dtype=dtype, device=device).expand(shape)
+            out[name] = v.to(device)
+        return out
+
+
+# -- what the ranks agree on each step: the token count and the sequence length ------------------
+
+aten = torch.ops.aten
+# ops of a token count that is a sum over elements, so the ranks' counts of their shares add up
+ELEMENTWISE_COUNT = {aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+                     aten.ne.Scalar, aten.eq.Scalar, aten.ne.Tensor, aten.eq.Tensor,
+                     aten.sum.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
+                     aten.mul.Tensor, aten.logical_and.default, aten.logical_not.default,
+                     aten.ge.Scalar, aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar}
+
+
+def share_count(counter, values: dict, microbatch: int, cp: int) -> torch.Tensor:
+    """The tokens `counter` (a TokenCount) counts in this rank's share `values` (name ->
+    tensor), microbatch by microbatch as the programs see them: an int64 scalar tensor (read
+    by agree's one host sync, not here)."""
+    if cp > 1:
+        odd = [n for n in counter.gm.graph.nodes if n.op == "call_function"
+               and n.target not in ELEMENTWISE_COUNT]
+        if odd:
+            raise AutopartError(
+                f"the token-weighted loss counts its tokens through {odd[0].target} ({odd[0]}): "
+                "under context parallelism each rank counts the tokens of its sequence chunks, "
+                "which adds up to the sequence's count only for a count of elements.\n  remedy: "
+                "compute the count from the target elementwise (shift the labels in the data, "
+                "not in the loss)")
+    tensors = [values[n] for n in counter.inputs]
+    rows = tensors[0].shape[0]
+    with torch.no_grad():
+        counts = [counter.gm(*(t[k:k + microbatch] for t in tensors)).reshape(())
+                  for k in range(0, rows, microbatch)]
+        return torch.stack(counts).to(torch.int64).sum()
+
+
+def agree(count, length: int | None, refused: Exception | None, group, device, step: int
+          ) -> tuple[int, int | None]:
+    """One all-reduce over `group` (every rank): whether a rank refused its tensors (`refused`,
+    its error: then every rank raises, naming them, rather than leave the others waiting in the
+    step's first collective), the token counts summed, and the one sequence length the ranks
+    that know one were given (an error naming the ranks if they differ)."""
+    import torch.distributed as dist
+    n = length or 0
+    t = torch.tensor([int(refused is not None), 0, int(length is not None), n, n * n],
+                     dtype=torch.int64, device=device)
+    t[1] = count        # a tensor on the device, or 0
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    bad, total, known, s, s2 = t.tolist()
+    if bad:
+        _refuse(refused, group, step)
+    if not known:
+        return total, None
+    if known * s2 != s * s:      # equal only when every length is the same (Cauchy-Schwarz)
+        lengths: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(lengths, length, group=group)
+        by: dict = {}
+        for r, v in enumerate(lengths):
+            if v is not None:
+                by.setdefault(v, []).append(r)
+        raise AutopartError(
+            "train_step: the ranks were given sequences of different lengths ("
+            + "; ".join(f"ranks {rs}: {v} positions" for v, rs in sorted(by.items())) +
+            ").\n  remedy: one global batch has one sequence length: give every rank its "
+            "share of the same global batch (pm.local_batch)")
+    return total, s // known
+
+
+def _refuse(refused: Exception | None, group, step: int) -> None:
+    """Raise on every rank: its own error where it refused, else the refusing ranks' errors."""
+    import torch.distributed as dist
+    errors: list = [None] * (dist.get_world_size(group) if group is not None else 1)
+    if group is not None:
+        dist.all_gather_object(errors, None if refused is None else str(refused), group=group)
+    if refused is not None:
+        raise refused
+    bad = {r: e for r, e in enumerate(errors) if e is not None}
+    raise AutopartError(
+        f"train_step (step {step}): rank(s) {sorted(bad)} refused the tensors they were given, "
+        "so every rank stops here (nothing moved):\n"
+        + "\n".join(f"rank {r}: {e}" for r, e in sorted(bad.items())))
+
+
+__all__ = ["BatchShard", "Given", "LocalInputs", "agree", "batch_shard", "data_reads",
+           "pipeline_reads", "share_count"]
