@@ -10,7 +10,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopart.placement import (Need, NoRule, Shard, SplitOnShard, _expr, ndim, norm_dim,
+from autopart.placement_base import (Need, NoRule, Shard, SplitOnShard, _expr, ndim, norm_dim,
                                 placed_alike, rule, shape_of)
 
 aten = torch.ops.aten

@@ -274,3 +274,62 @@ def test_no_source_file_is_over_600_lines():
             for p in (ROOT / folder).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 600]
     assert not long, "\n".join(long)
+
+
+# -- import cycles: none, at module level or through imports inside functions ------------------
+
+PACKAGES = {"autopart": "autopart", "passes": "autopart.passes", "runtime": "autopart.runtime"}
+
+
+def _module_files() -> dict[str, Path]:
+    """autopart's modules by dotted name (passes/ and runtime/ are autopart.passes and
+    autopart.runtime: pyproject's wheel.packages), tests beside the code left out."""
+    files = {}
+    for top, dotted in PACKAGES.items():
+        for p in (ROOT / top).rglob("*.py"):
+            if not p.name.startswith("test_"):
+                rel = p.relative_to(ROOT / top).with_suffix("").parts
+                files[".".join((dotted, *rel[:-1], *([] if rel[-1] == "__init__" else rel[-1:])))
+                      ] = p
+    return files
+
+
+def _import_targets(module: str, path: Path, node, known: set[str]) -> list[str]:
+    """The modules `node` (an import statement of `module`) imports, as dotted names: `from
+    pkg import name` is pkg.name where that is a module, else pkg itself."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(max(node.level - 1, 0)):
+        base = base.rpartition(".")[0]
+    pkg = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+    return [f"{pkg}.{a.name}" if f"{pkg}.{a.name}" in known else pkg for a in node.names]
+
+
+def _import_graph(lazy: bool):
+    import networkx as nx
+    files = _module_files()
+    known = set(files) | {"autopart._C"}
+    g = nx.DiGraph()
+    for module, path in files.items():
+        tree = ast.parse(path.read_text())
+        for node in (ast.walk(tree) if lazy else tree.body):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _import_targets(module, path, node, known):
+                    while target and target not in known:
+                        target = target.rpartition(".")[0]
+                    if target and target != module:
+                        g.add_edge(module, target)
+    return g
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "with-lazy-imports"])
+def test_no_import_cycles(lazy):
+    """No two modules import each other, directly or around a loop: a loop makes import order
+    matter (half-initialized modules) and hides layering. With `lazy`, the imports written
+    inside functions count too (issue 54 found an 11-module loop through autopart/__init__)."""
+    import networkx as nx
+    g = _import_graph(lazy)
+    loops = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert loops == [], loops
+    assert g.number_of_nodes() > 50          # the graph really holds the package

@@ -12,9 +12,8 @@ from autopart.ir import ParamShard, TensorParallelPlan
 from autopart.ops import aten_groups as G
 from autopart.placement import NoRule, Shard, aten, carry, ndim, shape_of
 
-CHAIN = set(G.ELEMENTWISE) | set(G.RESHAPES) | {
-    aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten.transpose.int,
-    aten.permute.default, aten.t.default}
+CHAIN = set(G.ELEMENTWISE) | set(G.RESHAPES) | set(G.TRANSPOSES) | set(G.UNSQUEEZES) | {
+    aten.squeeze.dims}
 
 
 def shard_sliced_params(gm: fx.GraphModule, plan: TensorParallelPlan, params) -> None:
