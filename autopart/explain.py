@@ -326,7 +326,7 @@ def cp_rows(compiled) -> dict | None:
     return {"cp": cp.cp, "attention": cp.attention, "seq_len": cp.seq_len,
             "local_seq_len": cp.local_seq_len,
             "cores": [{"node": n, "mask": m} for n, m in cp.cores], "positions": list(cp.positions),
-            "islands": list(cp.islands)}
+            "islands": list(cp.islands), "documents": list(cp.documents)}
 
 
 def _cp_lines(compiled) -> list[str]:
@@ -342,7 +342,10 @@ def _cp_lines(compiled) -> list[str]:
             f"dp x cp = {compiled.plan.mesh.replicas} replicas"] + \
         ([f"  proved per-token by running them on each rank's chunks: {len(row['islands'])} "
           f"position-mixing op(s) outside attention ({', '.join(row['islands'][:6])}"
-          f"{', ...' if len(row['islands']) > 6 else ''})"] if row["islands"] else [])
+          f"{', ...' if len(row['islands']) > 6 else ''})"] if row["islands"] else []) + \
+        ([f"  packed documents: attention masked per block by the document ids of "
+          f"{', '.join(row['documents'])} (blocks of disjoint documents skipped)"]
+         if row["documents"] else [])
 
 
 def explain_json(compiled) -> dict:

@@ -109,6 +109,7 @@ class ContextParallelPlan:
     seq_len: int | None = None      # the whole sequence, S
     local_seq_len: int | None = None   # each rank's share, S / cp
     islands: tuple = ()             # names of the mixing ops inside proved token islands
+    documents: tuple = ()           # inputs of packed documents' ids the cores mask by
 
 
 @dataclass

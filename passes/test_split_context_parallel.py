@@ -40,6 +40,9 @@ class Attn(nn.Module):
         elif self.mask == "window":       # causal with a window of 4: not supported
             keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 4)
             y = F.scaled_dot_product_attention(x, x, x, attn_mask=keep)
+        elif self.mask == "prefix":       # a prefix LM: the first 4 positions see each other
+            keep = (pos[None, :] <= pos[:, None]) | (pos[None, :] < 4)
+            y = F.scaled_dot_product_attention(x, x, x, attn_mask=keep)
         else:                             # by hand: a tril buffer sliced to the sequence
             s = (x @ x.transpose(-2, -1)) * 0.5
             s = s.masked_fill(self.tril[:t, :t] == 0, float("-inf"))
@@ -63,11 +66,44 @@ def test_cores_are_found_and_their_masks_proved_by_value(mask, causal):
     assert decide_causal(cores[0], program.gm, set(program.inputs), 32) is causal
 
 
-def test_a_sliding_window_is_refused_naming_the_core():
-    program = _program("window")
+@pytest.mark.parametrize("mask, says", [
+    ("window", "a sliding window of 4 keys(.|\n)*sliding-window attention under cp is not built"),
+    ("prefix", "neither causal nor absent"),
+])
+def test_a_sliding_window_or_a_prefix_is_refused_naming_the_core(mask, says):
+    program = _program(mask)
     core = find_cores(program)[0]
-    with pytest.raises(AutopartError, match="neither causal nor absent(.|\n)*node:(.|\n)*remedy"):
+    with pytest.raises(AutopartError, match=f"{says}(.|\n)*node:(.|\n)*remedy"):
         decide_causal(core, program.gm, set(program.inputs), 32)
+
+
+class DocAttn(nn.Module):
+    """A hand-written core masked by packed documents, written unlike PackedLM's SDPA mask:
+    unsqueezes compared, and the causal part as a separate masked_fill of a tril buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+        self.register_buffer("tril", torch.ones(64, 64).tril())
+
+    def forward(self, idx, doc):
+        b, t = idx.shape
+        x = self.emb(idx).view(b, t, 2, 8).transpose(1, 2)
+        s = (x @ x.transpose(-2, -1)) * 0.5
+        s = s.masked_fill(doc.unsqueeze(1).unsqueeze(1) != doc.unsqueeze(1).unsqueeze(-1),
+                          float("-inf"))
+        s = s.masked_fill(self.tril[:t, :t] == 0, float("-inf"))
+        return self.head((s.softmax(-1) @ x).transpose(1, 2).reshape(b, t, 16))
+
+
+def test_a_document_mask_is_proved_by_value_and_handed_to_the_kernel():
+    x = torch.randint(0, 64, (2, 32))
+    doc = torch.arange(32).div(8, rounding_mode="floor").expand(2, 32).contiguous()
+    program = capture(DocAttn(), (x, doc), loss_fn=_loss, target=x)
+    program, _ = weigh_loss_by_tokens(program, splits=2)
+    out, report = split_context_parallel(program, cp=2)
+    assert report["cores"] == [["matmul_1", "causal"]] and report["documents"] == ["doc"]
+    assert "cp_comm, True, 0.5, None, doc)" in out.gm.code, out.gm.code
 
 
 def test_the_rewrite_replaces_the_core_and_makes_positions_the_ranks():

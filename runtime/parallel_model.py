@@ -87,6 +87,7 @@ class ParallelModel:
                                 input_specs=compiled.input_specs, shard=self.batch_shard)
         self._grads = GradientReducer(plan, self._params, self._groups, self.coords, device)
         self._step.reducer = self._grads    # its buckets go out during the backward
+        self._step.documents = compiled.program.cp.documents if compiled.program.cp else ()
         # a failure names the step, the action and the peer, also where NCCL would only hang
         self._step.watch = watch_for(self._groups, rank)
         self.zero = zero

@@ -21,6 +21,7 @@ from autopart.errors import AutopartError
 from autopart.ir import REDUCED_DTYPES, Plan, RankProgram
 from autopart.runtime.batches import BatchShard, Given, LocalInputs, share_count
 from autopart.runtime.compiled import cudagraph_steps
+from autopart.runtime.document_ids import check_document_ids
 from autopart.runtime.executor import StepContext, run_actions
 
 
@@ -55,6 +56,7 @@ class StepDriver:
         # a runtime.gradients.GradientReducer: posts gradient buckets while the step runs
         self.reducer = None
         self.watch = None       # a runtime.step_watch.StepWatch: names what a failure waited for
+        self.documents = ()     # inputs of packed documents' ids, checked (runtime/document_ids.py)
 
     def run(self, batch: dict, step: int = 0, loss_scale: float | None = None) -> StepContext:
         """Forward and backward of every microbatch of this replica (`batch`: replica_rows');
@@ -109,6 +111,8 @@ class StepDriver:
         self.local.check_types(values)
         pairs = [(spec, v) for spec, v in zip(self.input_specs, values) if v is not None]
         check_step_inputs([v for _, v in pairs], tuple(s for s, _ in pairs))
+        check_document_ids(self.documents, [s.name for s, _ in pairs], [v for _, v in pairs],
+                           self.plan.mesh.rank(**self.coords))
         return self.local.resolve(values, local)
 
 

@@ -7,7 +7,9 @@ Models: the example GPT (SDPA, learned positions), an unmodified Hugging Face Ll
 (RoPE, GQA, HF's own causal mask as a tensor), and a model with attention written by hand
 (q @ k^T, a tril buffer with masked_fill, softmax, @ v), ignored labels included; and
 mixture-of-experts models (Hugging Face Mixtral and Qwen2-MoE, whose experts sort, gather and
-scatter the batch's tokens) alone, with ep=2 over dp=2 and with tp=2.
+scatter the batch's tokens) alone, with ep=2 over dp=2 and with tp=2; and packed documents
+(tests/workers/cp.py PackedLM: per-token document ids and per-document positions as inputs, SDPA
+masked within each document), at cp=2 with ring and all-gather, and on tp, pp, dp, cp x dp.
 
 Fast tier: python -m pytest -m "not full" tests/test_context_parallel.py
 """
@@ -43,6 +45,25 @@ FAST_2 = [
     # proved position-wise by running it)
     Case("mixtral-cp2-ring", model="mixtral", cp=2, optim="adamw", **SEQ),
 ]
+# packed documents (doc ids and per-document positions as inputs, padding labels -100): the
+# document mask applied per block, empty blocks skipped; their own spawn
+PACKED_2 = [
+    Case("packed-cp2-ring", model="cp-packed", cp=2, **SEQ),
+    Case("packed-cp2-allgather-ignored", model="cp-packed", cp=2, cp_attention="allgather",
+         ignored="uneven", **SEQ),
+]
+PACKED_FULL_2 = [      # on the other axes (no cp: SDPA with the document mask as written)
+    Case("packed-tp2", model="cp-packed", tp=2, **SEQ),
+    Case("packed-pp2", model="cp-packed", pp=2, microbatches=2, **SEQ),
+    Case("packed-dp2", model="cp-packed", dp=2, **SEQ),
+]
+PACKED_FULL_4 = [
+    Case("packed-cp2xdp2-ring", model="cp-packed", cp=2, dp=2, **SEQ),
+    Case("packed-cp2xdp2-allgather", model="cp-packed", cp=2, dp=2, cp_attention="allgather",
+         **SEQ),
+    Case("packed-cp2xtp2-ring", model="cp-packed", cp=2, tp=2, **SEQ),
+    Case("packed-cp2xpp2-1f1b", model="cp-packed", cp=2, pp=2, microbatches=2, **SEQ),
+]
 FAST_4 = [
     Case("gpt-cp2xdp2-ring", cp=2, dp=2, optim="adam", **GPT),
     Case("gpt-cp2xtp2-sp-ring", cp=2, tp=2, sequence_parallel=True, **GPT),
@@ -75,13 +96,15 @@ FULL_4 = [
     Case("mixtral-cp2xep2-allgather-ignored", model="mixtral", cp=2, dp=2, ep=2,
          cp_attention="allgather", ignored="uneven", optim="adam", **SEQ),
 ]
-GROUPS = {("cp", 2): FAST_2, ("cp", 4): FAST_4, ("cp-full", 2): FULL_2, ("cp-full", 4): FULL_4}
+GROUPS = {("cp", 2): FAST_2, ("cp", 4): FAST_4, ("cp-full", 2): FULL_2, ("cp-full", 4): FULL_4,
+          ("cp-packed", 2): PACKED_2, ("cp-packed-full", 2): PACKED_FULL_2,
+          ("cp-packed-full", 4): PACKED_FULL_4}
 _GROUP_OF = {c.name: k for k, cases in GROUPS.items() for c in cases}
 
 
 def _param(case: Case):
     return pytest.param(case, id=case.name,
-                        marks=[pytest.mark.full] if _GROUP_OF[case.name][0] == "cp-full" else [])
+                        marks=[pytest.mark.full] if _GROUP_OF[case.name][0].endswith("full") else [])
 
 
 @pytest.mark.parametrize("case", [_param(c) for cases in GROUPS.values() for c in cases])
@@ -119,7 +142,8 @@ class _Masked(torch.nn.Module):
 
 
 @pytest.mark.parametrize("how, says", [
-    ("window", ["mask is neither causal nor absent", "blocks.0.att", "sliding window"]),
+    ("window", ["mask is a sliding window of 4 keys (causal & i - j < 4)", "blocks.0.att",
+                "sliding-window attention under cp is not built"]),
     ("pool", ["mixes positions along the sequence", "mean", "test_context_parallel.py"]),
 ])
 def test_refuses_what_it_cannot_split(how, says):
@@ -204,10 +228,71 @@ def test_a_padding_mask_from_the_inputs_travels_with_the_keys():
     assert c.program.cp.cores == (("scaled_dot_product_attention", "full"),)
 
 
-def test_refuses_a_mask_from_the_inputs_that_is_not_key_padding():
+def test_refuses_a_mask_from_the_inputs_that_is_not_key_padding_nor_documents():
+    """ids mod 3 as documents: neither padding nor the equality of the ids themselves."""
     with pytest.raises(AutopartError, match="depends on the input 'idx' other than by hiding "
-                                            "the keys(.|\n)*node:(.|\n)*remedy"):
+                                            "the keys it marks as padding(.|\n)*nor as packed "
+                                            "documents' ids: it depends on the input 'idx' other "
+                                            "than by hiding the keys of other documents"
+                                            "(.|\n)*node:(.|\n)*remedy"):
         _compile(_FromIds("doc"), torch.randint(1, 96, (2, 32)))
+
+
+def _packed_compile(cp_attention="ring"):
+    from tests.workers.cp import _packed
+    model, loss_fn, inputs, y = _packed(Case("c", batch=2, seq=32), 0, "cpu")
+    return autopart.compile(model, autopart.Mesh(cp=2), inputs, loss_fn=loss_fn, target=y,
+                            cp_attention=cp_attention)
+
+
+@pytest.mark.parametrize("attention", ["ring", "allgather"])
+def test_a_document_mask_from_an_input_is_applied_per_block(attention):
+    """The mask (doc[:, :, None] == doc[:, None, :]) & causal, refused before ("cannot be
+    proved causal or absent: it depends on the input 'doc'"), is proved a document mask: the
+    cores stay causal and the kernel reads the rank's chunks of `doc`; explain and JSON say so."""
+    c = _packed_compile(attention)
+    assert c.program.cp.cores == (("scaled_dot_product_attention", "causal"),
+                                  ("scaled_dot_product_attention_1", "causal"))
+    assert c.program.cp.documents == ("doc",)
+    op = "ring_attention" if attention == "ring" else "allgather_kv_attention"
+    assert c.programs[0].code.count(f"_{op}(") == 2
+    assert "cp_comm, True, None, None, doc)" in c.programs[0].code
+    assert c.to_json()["context_parallel"]["documents"] == ["doc"]
+    assert "packed documents: attention masked per block by the document ids of doc" in \
+        c.explain()
+
+
+def test_document_ids_that_come_back_to_an_earlier_document_are_refused():
+    """Ids 5, 5, 6, 6, 5 in a row would join two documents in the mask: train_step refuses
+    them on every rank, naming the input, the rank, the row and the positions, before any
+    gradient moves (the repaired batch then trains); trailing padding -1 is legal."""
+    from autopart.runtime.launch import spawn
+    from tests.workers.cp import reused_document_id
+    out = spawn(reused_document_id, 2, timeout=180, pg_timeout=60)
+    for r in out:
+        assert r["refused"] is not None, r
+        for s in ["train_step input 'doc'", f"rank {r['rank']}", "row 1 holds document 5 at "
+                  "position 0 and again at position 10, after document 6", "remedy:"]:
+            assert s in r["refused"], r["refused"]
+        assert r["loss"] == r["loss"] and r["loss"] > 0, r
+
+
+@pytest.mark.parametrize("doc, refused", [
+    ([[0, 0, 1, 1, 2, 2, -1, -1]], None),           # trailing padding: an id of its own
+    ([[3, 3, 3, 3, 3, 3, 3, 3]], None),
+    ([[7, 7, 2, 2, 9, 9, 9, 9]], None),             # not sorted, but each document one run
+    ([[0, 0, 1, 1, 0, 0, 2, 2]], (0, 0, 0, 4, 1)),
+    ([[0, 1, 2, 3, 4, 5, 6, 7], [1, 1, 2, -1, -1, 2, 2, 2]], (1, 2, 2, 5, -1)),
+])
+def test_the_document_check_finds_the_first_reused_id(doc, refused):
+    from autopart.runtime.document_ids import _reused, check_document_ids
+    t = torch.tensor(doc)
+    assert _reused(t) == refused
+    if refused is None:
+        check_document_ids(("doc",), ["doc"], [t], 0)
+    else:
+        with pytest.raises(AutopartError, match="rank 3(.|\n)*remedy"):
+            check_document_ids(("doc",), ["doc"], [t], 3)
 
 
 def test_the_emitted_program_shows_the_replaced_attention_and_positions():

@@ -8,7 +8,9 @@ dataflow:
   attention cores   (SDPA, or matmul-softmax-matmul written by hand, GQA/MQA included) become
                     ring attention (K/V passed peer to peer, partial results merged by their
                     log-sum-exp) or all-gather-K/V attention, `attention=`; a core's mask is
-                    proved causal or absent by computing it (masks.py), anything else refused
+                    proved causal or absent by computing it (masks.py), optionally with padded
+                    keys or packed documents from a (batch, sequence) input, anything else
+                    refused
   positions         aranges over the sequence become the global positions of the rank's chunks,
                     and tables sliced to the sequence length (RoPE caches) are indexed at them
   everything else   must work position by position: an op that mixes positions outside the
@@ -82,10 +84,11 @@ def split_context_parallel(program: Program, *, cp: int, attention: str = "ring"
     plan = ContextParallelPlan(cp, attention,
                                tuple((c.last.name, "causal" if c.causal else "full")
                                      for c in cores),
-                               tuple(n.name for n in aranges + slices), seq, seq // cp, islands)
+                               tuple(n.name for n in aranges + slices), seq, seq // cp, islands,
+                               tuple(sorted({c.doc_ids.name for c in cores if c.doc_ids})))
     report = {"cp": cp, "attention": attention, "cores": [list(c) for c in plan.cores],
               "positions": list(plan.positions), "local_seq_len": seq // cp,
-              "islands": list(islands)}
+              "islands": list(islands), "documents": list(plan.documents)}
     return program.replace(gm=gm, cp=plan, seq_len=seq // cp), report
 
 

@@ -47,6 +47,7 @@ class Core:
     is_causal_flag: bool = False    # SDPA's is_causal=True
     causal: bool = False            # decided by masks.py
     key_mask: fx.Node | None = None   # a (batch, seq) input of padded keys (masks.py)
+    doc_ids: fx.Node | None = None    # a (batch, seq) input of packed documents' ids (masks.py)
 
 
 def find_cores(program: Program) -> list[Core]:

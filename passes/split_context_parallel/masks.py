@@ -4,8 +4,10 @@ A mask is built from positions and sizes (`arange(s)[:, None] >= arange(s)`, a `
 sliced to s, HF's mask functions): the ops that make it are copied into a small graph, the
 sequence size set to the captured length S and the batch to 1, and run. The values then say
 what the mask is: every key visible (no mask), exactly the lower triangle (causal), or something
-the context-parallel kernels do not compute (a sliding window, a padding mask from the inputs,
-a bias such as ALiBi), which the caller refuses. Proving by value, not by matching how the mask
+the context-parallel kernels do not compute (a sliding window, a prefix, a bias such as ALiBi),
+which the caller refuses. A mask read from one (batch, sequence) input is fed patterns of that
+input: it must then hide exactly the keys the input marks as padding (a key mask), or exactly
+the keys of other documents, `doc[b, i] != doc[b, j]` (packed documents' ids). Proving by value, not by matching how the mask
 was written, accepts every way of writing a causal mask and nothing else.
 """
 from __future__ import annotations
@@ -106,8 +108,9 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
-    """Whether `core` is causal, setting core.key_mask when a mask also hides padded keys; an
-    error naming the core when its mask is neither (or cannot be proved either)."""
+    """Whether `core` is causal, setting core.key_mask when a mask also hides padded keys (or
+    core.doc_ids when it hides other documents' keys); an error naming the core when its mask
+    is neither (or cannot be proved either)."""
     visible = torch.ones(seq, seq, dtype=torch.bool)
     if core.is_causal_flag:
         visible = visible.tril()
@@ -117,7 +120,7 @@ def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
             if not reads:
                 visible = visible & visibility(mask, how, gm, inputs, seq)[0]
                 continue
-            visible = visible & _key_padding(core, mask, how, reads, gm, inputs, seq)
+            visible = visible & _from_input(core, mask, how, reads, gm, inputs, seq)
         except NotProvable as e:
             raise node_error(core.last, f"context parallelism replaces this attention, but its "
                              f"mask ({mask.name}) cannot be proved causal or absent: {e}",
@@ -126,6 +129,7 @@ def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
         return False
     if bool((visible == torch.ones_like(visible).tril()).all()):
         return True
+    _refuse_a_window(core, visible, seq)
     rows = [i for i in range(seq) if not bool((visible[i] == (torch.arange(seq) <= i)).all())]
     raise node_error(core.last, f"context parallelism replaces this attention, but its mask is "
                      f"neither causal nor absent at the captured sequence length {seq} (query "
@@ -133,19 +137,50 @@ def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
                      "sliding window, a prefix or a block mask)", _REMEDY)
 
 
-def _key_padding(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int):
-    """The mask's visibility apart from padding, when it is that visibility & keep[b, key] for
-    an input `keep` of shape (batch, seq) (a padding mask from the data); core.key_mask set to
-    that input. Checked by computing the mask for an all-kept input and for patterns of
-    padding: it must hide exactly the padded keys of each row, in every query row."""
+def _refuse_a_window(core, visible: torch.Tensor, seq: int) -> None:
+    """A causal sliding window (each query sees its last w keys: Gemma 2/3, Mistral, GPT-OSS),
+    refused by name."""
+    w = int(visible[-1].sum())
+    band = torch.ones(seq, seq, dtype=torch.bool).tril().triu(-(w - 1))
+    if 0 < w < seq and bool((visible == band).all()):
+        raise node_error(core.last, f"context parallelism replaces this attention, but its mask "
+                         f"is a sliding window of {w} keys (causal & i - j < {w}) at the captured "
+                         f"sequence length {seq}: sliding-window attention under cp is not built",
+                         "drop the cp axis for this model (tp, pp and dp split it), or use "
+                         f"sequences of at most {w} tokens, where the window is the causal mask")
+
+
+def _sequence_input(reads: list):
+    """(name, dtype) of the one (batch, sequence) input a mask is read from."""
     val = reads[0].meta.get("val")
     # dim 1 symbolic: the sequence (only the batch and the sequence are captured symbolic)
     if len(reads) > 1 or val is None or val.dim() != 2 or \
             not isinstance(val.shape[1], torch.SymInt):
         names = ", ".join(repr(r.name) for r in reads)
-        raise NotProvable(f"it is computed from the input(s) {names}, not as a (batch, "
-                          "sequence) mask of the keys (a padding mask)")
-    name, dtype = reads[0].name, val.dtype
+        raise NotProvable(f"it is computed from the input(s) {names}, not from one (batch, "
+                          "sequence) input (a padding mask, or packed documents' ids)")
+    return reads[0].name, val.dtype
+
+
+def _from_input(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int):
+    """The mask's visibility apart from its input: a key padding mask, else packed documents."""
+    try:
+        return _key_padding(core, mask, how, reads, gm, inputs, seq)
+    except NotProvable as padding:
+        try:
+            return _documents(core, mask, how, reads, gm, inputs, seq)
+        except NotProvable as documents:
+            if str(documents) == str(padding):
+                raise
+            raise NotProvable(f"{padding}; nor as packed documents' ids: {documents}") from None
+
+
+def _key_padding(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int):
+    """The mask's visibility apart from padding, when it is that visibility & keep[b, key] for
+    an input `keep` of shape (batch, seq) (a padding mask from the data); core.key_mask set to
+    that input. Checked by computing the mask for an all-kept input and for patterns of
+    padding: it must hide exactly the padded keys of each row, in every query row."""
+    name, dtype = _sequence_input(reads)
     patterns = _padding_patterns(seq)
     base = visibility(mask, how, gm, inputs, seq, {name: torch.ones(2, seq, dtype=dtype)}, 2)
     if not bool((base == base[:1]).all()):
@@ -159,6 +194,35 @@ def _key_padding(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: in
     return base[0]
 
 
+def _documents(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int):
+    """The mask's visibility apart from documents, when it is that visibility & (doc[b, query]
+    == doc[b, key]) for an input `doc` of shape (batch, seq); core.doc_ids set to that input.
+    Checked by computing the mask for one document per row and for patterns of packed ids."""
+    name, dtype = _sequence_input(reads)
+    if dtype.is_floating_point or dtype == torch.bool:
+        raise NotProvable(f"the input {name!r} is {dtype}, not integer document ids")
+    base = visibility(mask, how, gm, inputs, seq, {name: torch.zeros(2, seq, dtype=dtype)}, 2)
+    if not bool((base == base[:1]).all()):
+        raise NotProvable(f"with one document per row in {name!r} it differs between batch rows")
+    for doc in _document_patterns(seq):
+        got = visibility(mask, how, gm, inputs, seq, {name: doc.to(dtype)}, 2)
+        if not bool((got == (base & (doc[:, :, None] == doc[:, None, :]))).all()):
+            raise NotProvable(f"it depends on the input {name!r} other than by hiding the keys "
+                              "of other documents (doc[b, query] != doc[b, key])")
+    core.doc_ids = reads[0]
+    return base[0]
+
+
+def _document_patterns(seq: int) -> list[torch.Tensor]:
+    """Rows of document ids: packs of several lengths (ids large and small, padding -1 at the
+    end), and ids drawn at random per token (equality, not order, decides)."""
+    g = torch.Generator().manual_seed(0)
+    pos = torch.arange(seq)
+    packs = torch.stack([pos // 3, (pos >= seq // 2).long() * 70000 + 7])
+    padded = torch.stack([torch.where(pos < seq - 4, pos // 5, -1), (pos * 7) // seq])
+    return [packs, padded, torch.randint(0, 50, (2, seq), generator=g)]
+
+
 def _padding_patterns(seq: int) -> list[torch.Tensor]:
     """Rows of kept (True) and padded keys: right padding, left padding, a padded run, random."""
     g = torch.Generator().manual_seed(0)
@@ -169,6 +233,7 @@ def _padding_patterns(seq: int) -> list[torch.Tensor]:
 
 
 _REMEDY = ("context parallelism computes causal or unmasked attention, each optionally with "
-           "padded keys (a (batch, sequence) input, 0 = padding): write the mask as one of "
-           "those, or drop the cp axis for this model (tp/sp and recompute also cut activation "
+           "padded keys (a (batch, sequence) input, 0 = padding) or packed documents (a (batch, "
+           "sequence) input of document ids, mask doc[:, :, None] == doc[:, None, :]): write the "
+           "mask as one of those, or drop the cp axis for this model (tp/sp and recompute also cut activation "
            "memory)")

@@ -77,8 +77,10 @@ def _core(g: fx.Graph, core, env: dict, comm: fx.Node, attention: str, old: fx.N
     if flat:
         q, k, v = (g.call_function(aten.unsqueeze.default, (t, 1)) for t in (q, k, v))
     args = (q, k, v, comm, core.causal, core.scale)
-    if core.key_mask is not None:
-        args += (env[core.key_mask],)
+    if core.key_mask is not None or core.doc_ids is not None:
+        args += (env[core.key_mask] if core.key_mask is not None else None,)
+    if core.doc_ids is not None:
+        args += (env[core.doc_ids],)
     out = g.call_function(KERNELS[attention], args)
     if flat:
         out = g.call_function(aten.squeeze.dim, (out, 1))

@@ -176,3 +176,86 @@ def _padded(hand: bool):
 
 FAMILIES.setdefault("cp-pad-sdpa", _padded(False))
 FAMILIES.setdefault("cp-pad-hand", _padded(True))
+
+
+class PackedLM(nn.Module):
+    """Documents packed into rows: the model takes (ids, doc, pos): each token's document id
+    (padding a document of its own, id -1) and its position within its document (restarting
+    at 0 per document, as a packing collator gives them); attention is causal within each
+    document (SDPA with a boolean mask from `doc`). Padding labels are -100."""
+
+    def __init__(self, vocab: int = 96, d: int = 32, block: int = 64, layers: int = 2):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, doc, pos):
+        b, t = idx.shape
+        x = self.tok(idx) + self.pos(pos)
+        causal = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+        mask = (doc[:, :, None] == doc[:, None, :])[:, None] & causal
+        for qkv, proj in zip(self.qkv, self.proj):
+            q, k, v = (z.view(b, t, 4, -1).transpose(1, 2) for z in qkv(x).chunk(3, -1))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.head(x)
+
+
+def packed_batch(batch: int, seq: int, g: torch.Generator):
+    """(doc, pos) of rows packed with documents of random lengths (one row a single document
+    across the whole sequence, the last row ending in padding), ids increasing along a row."""
+    docs = []
+    for r in range(batch):
+        cuts = torch.rand(seq, generator=g) < (0.0 if r == 0 else 0.2)
+        doc = torch.cumsum(cuts.long(), 0) + 10 * r
+        if r == batch - 1:
+            doc[seq - seq // 4:] = -1
+        docs.append(doc)
+    doc = torch.stack(docs)
+    idx = torch.arange(seq).expand(batch, seq)
+    start = torch.ones_like(doc, dtype=torch.bool)
+    start[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    pos = idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(1).values
+    return doc, pos
+
+
+def _packed(case, seed, device):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 96, (case.batch, case.seq), generator=g)
+    doc, pos = packed_batch(case.batch, case.seq, g)
+    y = torch.randint(0, 96, (case.batch, case.seq), generator=g).masked_fill(doc < 0, -100)
+    return PackedLM().to(device), _token_loss, (x.to(device), doc.to(device), pos.to(device)), \
+        y.to(device)
+
+
+def _token_loss(logits, target):
+    """The mean over the tokens not labelled -100, with classes on dim 1 (no flatten)."""
+    return F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100)
+
+
+FAMILIES.setdefault("cp-packed", _packed)
+
+
+def reused_document_id(rank: int, world: int) -> dict:
+    """Rank function: PackedLM at Mesh(cp=world) given a row whose ids come back to an earlier
+    document (0, 0, 1, 1, 0): train_step's refusal, then the loss of the batch repaired."""
+    from datetime import timedelta
+
+    import autopart
+    from autopart.errors import AutopartError
+    from tests.workers.common import Case
+    c = Case("bad", model="cp-packed", batch=2, seq=16)
+    model, loss_fn, (x, doc, pos), y = _packed(c, 0, "cpu")
+    pm = autopart.parallelize(model, autopart.Mesh(cp=world), (x, doc, pos), loss_fn=loss_fn,
+                              target=y, timeout=timedelta(seconds=60))
+    bad = doc.clone()
+    bad[1] = torch.tensor([5] * 4 + [6] * 6 + [5] * 6)     # document 5 again after 6
+    try:
+        pm.train_step(x, bad, pos, target=y)
+        refused = None
+    except AutopartError as e:
+        refused = str(e)
+    return {"rank": rank, "refused": refused, "loss": float(pm.train_step(x, doc, pos, target=y))}
