@@ -125,11 +125,12 @@ class Given:
     """train_step's tensors resolved (LocalInputs.resolve): `values` name -> this rank's share
     (None: a tensor the rank does not read, filled by a stand-in of the right shape once the
     sequence length is known); `length`: the global sequence length the tensors given carry
-    (None if none carries one); `whole`: the global tensors given, for the batch check."""
+    (None if none carries one); `whole`: name -> the global tensors given, for the batch
+    check."""
     values: dict
     length: int | None
     local: bool
-    whole: list
+    whole: dict
 
 
 class LocalInputs:
@@ -201,7 +202,7 @@ class LocalInputs:
                                     "cut them to one length")
             length = n if n is not None else length
             out[name] = v if is_local else shard.cut(v, seq)
-        whole = [] if is_local else [v for v in values if v is not None]
+        whole = {} if is_local else {n: v for n, v in zip(self.names, values) if v is not None}
         return Given(out, length, is_local, whole)
 
     def _modes(self, i: int, name: str, v: torch.Tensor, local: bool | None) -> set:

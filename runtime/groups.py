@@ -132,15 +132,16 @@ def check_same_batch(given, groups: RankGroups, step: int) -> None:
     coords = groups.mesh.coords(groups.rank)
     mine = (coords["dp"], coords["cp"], {n: batch_digest([v]) for n, v in given.values.items()
                                           if v is not None},
-            batch_digest(given.whole) if given.whole else None)
+            {n: batch_digest([v]) for n, v in given.whole.items()})
     every: list = [None] * groups.mesh.world_size
     dist.all_gather_object(every, mine, group=groups.world)
     whole: dict = {}
-    for rank, (_, _, _, d) in enumerate(every):
-        if d is not None:
-            whole.setdefault(d, []).append(rank)
-    if len(whole) > 1:
-        parts = "; ".join(f"ranks {ranks} passed batch {d}" for d, ranks in whole.items())
+    for rank, (_, _, _, digests) in enumerate(every):
+        for name, d in digests.items():
+            whole.setdefault(name, {}).setdefault(d, []).append(rank)
+    seen = next((seen for seen in whole.values() if len(seen) > 1), None)
+    if seen is not None:
+        parts = "; ".join(f"ranks {ranks} passed batch {d}" for d, ranks in seen.items())
         hint = (" If these are each rank's own share (under cp with dp=1 the shapes cannot "
                 "tell), pass train_step(..., local=True)." if groups.mesh.cp > 1 else "")
         raise AutopartError(

@@ -26,7 +26,8 @@ FAST = [Case("local-pp2xdp2", pp=2, dp=2, **M), Case("local-tp2xdp2", tp=2, dp=2
         Case("local-cp2xdp2", cp=2, dp=2, **M)]
 FULL = [Case("local-pp4-empty", pp=4, model="gpt4", microbatches=2, ignored="empty"),
         Case("local-pp2xdp2-zb", pp=2, dp=2, schedule="zb-v", virtual_stages=2, **M),
-        Case("local-cp2xdp2-allgather", cp=2, dp=2, cp_attention="allgather", **M)]
+        Case("local-cp2xdp2-allgather", cp=2, dp=2, cp_attention="allgather", **M),
+        Case("local-cp2-said", cp=2, **M)]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,10 @@ def test_full_each_rank_fed_its_share_trains_the_plain_model(case, spawn_cache):
                                  pg_timeout=PG_TIMEOUT)
     ranks = _ranks(spawn_cache[key], case.name)
     assert_all_ranks_equal_plain(case, ranks)
+    if case.cp == 2 and case.dp == 1:   # fed local=True; without it the batch check refuses
+        for r in _ranks(spawn_cache[key], "unsaid"):
+            assert "different global batches on different ranks" in r["error"], r["error"]
+            assert "pass train_step(..., local=True)" in r["error"], r["error"]
     if case.pp == 4:        # the middle stages were fed nothing at all
         for r in ranks:
             want = {0: [(8, 16), None], 1: [None, None], 2: [None, None], 3: [None, (8, 16)]}

@@ -106,8 +106,8 @@ def equivalence(case: Case, rank: int, wire=None, feed=None) -> dict:
     """Train `case` for case.steps steps, parallel and plain; return what differs (none: equal).
     `wire` (tests/workers/precision.Wire, entered by the caller) also records pm's gradient
     reducer. `feed(pm, inputs, target)`: what pm.train_step is given instead of the global
-    batch, as (inputs, target) (tests/workers/local_batches.py: each rank's share); the plain
-    model always trains on the global batch."""
+    batch, as (inputs, target, keywords) (tests/workers/local_batches.py: each rank's share);
+    the plain model always trains on the global batch."""
     import autopart
 
     start = time.perf_counter()
@@ -136,8 +136,8 @@ def equivalence(case: Case, rank: int, wire=None, feed=None) -> dict:
     for step in range(1, case.steps + 1):
         for call in range(case.accumulate):
             what = f"step {step}" + (f" call {call + 1}" if case.accumulate > 1 else "")
-            given = (inputs, target) if feed is None else feed(pm, inputs, target)
-            loss = pm.train_step(*given[0], target=given[1])
+            given = (inputs, target, {}) if feed is None else feed(pm, inputs, target)
+            loss = pm.train_step(*given[0], target=given[1], **given[2])
             out = ref(*inputs)
             ref_loss = loss_fn(out, target) if loss_fn is not None else out
             if isinstance(ref_loss, tuple):        # (loss, statistics summed over the batch)

@@ -27,7 +27,8 @@ def local_cases(rank: int, world: int, cases: list[Case], bad: bool = False) -> 
             x, t = pm.local_batch(*inputs, target=target)
             fed.append({"shapes": [None if v is None else tuple(v.shape) for v in (*x, t)],
                         "shard": asdict(pm.batch_shard)})
-            return x, t
+            # dp=1 under cp: the shapes cannot tell a share from a shorter global batch
+            return x, t, ({"local": True} if case.dp == 1 and case.cp > 1 else {})
         try:
             r = equivalence(case, rank, feed=feed)
         except Exception:  # noqa: BLE001  (reported by the test process, per case)
@@ -39,7 +40,23 @@ def local_cases(rank: int, world: int, cases: list[Case], bad: bool = False) -> 
         out.append({**r, "fed": fed[0]})
     if bad:
         out.append({"case": "bad", "rank": rank, **bad_shares(rank)})
+    if world == 2 and any(c.cp == 2 and c.dp == 1 for c in cases):
+        out.append({"case": "unsaid", "rank": rank, "problems": [], "error": unsaid_share()})
     return out
+
+
+def unsaid_share() -> str:
+    """Mesh(cp=2): each rank's share passed without local=True is read as a shorter global
+    batch; the batch check refuses it (the cp peers' "global batches" differ), naming local=."""
+    import autopart
+    from examples.gpt import GPT, lm_loss
+    from tests.workers.common import gpt_config
+    torch.manual_seed(0)
+    x = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    pm = autopart.parallelize(GPT(gpt_config(2)), autopart.Mesh(cp=2), (x,), loss_fn=lm_loss,
+                              target=x, timeout=timedelta(seconds=120))
+    xs, ts = pm.local_batch(x, target=x)
+    return _attempt(lambda: pm.train_step(*xs, target=ts))
 
 
 def _attempt(fn) -> str:
