@@ -329,6 +329,7 @@ def test_fused_cpu_blocks_equal_the_portable_ones(lq, lk, causal):
                                cp._matmul_block_backward(q, k, v, dout, lse, delta, scale, causal))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmuls"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("docs, blocks", [
     # a document across the two chunks, padding of its own: every causal block is computed
@@ -337,11 +338,16 @@ def test_fused_cpu_blocks_equal_the_portable_ones(lq, lk, causal):
     # against the first chunk is empty, skipped without a matmul
     ([[0] * 8 + [1] * 8, [2] * 4 + [3] * 4 + [-1] * 8], 2),
 ])
-def test_document_blocks_match_masked_sdpa_and_skip_empty_ones(op, docs, blocks, monkeypatch):
+def test_document_blocks_match_masked_sdpa_and_skip_empty_ones(op, docs, blocks, fused,
+                                                               monkeypatch):
     """One rank (no spawn) holds both chunks of a 16-token sequence: the per-block document
     mask, and the empty-block skip, against plain SDPA with the whole mask, forward and
-    backward; the blocks computed are counted (3 causal blocks, 2 when one is empty)."""
+    backward, by the fused CPU kernel and by the matmuls other devices run (rows of a block
+    that see no key: no NaN); the blocks computed are counted (3 causal blocks, 2 when one is
+    empty)."""
     from autopart.ops import cp
+    if not fused:
+        monkeypatch.setattr(cp, "_fused", lambda *a: False)
     calls = []
     real = cp._block_forward
     monkeypatch.setattr(cp, "_block_forward", lambda q, k, *a: calls.append(k.shape[2]) or
