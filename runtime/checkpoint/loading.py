@@ -15,18 +15,19 @@ from .held import (_infos, _is_zero, _model_entries, _optimizer_name, _param_nam
                    _set_hyperparameters)
 from .peers import peers_named
 from .planners import _LoadPlanner
-from .saving import _enter
+from .saving import _LOADER, _enter
 from .zero_state import _prepare_zero_optimizer
 
 # -- load ------------------------------------------------------------------------------------------
 
 def load(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *,
-         verify: bool = True) -> dict:
+         verify: bool = True, loader=None) -> dict:
     """Load a checkpoint made by `save` (on any mesh) into `pm` in place; returns its `extra`.
 
     Collective. Parameters are copied into the existing tensors, so an optimizer over
     `pm.parameters()` keeps them; its state is filled, entries a fresh optimizer has not made
     yet included. `verify` checks every file's size and CRC-32 (each rank a share of the files).
+    `loader` gets the state `save(..., loader=)` kept (`loader.load_state_dict`).
 
         opt = torch.optim.AdamW(pm.parameters(), lr=3e-4)
         extra = load(pm, "ckpt/step7", optimizer=opt)      # {"step": 7}
@@ -34,7 +35,15 @@ def load(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
     path = _resolve(Path(path).absolute())
     _enter(pm, "load")
     with peers_named(pm, "load", path):        # a rank lost meanwhile is named
-        return _load(pm, path, optimizer, verify)
+        extra = _load(pm, path, optimizer, verify)
+    state = extra.pop(_LOADER, None)
+    if loader is not None:
+        if state is None:
+            raise AutopartError(f"load(loader=...): checkpoint {path} holds no loader state "
+                                "(saved without loader=).\n  remedy: load it without loader= "
+                                "and position the loader yourself, or save with loader=")
+        loader.load_state_dict(state)
+    return extra
 
 
 def _load(pm, path: Path, optimizer, verify: bool) -> dict:

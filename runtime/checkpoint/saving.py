@@ -25,13 +25,16 @@ from .planners import _SavePlanner
 # -- save ------------------------------------------------------------------------------------------
 
 def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None, *, model: torch.nn.Module | None = None) -> dict:
+         extra: dict | None = None, *, model: torch.nn.Module | None = None,
+         loader=None) -> dict:
     """Save `pm`'s shards (and `optimizer`'s state, RNG states and `extra`) to directory `path`.
 
     Collective: every rank calls it with the same `path`. Returns the completion marker (a dict).
     `extra` (rank 0's) comes back from `load`. `model`, when given, is the plain model the
     ParallelModel was made from: its class, and for a Hugging Face model its config, are
-    recorded so `autopart export` can write a model directory.
+    recorded so `autopart export` can write a model directory. `loader` (anything with
+    `state_dict()`, the same on every rank, as autopart.data.TokenLoader's is) has its state
+    saved once, checked equal on every rank, for `load(..., loader=)`.
 
         save(pm, "ckpt/step7", optimizer=opt, extra={"step": 7})
     """
@@ -39,10 +42,10 @@ def save(pm, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = 
     path = Path(path).absolute()
     _enter(pm, "save")
     with peers_named(pm, "save", path):        # a rank lost meanwhile is named
-        return _save(pm, path, optimizer, extra, model, start)
+        return _save(pm, path, optimizer, extra, model, start, loader)
 
 
-def _save(pm, path: Path, optimizer, extra, model, start: float) -> dict:
+def _save(pm, path: Path, optimizer, extra, model, start: float, loader=None) -> dict:
     rank, group = dist.get_rank(), model_group(pm)
     # the temporary directory's name, the same on every rank; and rank 0's checks of `path` and
     # of `extra` (rank 0's is the one saved), in the first collective, so every rank raises alike
@@ -52,6 +55,8 @@ def _save(pm, path: Path, optimizer, extra, model, start: float) -> dict:
     dist.broadcast_object_list(token, src=0, group=group)
     if token[1]:
         raise AutopartError(token[1])
+    if loader is not None:     # one state for every rank: refused alike before any write
+        extra = {**(extra or {}), _LOADER: _same_loader_state(loader, group)}
     tmp = path.parent / f".{path.name}{_TMP}{token[0]}"
     try:
         return _save_into(pm, path, tmp, token[0], optimizer, extra, model, rank, start, group)
@@ -95,6 +100,25 @@ def _save_into(pm, path: Path, tmp: Path, token: str, optimizer, extra, model, r
     if rank != 0:
         marker = _read_marker(path)
     return marker
+
+
+_LOADER = "autopart/loader"     # the loader's state, in `extra`, which load takes it out of
+
+
+def _same_loader_state(loader, group) -> dict:
+    """The loader's state, the same on every rank; else an error (on every rank) naming them."""
+    state = loader.state_dict()
+    states: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, state, group=group)
+    differ = [r for r, s in enumerate(states) if s != states[0]]
+    if differ:
+        raise AutopartError(
+            f"save(loader=...): the loader's state on rank(s) {differ} differs from rank 0's "
+            f"({states[differ[0]]} against {states[0]}); a checkpoint keeps one loader state, "
+            "for every rank and any mesh.\n  remedy: advance every rank's loader alike (one "
+            "batch per train_step, on every rank), with a loader whose state is the position "
+            "in the global stream (autopart.data.TokenLoader)")
+    return state
 
 
 def _enter(pm, what: str) -> None:
