@@ -132,7 +132,7 @@ def test_training_from_the_loader_on_dp2_matches_the_plain_model(corpus, tmp_pat
     assert runs[0].bytes_read == runs[1].bytes_read == half     # each rank its own half
 
 
-@pytest.mark.full     # two spawns, ~60 s
+@pytest.mark.full     # two spawns, ~70 s
 def test_resume_after_a_kill_gives_the_uninterrupted_batches_and_weights(corpus, tmp_path):
     path, tokens = corpus
     ckpt = str(tmp_path / "ckpt")
@@ -147,16 +147,17 @@ def test_resume_after_a_kill_gives_the_uninterrupted_batches_and_weights(corpus,
         r.check_against(plain, tokens)
 
 
-@pytest.mark.full     # two spawns, ~60 s
+@pytest.mark.full     # four spawns, ~90 s
 def test_resume_on_another_mesh_keeps_the_global_stream(corpus, tmp_path):
-    """Saved at dp=2, resumed at pp=2 (each rank another share: inputs only, targets only) and
-    at dp=1: the global batches and weights of the uninterrupted plain run."""
+    """Saved at dp=2, resumed at pp=2 (each rank another share: inputs only, targets only), at
+    cp=2 (each rank two sequence chunks of every row) and at dp=1: the global batches and
+    weights of the uninterrupted plain run."""
     path, tokens = corpus
     ckpt = str(tmp_path / "ckpt")
     run_ranks(2, dict(corpus=str(path), mesh={"dp": 2}, steps=2, save_at=2, ckpt=ckpt),
               timeout=240)
     plain = plain_training(tokens, STEPS + 1)
-    for mesh, world in (({"pp": 2}, 2), ({"dp": 1}, 1)):
+    for mesh, world in (({"pp": 2}, 2), ({"cp": 2}, 2), ({"dp": 1}, 1)):
         runs = run_ranks(world, dict(corpus=str(path), mesh=mesh, steps=STEPS + 1, load=ckpt),
                          timeout=240)
         for r in runs:
