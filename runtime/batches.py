@@ -275,23 +275,23 @@ ELEMENTWISE_COUNT = {aten.reshape.default, aten.view.default, aten._unsafe_view.
                      aten.ne.Scalar, aten.eq.Scalar, aten.ne.Tensor, aten.eq.Tensor,
                      aten.sum.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
                      aten.mul.Tensor, aten.logical_and.default, aten.logical_not.default,
-                     aten.ge.Scalar, aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar}
+                     aten.ge.Scalar, aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar,
+                     aten.flatten.using_ints, aten.squeeze.dim, aten.unsqueeze.default,
+                     aten.permute.default, aten.transpose.int, aten.t.default,
+                     aten.contiguous.default, aten.alias.default, aten.detach.default}
 
 
-def share_count(counter, values: dict, microbatch: int, cp: int) -> torch.Tensor:
-    """The tokens `counter` (a TokenCount) counts in this rank's share `values` (name ->
-    tensor), microbatch by microbatch as the programs see them: an int64 scalar tensor (read
-    by agree's one host sync, not here)."""
-    if cp > 1:
-        odd = [n for n in counter.gm.graph.nodes if n.op == "call_function"
-               and n.target not in ELEMENTWISE_COUNT]
-        if odd:
-            raise AutopartError(
-                f"the token-weighted loss counts its tokens through {odd[0].target} ({odd[0]}): "
-                "under context parallelism each rank counts the tokens of its sequence chunks, "
-                "which adds up to the sequence's count only for a count of elements.\n  remedy: "
-                "compute the count from the target elementwise (shift the labels in the data, "
-                "not in the loss)")
+def count_not_elementwise(counter):
+    """The first node of `counter`'s graph (a TokenCount) that is not an elementwise op, a view
+    or the sum, or None: the counts of a sequence's chunks then need not add up to its count."""
+    return next((n for n in counter.gm.graph.nodes if n.op == "call_function"
+                 and n.target not in ELEMENTWISE_COUNT), None)
+
+
+def share_count(counter, values: dict, microbatch: int) -> torch.Tensor:
+    """The tokens `counter` (a TokenCount) counts in `values` (name -> this rank's share, or
+    its rows of the whole sequence), microbatch by microbatch as the programs see them: an int64
+    scalar tensor (read by agree's one host sync, not here)."""
     tensors = [values[n] for n in counter.inputs]
     rows = tensors[0].shape[0]
     with torch.no_grad():
@@ -348,5 +348,5 @@ def _refuse(refused: Exception | None, group, step: int) -> None:
         + "\n".join(f"rank {r}: {e}" for r, e in sorted(bad.items())))
 
 
-__all__ = ["BatchShard", "Given", "LocalInputs", "agree", "batch_shard", "data_reads",
+__all__ = ["BatchShard", "Given", "LocalInputs", "agree", "batch_shard", "count_not_elementwise", "data_reads",
            "pipeline_reads", "share_count"]

@@ -26,7 +26,8 @@ from autopart.runtime.groups import (RankGroups, bind_comms, build_groups, check
 from autopart.runtime import nonfinite
 from autopart.runtime.state import StateGatherer
 from autopart.schedule_lowering import hoist_receives
-from autopart.runtime.batches import BatchShard, agree, batch_shard, share_count
+from autopart.runtime.batches import (BatchShard, agree, batch_shard, count_not_elementwise,
+                                      share_count)
 from autopart.runtime.step import StepDriver
 from autopart.runtime.step_watch import watch_for
 from autopart.runtime.trace import Recorder
@@ -173,11 +174,31 @@ class ParallelModel:
         if refused is None and counter is not None and self.coords["pp"] == plan.last_rank \
                 and self.coords["tp"] == 0:
             try:
-                count = share_count(counter, given.values, plan.microbatch_size, self.mesh.cp)
+                count = self._count(counter, given)
             except AutopartError as e:
                 refused = e
         return agree(count, given.length if given is not None else None, refused,
                      self._groups.world, self.device, self.steps + 1)
+
+    def _count(self, counter, given):
+        """This rank's share of the token count. Under cp a count that is not elementwise (it
+        reads the sequence through another op) is the cp rank 0's alone, over the whole
+        sequence of its rows: it must be given the global batch."""
+        mbs = self.compiled.plan.microbatch_size
+        odd = count_not_elementwise(counter) if self.mesh.cp > 1 else None
+        if odd is None:
+            return share_count(counter, given.values, mbs)
+        if self.coords["cp"]:
+            return 0
+        if not all(n in given.whole for n in counter.inputs):
+            raise AutopartError(
+                f"train_step on rank {self.rank}: the token-weighted loss counts its tokens "
+                f"through {odd.target} ({odd}), which needs the whole sequence, but this rank "
+                "was given its sequence chunks only.\n  remedy: give the last pipeline stage's "
+                f"cp rank 0 the global batch's {', '.join(counter.inputs)}, or count the "
+                "tokens elementwise (shift the labels in the data, not in the loss)")
+        rows = {n: self.batch_shard.cut(given.whole[n], False) for n in counter.inputs}
+        return share_count(counter, rows, mbs)
 
     def local_batch(self, *tensors: torch.Tensor, target: torch.Tensor | None = None
                     ) -> tuple[tuple, torch.Tensor | None]:

@@ -124,7 +124,7 @@ def step_loss_scale(plan, counter, names: list[str], values: list) -> float:
     global batch, microbatch by microbatch as the program sees them; 0 if none counts."""
     if counter is None:
         return plan.loss_scale
-    total = int(share_count(counter, dict(zip(names, values)), plan.microbatch_size, 1))
+    total = int(share_count(counter, dict(zip(names, values)), plan.microbatch_size))
     return 1.0 / total if total else 0.0
 
 

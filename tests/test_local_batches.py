@@ -123,3 +123,30 @@ def test_batch_shard_of_each_rank():
     first, last = batch_shard(p, 0), batch_shard(p, 1)
     assert (first.reads, last.reads) == (("idx",), ("target",))
     assert "BatchShard(rank=1, rows=(0, 1, 2, 3, 4, 5, 6, 7)" in repr(last)
+
+
+def test_a_count_through_a_slice_is_not_summed_over_sequence_chunks():
+    """Under cp each rank counts its chunks' tokens only when the count is elementwise; a count
+    through a slice of the sequence (labels shifted in the loss) is counted by cp rank 0 over
+    the whole sequence (parallel_model._count), which needs the global batch there."""
+    import torch
+    import torch.fx as fx
+    from autopart.runtime.batches import count_not_elementwise, share_count
+    from passes.weigh_loss_by_tokens import TokenCount
+    aten = torch.ops.aten
+
+    def program(shift: bool):
+        g = fx.Graph()
+        t = g.placeholder("target")
+        if shift:
+            t = g.call_function(aten.slice.Tensor, (t, 1, 1))
+        ne = g.call_function(aten.ne.Scalar, (g.call_function(aten.reshape.default, (t, [-1])),
+                                              -100))
+        g.output(g.call_function(aten.sum.default, (ne,)))
+        return TokenCount(fx.GraphModule(torch.nn.Module(), g), ("target",), "")
+    target = torch.tensor([[1, 2, -100, 3], [-100, -100, 4, 5]])
+    plain, shifted = program(False), program(True)
+    assert count_not_elementwise(plain) is None
+    assert count_not_elementwise(shifted).target is aten.slice.Tensor
+    assert int(share_count(plain, {"target": target}, 1)) == 5
+    assert int(share_count(shifted, {"target": target}, 1)) == 4
