@@ -513,3 +513,20 @@ def test_zero1_optimizer_built_before_load_steps_the_loaded_weights(single_proce
     opt.step()
     for n, p in pm.named_parameters():
         torch.testing.assert_close(p.detach(), expected[n], rtol=1e-6, atol=1e-7)
+
+
+# -- local batches: runtime/batches.py (train_step given a share; pm.local_batch) --------------
+
+def test_train_step_refuses_none_for_an_input_the_rank_reads(one_rank_pm):
+    """A rank may pass None only for what its chunks do not read (pm.batch_shard.reads); the
+    one rank of Mesh() reads both."""
+    pm = one_rank_pm
+    with pytest.raises(AutopartError) as e:
+        pm.train_step(None, target=ids(2, 64))
+    assert "input 'idx' is None, but this rank's chunks read it" in str(e.value)
+    assert "pm.batch_shard.reads = ['idx', 'target']" in str(e.value)
+    assert "remedy: pass its share, pm.local_batch(...)" in str(e.value)
+    with pytest.raises(AutopartError, match=r"local_batch: 'idx' is not the global batch \(2 "
+                                            r"rows\): \(3, 64\).\n  remedy: pass the global"):
+        pm.local_batch(ids(3, 64), target=ids(3, 64))
+    assert pm.steps == 0
