@@ -148,18 +148,22 @@ class LocalInputs:
         return i < len(self.specs) and 1 in self.specs[i].dynamic
 
     def values(self, inputs: tuple, target) -> list:
-        """train_step's positional tensors and target as one list in the compiled order."""
-        names, n = self.names, self.n_inputs
+        """train_step's positional tensors and target as one list in the compiled order (the
+        target last, as capture names it): all of them; or no positional ones (a rank that reads
+        no input); or all but the target, left out."""
+        names = self.names
+        values = list(inputs) + ([target] if target is not None else [])
         if not inputs:
-            inputs = (None,) * n
-        if len(inputs) != n or (target is not None and n == len(names)):
-            got = len(inputs) + (target is not None)
+            values = [None] * (len(names) - len(values)) + values
+        elif target is None and len(values) == len(names) - 1 and has_target(names):
+            values.append(None)
+        if len(values) != len(names):
             raise AutopartError(
-                f"train_step got {got} tensors (inputs and target) but the model was compiled "
-                f"with {len(names)}: {names}.\n  remedy: pass the inputs positionally (None, or "
-                "none at all, where this rank reads none: pm.batch_shard.reads) and the target "
-                "as target=")
-        return list(inputs) + ([target] if n < len(names) else [])
+                f"train_step got {len(values)} tensors (inputs and target) but the model was "
+                f"compiled with {len(names)}: {names}.\n  remedy: pass the inputs positionally "
+                "(None, or none at all, where this rank reads none: pm.batch_shard.reads) and "
+                "the target as target=")
+        return values
 
     def check_types(self, values: list) -> None:
         for name, v in zip(self.names, values):

@@ -34,5 +34,5 @@ def test_step_driver_takes_this_replicas_rows():
         driver.check_inputs((x[:3],), x[:3])
     with pytest.raises(AutopartError, match="'target' is None, but this rank's chunks read it"):
         driver.check_inputs((x,), None)
-    with pytest.raises(AutopartError, match="got 2 tensors"):
-        driver.check_inputs((x, x), None)
+    with pytest.raises(AutopartError, match="got 3 tensors"):
+        driver.check_inputs((x, x, x), None)
