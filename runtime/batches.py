@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from autopart.errors import AutopartError
+from autopart.ops import aten_groups as G
 
 # ops that read a tensor's shape, not its values: an input used only by them needs no data
 SHAPE_ONLY = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
@@ -275,14 +276,12 @@ class LocalInputs:
 
 aten = torch.ops.aten
 # ops of a token count that is a sum over elements, so the ranks' counts of their shares add up
-ELEMENTWISE_COUNT = {aten.reshape.default, aten.view.default, aten._unsafe_view.default,
-                     aten.ne.Scalar, aten.eq.Scalar, aten.ne.Tensor, aten.eq.Tensor,
-                     aten.sum.default, aten._to_copy.default, aten.to.dtype, aten.clone.default,
-                     aten.mul.Tensor, aten.logical_and.default, aten.logical_not.default,
-                     aten.ge.Scalar, aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar,
-                     aten.flatten.using_ints, aten.squeeze.dim, aten.unsqueeze.default,
-                     aten.permute.default, aten.transpose.int, aten.t.default,
-                     aten.contiguous.default, aten.alias.default, aten.detach.default}
+ELEMENTWISE_COUNT = G.RESHAPES | G.TRANSPOSES | G.UNSQUEEZES | G.ALIASES | G.COPIES | {
+    aten.ne.Scalar, aten.eq.Scalar, aten.ne.Tensor, aten.eq.Tensor,
+    aten.sum.default, aten._to_copy.default, aten.to.dtype,
+    aten.mul.Tensor, aten.logical_and.default, aten.logical_not.default,
+    aten.ge.Scalar, aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar,
+    aten.flatten.using_ints}
 
 
 def count_not_elementwise(counter):
