@@ -286,11 +286,9 @@ def _module_files() -> dict[str, Path]:
     autopart.runtime: pyproject's wheel.packages), tests beside the code left out."""
     files = {}
     for top, dotted in PACKAGES.items():
-        for p in (ROOT / top).rglob("*.py"):
-            if not p.name.startswith("test_"):
-                rel = p.relative_to(ROOT / top).with_suffix("").parts
-                files[".".join((dotted, *rel[:-1], *([] if rel[-1] == "__init__" else rel[-1:])))
-                      ] = p
+        for p in _sources(top):
+            rel = p.relative_to(ROOT / top).with_suffix("").parts
+            files[".".join((dotted, *rel[:-1], *([] if rel[-1] == "__init__" else rel[-1:])))] = p
     return files
 
 
