@@ -466,9 +466,8 @@ def _op_name(node: fx.Node) -> str:
 
 def layer_of(node: fx.Node, layer_paths: set[str]) -> str | None:
     """The layer among `layer_paths` that `node` belongs to: detect_layers' mark (META_LAYER).
-    A node it never saw (the planner's one-layer profile, which names its layers by their
-    module list; a node a later pass made without copying the mark) is matched by its module
-    path."""
+    A node it never saw (a node a later pass made without copying the mark) is matched by its
+    module path."""
     if META_LAYER in node.meta:
         layer = node.meta[META_LAYER]
         return layer if layer in layer_paths else None

@@ -106,6 +106,89 @@ def test_one_layer_profile_matches_every_layer_captured():
     assert reused == pytest.approx(whole, rel=1e-9)
 
 
+class _Layers:
+    """Two models whose layers the module tree does not name: blocks held as plain attributes
+    (no ModuleList), and a longer ModuleList that is not the layer stack (five summed input
+    embeddings beside three blocks). The profile must find the three blocks from the graph."""
+    H, V = 16, 32
+
+    @classmethod
+    def block(cls):
+        import torch.nn as nn
+        import torch.nn.functional as F
+        h = cls.H
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+            def forward(self, x):
+                return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return Block()
+
+    @classmethod
+    def unlisted(cls):
+        import torch.nn as nn
+        outer = cls
+
+        class Unlisted(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb, self.head = nn.Embedding(outer.V, outer.H), nn.Linear(outer.H, outer.V)
+                self.first, self.second, self.third = outer.block(), outer.block(), outer.block()
+
+            def forward(self, idx):
+                x = self.emb(idx)
+                for b in (self.first, self.second, self.third):
+                    x = b(x)
+                return self.head(x).logsumexp(-1).mean()
+        return Unlisted()
+
+    @classmethod
+    def decoy(cls):
+        import torch.nn as nn
+        outer = cls
+
+        class Decoy(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embs = nn.ModuleList(nn.Embedding(outer.V, outer.H) for _ in range(5))
+                self.b0, self.b1, self.b2 = outer.block(), outer.block(), outer.block()
+                self.head = nn.Linear(outer.H, outer.V)
+
+            def forward(self, idx):
+                x = sum(e(idx) for e in self.embs)
+                for b in (self.b0, self.b1, self.b2):
+                    x = b(x)
+                return self.head(x).logsumexp(-1).mean()
+        return Decoy()
+
+
+@pytest.mark.parametrize("build", ["unlisted", "decoy"])
+def test_profile_finds_the_layers_from_the_graph_not_the_module_list(build):
+    """Before: the profile took the longest nn.ModuleList as the layers, so `unlisted` was
+    refused ("needs the model's repeated layers in an nn.ModuleList") and `decoy` was profiled
+    as five one-embedding layers. The expected FLOPs are the whole model's matmuls, captured
+    whole; the block count is the three written above."""
+    import torch
+    from autopart.analysis import analyze, evaluate
+    from autopart.capture import capture
+    from autopart.planner.profile import profile_model
+    torch.manual_seed(0)
+    model = getattr(_Layers, build)()
+    idx = torch.randint(0, _Layers.V, (2, 8))
+    profile = profile_model(model, (idx,))
+    whole = sum(evaluate(c.flops, 2, 8) for n, c in analyze(capture(model, (idx,))).items()
+                if any(k in n for k in ("linear", "addmm", "mm")))
+    one_block = 2 * 2 * 8 * (16 * 64 + 64 * 16)       # fc1 and fc2 at b=2, s=8: by hand
+    parts = profile.parts[(1, 1)]
+    assert profile.layers == 3
+    assert parts["layer"].flops(2) == pytest.approx(one_block, rel=1e-9)
+    assert parts["first"].flops(2) + 3 * parts["layer"].flops(2) + parts["last"].flops(2) \
+        == pytest.approx(whole, rel=1e-9)
+
+
 def test_memory_rejects_the_1t_model_on_few_devices():
     model = CostModel(load_profile(GPT, "megatron-1t"), SELENE, 3072)
     e = model.estimate(Layout(8, 16, 24, 1, 1, "1f1b", "full"))

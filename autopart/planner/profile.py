@@ -1,10 +1,13 @@
 """Capture ONE repeated layer of a model and measure what the cost model needs, per tp.
 
-A transformer's layers are identical, so the planner never traces them all: it truncates the
-model's longest ``nn.ModuleList`` to its first layer (the forward loops over whatever the list
-holds), captures that with torch.export, runs ``split_tensor_parallel`` for each candidate tp and
-the cost analysis (autopart/analysis.py), and splits the nodes into ``first`` (before the layer:
-embeddings), ``layer`` and ``last`` (after it: final norm, head, loss). Every quantity is linear in
+A transformer's layers are identical, so the planner never traces them all: it shortens the
+model's longest ``nn.ModuleList`` to two units (the forward loops over whatever the list holds;
+a shortcut only), captures that with torch.export, runs ``split_tensor_parallel`` for each
+candidate tp and the cost analysis (autopart/analysis.py), and finds the layers from the graph's
+repeated structure (analysis.detect_layers), as the pipeline cut does: never by module names. A
+model whose list is not its layer stack, or that has none, is captured whole. The nodes split into
+``first`` (before the layers: embeddings), ``layer`` (one unit) and ``last`` (after: final norm,
+head, loss). Every quantity is linear in
 the microbatch size b at the model's sequence length, so it is stored at b=1 and b=2.
 
 The result is plain numbers (JSON), cached under ~/.cache/autopart/layers keyed by the model file's
@@ -183,22 +186,28 @@ def profile_data(model, inputs: tuple, loss_fn, target) -> dict:
     import torch
     from autopart.capture import capture
     inputs = tuple(t[:2] if isinstance(t, torch.Tensor) else t for t in inputs)
-    with _one_layer(model) as (units, unit_paths, period):
-        program = capture(model, inputs, loss_fn=loss_fn, target=None if target is None else target[:2])
+    target = None if target is None else target[:2]
+    with _few_units(model) as hint:
+        program = capture(model, inputs, loss_fn=loss_fn, target=target)
+    found = _units(program, hint)
+    if found is None:       # the graph disagrees with the list: capture the whole model
+        program = capture(model, inputs, loss_fn=loss_fn, target=target)
+        found = _units(program, None)
+    units, blocks, copies = found
     seq = int(inputs[0].shape[1]) if inputs[0].dim() > 1 else 1
     parts, invalid = {}, {}
     for ep in _expert_candidates(program):
         for tp in TP_CANDIDATES:
             key = f"{tp},{ep}"
             try:
-                parts[key] = _parts(program, tp, ep, seq, set(unit_paths))
+                parts[key] = _parts(program, tp, ep, seq, copies)
             except AutopartError as e:
                 invalid[key] = str(e).splitlines()[0]
     if "1,1" not in parts:
         raise AutopartError(f"the cost analysis failed: {invalid.get('1,1')}")
     hidden, vocab = _sizes(model, seq)
     heads = getattr(getattr(model, "config", None), "n_head", None)
-    return {"layers": units, "blocks": units * period, "seq": seq, "hidden": hidden, "vocab": vocab,
+    return {"layers": units, "blocks": blocks, "seq": seq, "hidden": hidden, "vocab": vocab,
             "heads": heads, "parts": parts, "invalid_tp": invalid}
 
 
@@ -213,31 +222,88 @@ def _expert_candidates(program) -> list[int]:
     return [e for e in (2 ** i for i in range(0, 16)) if e <= experts and experts % e == 0]
 
 
+COPIES = 2       # units captured: detect_layers needs two copies to see one repeat
+
+
 @contextlib.contextmanager
-def _one_layer(model):
-    """Within: the model's longest ModuleList holds only its first repeating unit (one block, or
-    `p` blocks when blocks differ with period p, as dense and MoE feed-forwards alternating);
-    yields (units in the model, the unit's block paths, blocks per unit). Restored after, so a
-    user's model is left as it was."""
+def _few_units(model):
+    """A capture-time shortcut, never the decision: within, the model's longest ModuleList holds
+    only its first COPIES repeating units (a unit: one block, or `p` blocks when blocks differ
+    with period p, as dense and MoE feed-forwards alternating), so a 126-layer model is traced as
+    two. Yields (blocks in the list, blocks per unit, parameter elements kept), or None where
+    there is no list to shorten. Which nodes form a layer is then read from the graph (_units).
+    Restored after, so a user's model is left as it was."""
     import torch.nn as nn
     lists = [(len(m), path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise AutopartError("the planner needs the model's repeated layers in an nn.ModuleList "
-                            "(as nanoGPT's transformer.h or HF's model.layers); this model has none")
-    n, path, blocks = max(lists, key=operator.itemgetter(0))
-    keys = [repr(b) for b in blocks]        # the module tree with its sizes: equal = same block
-    period = next(p for p in range(1, n + 1) if n % p == 0 and all(keys[i] == keys[i % p] for i in range(n)))
+    n, path, blocks = max(lists, key=operator.itemgetter(0), default=(0, "", None))
+    keys = [repr(b) for b in blocks or ()]      # the module tree with its sizes: equal = same block
+    period = next((p for p in range(1, n + 1)
+                   if n % p == 0 and all(keys[i] == keys[i % p] for i in range(n))), n)
+    if n // max(period, 1) <= COPIES:
+        yield None
+        return
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, attr, nn.ModuleList(list(blocks)[:period]))
+    kept = nn.ModuleList(list(blocks)[:COPIES * period])
+    setattr(parent, attr, kept)
     try:
-        yield n // period, [f"{path}.{i}" for i in range(period)], period
+        yield n, period, sum(p.numel() for p in kept.parameters() if p.requires_grad)
     finally:
         setattr(parent, attr, blocks)
 
 
-def _parts(program, tp: int, ep: int, seq: int, unit_paths: set) -> dict:
-    from autopart.analysis import analyze, layer_of
+def _units(program, hint) -> tuple[int, int, int] | None:
+    """(units in the model, its blocks, units in `program`), read from the graph's repeated
+    structure (_main_run). Under _few_units' `hint` the capture holds COPIES units: the main run
+    must have COPIES copies reading exactly the shortened list's parameters (counted in elements,
+    a dataflow check), else None (the list was not the layer stack) and the caller captures the
+    whole model."""
+    from autopart.analysis import detect_layers
+    layers = detect_layers(program)
+    run = _main_run(layers)
+    if hint is not None:
+        n, period, numel = hint
+        ok = run is not None and run[2] == COPIES and _read_numel(layers, run, program) == numel
+        return (n // period, n, COPIES) if ok else None
+    if run is None:
+        raise AutopartError("the planner found no repeated layers in the model's graph (it needs "
+                            "two or more blocks computing the same ops on their own parameters, "
+                            "as a transformer's layers do)")
+    _, period, copies = run
+    return copies, period * copies, copies
+
+
+def _main_run(layers) -> tuple[int, int, int] | None:
+    """(start, period, copies) of the run of repeating units covering the most nodes among
+    detect_layers' layers (in graph order): an embedding stack's copies, say, next to the
+    transformer's. Units match layer by layer, by signature or node count (detect_layers lets a
+    first copy differ in an op's constant: an auxiliary loss added to a Python 0)."""
+    def same(x, y):
+        return x.signature == y.signature or len(x.nodes) == len(y.nodes)
+    best, n = None, len(layers)
+    for start in range(n):
+        for period in range(1, (n - start) // 2 + 1):
+            copies = 1
+            while start + (copies + 1) * period <= n and all(
+                    same(layers[start + i], layers[start + copies * period + i]) for i in range(period)):
+                copies += 1
+            if copies >= 2:
+                cover = sum(len(x.nodes) for x in layers[start:start + copies * period])
+                if best is None or cover > best[0]:
+                    best = (cover, start, period, copies)
+    return best[1:] if best else None
+
+
+def _read_numel(layers, run, program) -> int:
+    start, period, copies = run
+    nodes = {n.name: n for n in program.gm.graph.nodes}
+    names = _param_names([nodes[x] for layer in layers[start:start + period * copies]
+                          for x in layer.nodes], program)
+    return int(sum(_numel(program.params[name].shape) for name in names))
+
+
+def _parts(program, tp: int, ep: int, seq: int, copies: int) -> dict:
+    from autopart.analysis import analyze, detect_layers
     from autopart.passes.recompute_activations import attention_cores
     from autopart.passes.split_tensor_parallel import split_tensor_parallel
     if ep > 1:
@@ -245,19 +311,7 @@ def _parts(program, tp: int, ep: int, seq: int, unit_paths: set) -> dict:
         program, _ = shard_experts(program, ep=ep)
     local, _ = split_tensor_parallel(program, tp=tp)
     costs = analyze(local)
-    layer_nodes = {n.name for n in local.gm.graph.nodes if layer_of(n, unit_paths)}
-    if not layer_nodes:
-        raise AutopartError(f"found no node of the layers {sorted(unit_paths)} in the captured graph")
-    groups = {"first": [], "layer": [], "last": []}
-    seen_layer = False
-    for n in local.gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.name in layer_nodes:
-            seen_layer = True
-            groups["layer"].append(n)
-        else:
-            groups["last" if seen_layer else "first"].append(n)
+    groups = _groups(local, detect_layers(local), copies)
     shards = local.tp.params if tp > 1 else {}
     experts = local.ep.params if local.ep is not None and ep > 1 else {}
     # selective recomputation reruns the layer's attention cores, found as the runtime's
@@ -269,6 +323,30 @@ def _parts(program, tp: int, ep: int, seq: int, unit_paths: set) -> dict:
     shared = _param_names(groups["first"], local) & _param_names(groups["last"], local)
     parts["shared_params"] = sum(_numel(local.params[n].shape) / (tp if n in shards else 1) for n in shared)
     return parts
+
+
+def _groups(program, layers, copies: int) -> dict:
+    """The call_function nodes as `layer` (the first unit of the main run of detect_layers'
+    layers, which must have `copies` units), `first` (outside the run, before its end:
+    embeddings, and masks or positions made once and read by every layer) and `last` (after:
+    final norm, head, loss). The run's other units are left out: the cost model scales `layer`
+    by the model's units."""
+    run = _main_run(layers)
+    if run is None or run[2] != copies:
+        raise AutopartError(f"after the tensor-parallel split the graph's repeated layers no "
+                            f"longer form {copies} units (found {run and run[2]})")
+    start, period, _ = run
+    unit = {x for layer in layers[start:start + period] for x in layer.nodes}
+    repeated = {x for layer in layers[start:start + period * copies] for x in layer.nodes}
+    nodes = [n for n in program.gm.graph.nodes if n.op == "call_function"]
+    end = max(i for i, n in enumerate(nodes) if n.name in repeated)
+    groups = {"first": [], "layer": [], "last": []}
+    for i, n in enumerate(nodes):
+        if n.name in unit:
+            groups["layer"].append(n)
+        elif n.name not in repeated:
+            groups["first" if i < end else "last"].append(n)
+    return groups
 
 
 def _param_names(nodes, program) -> set:
