@@ -136,6 +136,8 @@ _PERIODS_TRIED = 16      # candidate periods per range: the commonest parameter-
 _SLACK = 2               # nodes where a run of copies may differ: a first or last copy's own
                          # op or two (an auxiliary loss summed from a Python 0: add(aux, 0.0)
                          # where every later copy adds add(total, aux))
+_SHARE = 1 / 3           # of a range's parameter reads, a group of layers holds at least this
+                         # (an encoder's layers and a decoder's hold nearly half each)
 
 
 def detect_layers(program: Program) -> list[Layer]:
@@ -230,7 +232,7 @@ class _Structure:
         """The spans [a, b) of the layers in stream[lo:hi], in order: each group's copies, and
         the variants next to them (_variant), each cut into the layers of its kinds (_kinds)."""
         found = self._best(lo, hi) if hi - lo >= 2 else None
-        if found is None:
+        if found is None or not self._holds_the_range(found, lo, hi):
             return []
         start, p, copies = found
         first, end = start, start + p * copies
@@ -243,6 +245,14 @@ class _Structure:
         return [*self.layers(lo, first),
                 *((a + x, a + y) for a in starts for x, y in zip(cuts, cuts[1:])),
                 *self.layers(end, hi)]
+
+    def _holds_the_range(self, found, lo: int, hi: int) -> bool:
+        """A group of layers reads at least _SHARE of its range's parameters (counted as reads):
+        repeats of a piece inside one layer that is not itself repeated (GQA's k and v
+        projections, equal shapes side by side, in a model of two different layers) read few."""
+        start, p, copies = found
+        reads = sum(len(k) for k in self.params[lo:hi])
+        return sum(len(k) for k in self.params[start:start + p * copies]) >= _SHARE * reads
 
     def _kinds(self, starts, p: int) -> list[int]:
         """Where layers begin inside each copy of the period: 0, and each offset where the

@@ -193,3 +193,21 @@ def test_switch_dense_and_moe_blocks_are_four_layers_each_recomputed():
                   for r in (0, 1)]
     assert recomputed == [[f"recompute_transformer_h_{i}" for i in (0, 1)],
                           [f"recompute_transformer_h_{i}" for i in (2, 3)]]
+
+
+def test_a_piece_repeated_inside_one_layer_is_no_layer():
+    """GPT-OSS with its two layers of different kinds (the sliding one slices its keys): no two
+    layers repeat, so there is no group of layers. Before: its k and v projections (equal
+    shapes under GQA, side by side in each layer) were reported as four 3-node layers, and the
+    cut, recomputation and ZeRO-3 grouped by them. Their module names say what they are."""
+    from tests.workers.family import build_family
+    model, loss_fn, inputs, target = build_family(Case("gpt-oss", model="gpt-oss"))
+    program = capture(model, inputs, loss_fn=loss_fn, target=target)
+    nodes = {n.name: n for n in program.gm.graph.nodes}
+    found = [sorted({p for x in layer.nodes for p in _module_paths(nodes[x])}) for layer in
+             detect_layers(program)]
+    assert not any(p.endswith(("k_proj", "v_proj")) for paths in found for p in paths), found
+
+
+def _module_paths(node) -> list[str]:
+    return [p for p, _ in (node.meta.get("nn_module_stack") or {}).values()]
