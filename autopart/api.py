@@ -38,7 +38,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                 precision: str | None = None, compile: bool | str | None = None,
                 zero_bucket_size: int | None = None,
                 cp_attention: str | None = None, fp8_scaling: str | None = None,
-                fp8_linears: str | None = None,
+                fp8_linears: str | None = None, overlap: bool | None = None,
                 batch_check_every: int | None = None) -> ParallelModel:
     """Compile `model` for `mesh` and return this rank's ParallelModel (collective: every rank).
 
@@ -83,7 +83,7 @@ def parallelize(model: nn.Module, mesh: Mesh | str, example_inputs: tuple, *,
                  memory_budget=memory_budget, optimizer=optimizer, precision=precision,
                  zero=zero, nonfinite=nonfinite, compile=compile,
                  zero_bucket_size=zero_bucket_size, cp_attention=cp_attention,
-                 fp8_scaling=fp8_scaling, fp8_linears=fp8_linears,
+                 fp8_scaling=fp8_scaling, fp8_linears=fp8_linears, overlap=overlap,
                  batch_check_every=batch_check_every)
     # option values first, before any process-group call (autopart/config.py)
     cfg = from_options(config, given)

@@ -34,6 +34,7 @@ from autopart.passes.emit_rank_programs import emit_rank_programs
 from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.gather_parameters import gather_parameters
 from autopart.passes.fp8_linears import fp8_linears
+from autopart.passes.overlap_collectives import overlap_collectives
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_context_parallel import prove_token_islands, split_context_parallel
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
@@ -101,6 +102,12 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
                 after=("recompute_activations",))] if c.zero == 3 else []),
         # zero-bubble schedules only (I/W actions): the chunks' backwards as I and W programs,
         # traced from the final chunks (recomputation's rewrite included)
+        # tp's backward all-reduce behind the weight gradients: last, on the final chunks (every
+        # pass before sees the plain ops); not where W runs the weight gradients apart
+        *([Pass("overlap_collectives", overlap_collectives, requires=("chunks", "tp"),
+                provides=("overlap",),
+                after=("recompute_activations", "gather_parameters", "fp8_linears"))]
+          if c.overlap and mesh.tp > 1 and not _splits_backward(schedule) else []),
         *([Pass("split_backward", split_backward, requires=("chunks",),
                 provides=("split_backward",), options=dict(microbatch_size=microbatch_size),
                 after=("recompute_activations", "fp8_linears"))] if _splits_backward(schedule) else []),
@@ -222,6 +229,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
             memory_budget: str | int | None = None, optimizer: str | None = None,
             precision: str | None = None, zero: int | None = None, cp_attention: str | None = None,
             fp8_scaling: str | None = None, fp8_linears: str | None = None,
+            overlap: bool | None = None,
             capture_once: Callable[[Callable[[], Program]], Program] | None = None,
             trace_device: torch.device | str | None = None) -> Compiled:
     """Compile `model` for `mesh`; `example_inputs` is one global batch (dim 0 = batch).
@@ -250,7 +258,7 @@ def compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn: Cal
         microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
         sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
         optimizer=optimizer, precision=precision, zero=zero, cp_attention=cp_attention,
-        fp8_scaling=fp8_scaling, fp8_linears=fp8_linears))
+        fp8_scaling=fp8_scaling, fp8_linears=fp8_linears, overlap=overlap))
     example_inputs = check_arguments(model, mesh, example_inputs, loss_fn, target)
     return compile_checked(model, mesh, example_inputs, cfg, loss_fn=loss_fn, target=target,
                            dump_dir=dump_dir, capture_once=capture_once,

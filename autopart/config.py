@@ -86,6 +86,8 @@ class Config:
     fp8_linears: Fp8Linears = "auto"           # precision="fp8" only
     zero: Zero = 0
     cp_attention: CpAttention = "ring"
+    # tp's input-gradient all-reduce behind the weight gradients (passes/overlap_collectives.py)
+    overlap: bool = True
     # runtime-only: read by parallelize's ParallelModel, not by the compiler
     nonfinite: Nonfinite = "raise"
     compile: CompileMode = False

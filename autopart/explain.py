@@ -123,6 +123,8 @@ def tp_rows(compiled) -> list[dict]:
         if not is_autopart_op(node.target, axis="tp") or op not in _COLLECTIVES:
             continue
         fwd, bwd, factor = _COLLECTIVES[op]
+        if node.name in (program.overlap or {}) or op == "gather_linear_sp":
+            bwd += ", behind the weight gradients"      # passes/overlap_collectives.py, ops/tp.py
         tensor = node.args[0]
         shape = sym_shape(tensor.meta["val"], program.symbols)
         size = 1.0
@@ -154,7 +156,7 @@ def _tp_lines(compiled) -> list[str]:
              + (f"; collectives of one layer ({first}), bytes per rank per microbatch:" if shown else ":")]
     for r in shown:
         lines.append(f"  {r['module']:<28} {r['split']:<7} fwd {r['forward']:<15} "
-                     f"bwd {r['backward']:<28} {_fmt(r['bytes_per_microbatch'], 'B')}")
+                     f"bwd {r['backward']:<45} {_fmt(r['bytes_per_microbatch'], 'B')}")
     per_layer = sum(r["bytes_per_microbatch"] for r in shown)
     total = sum(r["bytes_per_microbatch"] for r in rows)
     if shown:

@@ -332,6 +332,7 @@ class Program:
     split_backward: dict | None = None       # split_backward: chunk -> "graphs" or why autograd
     fp8: Fp8Plan | None = None               # fp8_linears (precision="fp8")
     param_groups: dict | None = None         # gather_parameters (zero=3): chunk -> [(label, freed after)]
+    overlap: dict | None = None              # overlap_collectives: fused copy_to_tp -> its linears
     loss_rule: str | None = None             # weigh_loss_by_tokens: how microbatch losses combine
     loss_count: Any = None                   # weigh_loss_by_tokens: a TokenCount, or None
 

@@ -134,7 +134,16 @@ BENCHMARKS = [
           {"tp=2": "autopart / DTensor parallelize_module step (fwd+bwd+SGD), HF Llama 4 layers "
                    "h=256, batch 8x128"},
           lambda out: {"tp=2": _per_round(out["step_seconds"]["autopart"],
-                                          out["step_seconds"]["dtensor"])}),
+                                          out["step_seconds"]["dtensor"]),
+                       "tp=2 overlap=False": _per_round(out["step_seconds"]["autopart_no_overlap"],
+                                                        out["step_seconds"]["dtensor"]),
+                       "tp=2 overlap / overlap=False": _per_round(
+                           out["step_seconds"]["autopart"],
+                           out["step_seconds"]["autopart_no_overlap"])},
+          optional={"tp=2 overlap=False": "autopart overlap=False / DTensor, the same (the "
+                                          "backward's all-reduces in series)",
+                    "tp=2 overlap / overlap=False": "autopart / autopart overlap=False, the "
+                                                    "same, paired rounds (issue 52)"}),
     Bench("zero-bubble", "zero_bubble.py",
           lambda r: ["--microbatches", "8", "--paired", "zb-h1,zb-v:2,interleaved-1f1b:2,zb-h1:2",
                      "--steps", str(r)],

@@ -11,7 +11,8 @@ the output projection ColwiseParallel gathering the logits.
 
 Per step each side runs forward + backward + an SGD step on the same global batch; the two sides
 alternate step by step in one run so the machine's noise hits both alike, and the table gives
-median step times and the ratio autopart/DTensor. Before timing, both sides' first-step losses are
+median step times and the ratio autopart/DTensor (the median of per-round ratios); a third side,
+autopart with overlap=False (passes/overlap_collectives.py off), shows what the overlap gains. Before timing, both sides' first-step losses are
 checked against the plain model.
 """
 from __future__ import annotations
@@ -79,15 +80,22 @@ def run(rank: int, world: int, args) -> dict:
     ours = autopart.parallelize(make_model(args.layers, args.hidden), autopart.Mesh(tp=world),
                                 (x,), loss_fn=loss_fn, target=y)
     our_opt = torch.optim.SGD(ours.parameters(), lr=1e-3)
+    # the same program without passes/overlap_collectives (its backward all-reduces in series)
+    serial = autopart.parallelize(make_model(args.layers, args.hidden), autopart.Mesh(tp=world),
+                                  (x,), loss_fn=loss_fn, target=y, overlap=False)
+    serial_opt = torch.optim.SGD(serial.parameters(), lr=1e-3)
 
     theirs = dtensor_model(make_model(args.layers, args.hidden), world)
     their_opt = torch.optim.SGD(theirs.parameters(), lr=1e-3)
 
-    def ours_step():
-        loss = ours.train_step(x, target=y)
-        our_opt.step()
-        our_opt.zero_grad()
-        return float(loss)
+    def step_of(pm, opt):
+        def step():
+            loss = pm.train_step(x, target=y)
+            opt.step()
+            opt.zero_grad()
+            return float(loss)
+        return step
+    ours_step, serial_step = step_of(ours, our_opt), step_of(serial, serial_opt)
 
     def theirs_step():
         loss = loss_fn(theirs(x), y)
@@ -96,12 +104,14 @@ def run(rank: int, world: int, args) -> dict:
         their_opt.zero_grad()
         return float(loss)
 
-    first = {"plain": ref_loss, "autopart": ours_step(), "dtensor": theirs_step()}
-    times = {"autopart": [], "dtensor": []}
+    first = {"plain": ref_loss, "autopart": ours_step(), "dtensor": theirs_step(),
+             "autopart_no_overlap": serial_step()}
+    times = {"autopart": [], "dtensor": [], "autopart_no_overlap": []}
     for _ in range(args.warmup):
-        ours_step(), theirs_step()
+        ours_step(), theirs_step(), serial_step()
     for _ in range(args.steps):
-        for name, fn in (("autopart", ours_step), ("dtensor", theirs_step)):
+        for name, fn in (("autopart", ours_step), ("dtensor", theirs_step),
+                         ("autopart_no_overlap", serial_step)):
             torch.distributed.barrier()
             start = time.perf_counter()
             fn()
@@ -109,6 +119,11 @@ def run(rank: int, world: int, args) -> dict:
     return {"first_loss": first, "times": times,
             "params": {"autopart": sum(p.numel() for p in ours.parameters()),
                        "plain": sum(p.numel() for p in plain.parameters())}}
+
+
+def _per_round(a: list, b: list) -> float:
+    """The median of step-by-step ratios: each round's sides ran back to back."""
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def main(argv=None) -> int:
@@ -125,12 +140,17 @@ def main(argv=None) -> int:
     from autopart.runtime.launch import spawn
     out = spawn(run, 2, args, timeout=args.timeout)[0]
     first = out["first_loss"]
-    ok = all(abs(first[k] - first["plain"]) < 1e-4 for k in ("autopart", "dtensor"))
+    ok = all(abs(first[k] - first["plain"]) < 1e-4 for k in ("autopart", "dtensor",
+                                                              "autopart_no_overlap"))
     med = {k: statistics.median(v) for k, v in out["times"].items()}
-    ratio = med["autopart"] / med["dtensor"]
+    t = out["times"]
+    ratio = _per_round(t["autopart"], t["dtensor"])
+    serial = _per_round(t["autopart_no_overlap"], t["dtensor"])
+    gain = _per_round(t["autopart"], t["autopart_no_overlap"])
     result = {"tp": 2, "model": f"Llama {args.layers} layers, hidden {args.hidden}, "
               f"batch {args.batch}x{args.seq}", "first_step_loss": first, "losses_match": ok,
               "median_step_seconds": med, "ratio_autopart_over_dtensor": ratio,
+              "ratio_no_overlap_over_dtensor": serial, "ratio_overlap_over_no_overlap": gain,
               "autopart_param_share": out["params"]["autopart"] / out["params"]["plain"],
               "step_seconds": out["times"]}     # rank 0's, step by step (the sides alternate)
     if args.json:
@@ -141,7 +161,9 @@ def main(argv=None) -> int:
               f"DTensor {first['dtensor']:.6f}  ({'match' if ok else 'MISMATCH'})")
         print(f"median step (fwd+bwd+SGD): autopart {med['autopart'] * 1e3:.1f} ms   "
               f"DTensor {med['dtensor'] * 1e3:.1f} ms")
-        print(f"ratio autopart/DTensor: {ratio:.3f}   (target <= 0.9)")
+        print(f"  autopart with overlap=False {med['autopart_no_overlap'] * 1e3:.1f} ms")
+        print(f"ratio autopart/DTensor: {ratio:.3f}   overlap=False/DTensor: {serial:.3f}   "
+              f"overlap/overlap=False: {gain:.3f}   (medians of per-round ratios)")
     return 0 if ok else 1
 
 

@@ -9,7 +9,10 @@ the runtime binds it to this rank's tensor-parallel process group. Nothing here 
     scatter_to_tp       forward split (per section, optionally), backward all-gather
     reduce_scatter_tp   forward reduce-scatter, backward all-gather (sequence parallelism)
     gather_linear_sp    all-gather along the sequence then linear; backward re-gathers the input
-                        instead of keeping the gathered copy (sequence parallelism's memory saving)
+                        instead of keeping the gathered copy (sequence parallelism's memory saving),
+                        each backward collective running behind a matmul
+    copy_linears_tp     copy_to_tp then the linears that read it (passes/overlap_collectives.py):
+                        backward all-reduces the input gradient while the weight gradients compute
     vocab_parallel_embedding / vocab_parallel_cross_entropy: the vocabulary split over tp ranks
 """
 from __future__ import annotations
@@ -34,29 +37,48 @@ _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def _all_reduce(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-    comm._check()
-    x = x.contiguous().clone()
-    if comm.moves_data:
-        dist.all_reduce(x, group=comm.group)
-    return x
+    return _finish(*_start_all_reduce(x, comm))
 
 
 def _all_gather(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
-    comm._check()
-    x = x.movedim(dim, 0).contiguous()
-    out = torch.empty((comm.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if comm.moves_data:
-        _all_gather_into(out, x, group=comm.group)
-    return out.movedim(0, dim).contiguous()
+    return _finish(*_start_all_gather(x, dim, comm))
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, comm: TPComm) -> torch.Tensor:
+    return _finish(*_start_reduce_scatter(x, dim, comm))
+
+
+# The started forms return (work or None, out, dim): the caller computes, then _finish waits.
+# Under NCCL wait() orders the compute stream after the collective without blocking the host;
+# under Gloo it blocks until the collective, which ran meanwhile, is done.
+def _start_all_gather(x: torch.Tensor, dim: int, comm: TPComm):
+    comm._check()
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((comm.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _all_gather_into(out, x, group=comm.group, async_op=True) if comm.moves_data else None
+    return work, out, dim
+
+
+def _start_reduce_scatter(x: torch.Tensor, dim: int, comm: TPComm):
     comm._check()
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // comm.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if comm.moves_data:
-        _reduce_scatter_into(out, x, group=comm.group)
-    return out.movedim(0, dim).contiguous()
+    work = _reduce_scatter_into(out, x, group=comm.group, async_op=True) if comm.moves_data \
+        else None
+    return work, out, dim
+
+
+def _start_all_reduce(x: torch.Tensor, comm: TPComm):
+    comm._check()
+    x = x.contiguous().clone()
+    work = dist.all_reduce(x, group=comm.group, async_op=True) if comm.moves_data else None
+    return work, x, None
+
+
+def _finish(work, out: torch.Tensor, dim) -> torch.Tensor:
+    if work is not None:
+        work.wait()
+    return out if dim is None else out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, dim: int, comm: TPComm, sections=None) -> torch.Tensor:
@@ -141,12 +163,44 @@ class _GatherLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # Megatron-LM's order: the input's re-gather runs behind the input-gradient matmul,
+        # the input gradient's reduce-scatter behind the weight-gradient matmul
         x, w = ctx.saved_tensors
-        full = _all_gather(x, ctx.dim, ctx.comm)          # re-gathered, not kept from forward
-        grad_x = _reduce_scatter(g @ w, ctx.dim, ctx.comm)
+        gathering = _start_all_gather(x, ctx.dim, ctx.comm)   # re-gathered, not kept
+        grad_full = g @ w
+        full = _finish(*gathering)
+        scattering = _start_reduce_scatter(grad_full, ctx.dim, ctx.comm)
         grad_w = g.reshape(-1, g.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
         grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return _finish(*scattering), grad_w, grad_b, None, None
+
+
+class _CopyLinears(torch.autograd.Function):
+    """linear(copy_to_tp(x), w_i, b_i) for each (w_i, b_i): Megatron's f and the column-parallel
+    linears that read it, with its overlapped backward (LinearWithGradAccumulationAndAsync-
+    Communication): the input gradient, summed over the linears, is all-reduced while their
+    weight gradients are computed. The same matmuls, in autograd's order, as the unfused ops."""
+
+    @staticmethod
+    def forward(ctx, x, comm, *weights_and_biases):
+        ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]
+        ctx.comm, ctx.has_bias = comm, tuple(b is not None for b in bs)
+        ctx.save_for_backward(x, *ws)
+        return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, *ws = ctx.saved_tensors
+        grad_x = None
+        for g, w in reversed(list(zip(gs, ws))):   # autograd sums the last linear's first
+            grad_x = g @ w if grad_x is None else grad_x + g @ w
+        reducing = _start_all_reduce(grad_x, ctx.comm)
+        flat = x.reshape(-1, x.shape[-1])
+        grads = []
+        for g, has_bias in zip(gs, ctx.has_bias):
+            g2 = g.reshape(-1, g.shape[-1])
+            grads += [g2.t() @ flat, g2.sum(0) if has_bias else None]
+        return (_finish(*reducing), None, *grads)
 
 
 def copy_to_tp(x, comm):
@@ -173,6 +227,12 @@ def reduce_scatter_tp(x, dim, comm):
 
 def gather_linear_sp(x, w, b, dim, comm):
     return _GatherLinear.apply(x, w, b, dim, comm)
+
+
+def copy_linears_tp(x, comm, *weights_and_biases):
+    """(linear(x, w_0, b_0), ...) after copy_to_tp(x): arguments w_0, b_0, w_1, b_1, ... (a bias
+    may be None); backward all-reduces x's gradient behind the weight gradients."""
+    return _CopyLinears.apply(x, comm, *weights_and_biases)
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, comm,
@@ -238,5 +298,5 @@ def vocab_parallel_cross_entropy(logits, target, comm, ignore_index: int = -100,
 register(reduce_from_tp, gather_from_tp, scatter_to_tp, reduce_scatter_tp,
          vocab_parallel_embedding, vocab_parallel_cross_entropy,
          kind="collective", axis="tp", namespace="autopart.tp_ops")
-register(copy_to_tp, gather_linear_sp, kind="collective", axis="tp", namespace="autopart.tp_ops",
-         before_linear=True)
+register(copy_to_tp, gather_linear_sp, copy_linears_tp, kind="collective", axis="tp",
+         namespace="autopart.tp_ops", before_linear=True)
