@@ -52,7 +52,10 @@ def run_root_init(model: nn.Module, device, sink: Sink, *, params: bool) -> dict
     twin = copy.deepcopy(model)
     names = _names_by_storage(twin)
     mode = _Shadows(names, torch.device(device), sink, params)
-    with torch.no_grad(), _sampling_meta_tensors(), mode:
+    # buffers only (the parameters come from a load): trunc_normal_'s meta early return stays,
+    # since its sampling would read bounds back with .item() from a parameter left meta
+    sampling = _sampling_meta_tensors() if params else contextlib.nullcontext()
+    with torch.no_grad(), sampling, mode:
         twin.init_weights()
     mode.finish()
     out = {}
