@@ -13,6 +13,8 @@ step in one run so that the machine's noise hits all of them alike:
              the GPT at the layer boundaries autopart chose, driven by Schedule1F1B /
              ScheduleInterleaved1F1B with the same loss function
   floor      each rank's chunks run eagerly microbatch by microbatch, no communication
+             (torch's stage modules: a bound on torch's step, not autopart's)
+  own-floor  autopart's own chunk programs the same way: the bound on autopart's step
   plain      the unsplit model, forward+backward on the whole global batch, on rank 0 alone
 and the table gives median step times, autopart/torch (wall and main-thread CPU time), and each
 one's share of the ideal pipeline:
@@ -211,6 +213,31 @@ def floor_step(pipe: TorchPipe, tokens, targets, m: int, hidden: torch.Tensor) -
                 out.backward(hidden)
 
 
+def own_floor_step(pm, tokens, targets, m: int) -> None:
+    """autopart's own floor: this rank's chunk programs, as its executor runs them
+    (runtime/executable.py), forward and backward on every microbatch, with no communication
+    and no schedule (received tensors and gradients are stand-ins of their boundary shapes). The
+    limit autopart's step is measured against: what is left above it is the runtime's."""
+    from autopart.runtime.executable import executable
+    mbs = tokens.shape[0] // m
+    seq = tokens.shape[1]
+    for chunk in pm._step.chunks.values():
+        run = executable(chunk.gm)
+        names = list(pm.compiled.program.inputs)
+        for i in range(m):
+            rows = slice(i * mbs, (i + 1) * mbs)
+            given = dict(zip(names, (tokens[rows], targets[rows])))
+            recvs = [torch.full(b.concrete_shape(mbs, seq), 0.02, dtype=b.dtype,
+                                requires_grad=b.differentiable) for b in chunk.recvs]
+            out = run(*recvs, *(given[n] for n in chunk.inputs))
+            if chunk.is_last:
+                (out[0] / m).backward()
+            else:
+                sends = [(o, torch.full_like(o, 0.02)) for b, o in zip(chunk.sends, out)
+                         if b.differentiable and o.requires_grad]
+                torch.autograd.backward([o for o, _ in sends], [g for _, g in sends])
+
+
 def nccl_lowering(pm):
     """`pm` running the action list lowered as for NCCL, whatever its device (the bench's A/B
     of the lowering; the runtime picks the lowering by the tensors' device)."""
@@ -263,6 +290,7 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
                              list(nccl_lowered.parameters())),
             "torch": (lambda: torch_step(pipe, tokens, targets), t_params),
             "floor": (lambda: floor_step(pipe, tokens, targets, m, hidden), t_params),
+            "own-floor": (lambda: own_floor_step(pm, tokens, targets, m), ap_params),
         }
         wall = {k: [] for k in (*runners, "plain")}
         cpu = {k: [] for k in (*runners, "plain")}
@@ -307,6 +335,12 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
             "torch_ms_all": [1e3 * t for t in wall["torch"]],
             "nccl_lowered_ms_all": [1e3 * t for t in wall["nccl-lowered"]],
             "floor_ms_all": [1e3 * t for t in wall["floor"]],
+            "own_floor_ms": 1e3 * med["own-floor"],
+            "own_floor_ms_all": [1e3 * t for t in wall["own-floor"]],
+            # autopart's step over its own chunks' compute: 1 would be a runtime that costs
+            # nothing (the median of per-round ratios)
+            "autopart_over_own_floor": statistics.median(
+                a / b for a, b in zip(wall["autopart"], wall["own-floor"])),
             "lowering": statistics.median(a / b for a, b in zip(wall["autopart"],
                                                                  wall["nccl-lowered"])),
             "load_before": load, "load_after": os.getloadavg()[0],
@@ -325,16 +359,17 @@ def table(opts: dict, results: list[dict]) -> str:
              "",
              f"{'schedule':<20}{'autopart':>9}{'torch':>8}{'ratio':>7}{'cpu ratio':>10}"
              f"{'plain':>8}{'ideal':>8}{'floor':>8}{'autopart':>10}{'torch':>8}{'floor':>8}"
-             f"{'lowering':>10}",
+             f"{'lowering':>10}{'own floor':>10}{'/ own':>7}",
              f"{'':<20}{'ms':>9}{'ms':>8}{'':>7}{'':>10}{'ms':>8}{'ms':>8}{'ms':>8}"
-             f"{'share':>10}{'share':>8}{'share':>8}{'':>10}"]
+             f"{'share':>10}{'share':>8}{'share':>8}{'':>10}{'ms':>10}{'':>7}"]
     for r in results:
         name = r["schedule"] + (f" v={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
         lines.append(f"{name:<20}{r['autopart_ms']:>9.1f}{r['torch_ms']:>8.1f}{r['ratio']:>7.2f}"
                      f"{r['cpu_ratio']:>10.2f}{r['plain_ms']:>8.1f}{r['ideal_ms']:>8.1f}"
                      f"{r['floor_ms']:>8.1f}{100 * r['autopart_share']:>9.1f}%"
                      f"{100 * r['torch_share']:>7.1f}%{100 * r['floor_share']:>7.1f}%"
-                     f"{r['lowering']:>10.3f}")
+                     f"{r['lowering']:>10.3f}{r['own_floor_ms']:>10.1f}"
+                     f"{r['autopart_over_own_floor']:>7.2f}")
     lines += [
         "",
         "ratio      autopart / torch step time (wall, slowest rank); cpu ratio: the same for the",
@@ -345,7 +380,11 @@ def table(opts: dict, results: list[dict]) -> str:
         "           of its action lists (Gloo's early receive posts against validated hoisting)",
         "floor      the rank's chunks run eagerly microbatch by microbatch, no communication: the",
         "           compute any runtime must do at this microbatch size; floor share = ideal /",
-        "           (floor * (1 + bubble)), the best share a pipeline of eager chunks can reach"]
+        "           (floor * (1 + bubble)), the best share a pipeline of eager chunks can reach",
+        "own floor  autopart's own chunk programs, as its executor runs them, forward+backward on",
+        "           every microbatch with no communication and no schedule: the limit of autopart's",
+        "           step; / own = autopart step / own floor (median of per-round ratios), what the",
+        "           runtime, the bubble and the transfers add"]
     for r in results:
         c = r["check"]
         cuts = " | ".join(f"{p[0].split('.')[-1]}-{p[-1].split('.')[-1]}" for p in r["chunk_layers"])

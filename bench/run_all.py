@@ -67,6 +67,9 @@ def _pipeline(out: dict) -> dict:
         if "floor_ms_all" in r:     # from 2026-11-29
             rows[f"pp {r['schedule']} floor / torch"] = _per_round(r["floor_ms_all"],
                                                                   r["torch_ms_all"])
+        if "own_floor_ms_all" in r:     # from 2026-12-02: autopart's own chunks, no comm
+            rows[f"pp {r['schedule']} / own floor"] = _per_round(r["autopart_ms_all"],
+                                                                r["own_floor_ms_all"])
     return rows
 
 
@@ -115,6 +118,11 @@ BENCHMARKS = [
                        for s, what in (("1f1b", "the pp 1f1b model"),
                                        ("interleaved-1f1b", "the pp interleaved model"))},
                     **{f"pp {s} floor / torch": FLOOR + what
+                       for s, what in (("1f1b", "the pp 1f1b model"),
+                                       ("interleaved-1f1b", "the pp interleaved model"))},
+                    **{f"pp {s} / own floor": "autopart's step / its own chunk programs run "
+                       "forward+backward per microbatch with no communication and no schedule "
+                       "(the bound on autopart's own step), paired rounds, " + what
                        for s, what in (("1f1b", "the pp 1f1b model"),
                                        ("interleaved-1f1b", "the pp interleaved model"))}}),
     Bench("pipeline-compute", "pipeline_vs_torch.py",
