@@ -3,7 +3,7 @@ is final, and one step's driving of them (runtime/gradients.py lays them out, th
 StepBuckets before and after each compute action).
 
 Two kinds of bucket: an all-reduce of whole gradients (zero=0, about 25 MiB each, in the order
-the backward finishes them), and a reduce-scatter of a range of the ZeRO slices
+the backward finishes them; the gradients are views of the bucket's buffer, summed in place), and a reduce-scatter of a range of the ZeRO slices
 (runtime/sharding.py: zero=1 and zero=2). Two timings: once per step, after the last backward
 action of the last microbatch of every chunk that reads a bucket's parameters (zero=0, zero=1:
 the gradients are accumulated over the microbatches first, as Megatron-LM does); or after every
@@ -36,6 +36,9 @@ class Bucket:
     params: list = field(default_factory=list)
     nbytes: int = 0
     shards: tuple | None = None
+    # zero=0: the buffer its all-reduce sums in place, kept across steps; the gradients are
+    # made views of it (bucket_views), as DDP's gradient_as_bucket_view
+    flat: torch.Tensor | None = None
 
     def add(self, name: str, p: torch.Tensor) -> None:
         self.names.append(name)
@@ -122,10 +125,10 @@ class StepBuckets:
             work, mine, _ = lay.post_reduce_scatter(s, e)
             self.posted.append((bucket, work, mine, None, time.perf_counter()))
         elif grads:
-            flat = grads[0] if len(grads) == 1 and grads[0].is_contiguous() else \
-                torch.cat([g.reshape(-1) for g in grads])
+            flat = grads[0] if len(bucket.params) == 1 and grads[0].is_contiguous() else \
+                bucket_views(bucket)
             work = self.all_reduce(flat, group=bucket.group, async_op=True)
-            self.posted.append((bucket, work, flat, grads, time.perf_counter()))
+            self.posted.append((bucket, work, flat, None, time.perf_counter()))
         if self.every_backward:     # zero=2: the slice rows were copied out; free the rest
             for p in bucket.params:
                 self.unposted[id(p)] -= 1
@@ -141,8 +144,6 @@ class StepBuckets:
             if bucket.shards is not None:
                 lay, s, _ = bucket.shards
                 lay.take_reduced(s, result, keep_full=not self.every_backward)
-            elif result is not grads[0]:
-                copy_back(result, grads)
             if self.trace is not None:
                 self.trace.record_reduction(bucket.index, result.numel(), posted, start,
                                             self.now())
@@ -171,6 +172,42 @@ class _Waiting:
                 f"({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})")
 
 
+def bucket_views(bucket: Bucket) -> torch.Tensor:
+    """`bucket.flat` holding its parameters' gradients, each `.grad` made a view of its range:
+    the all-reduce then sums the gradients themselves, with no concatenation before it and no
+    copy back after (DDP's gradient_as_bucket_view). A gradient autograd made anew this step
+    (optimizers set .grad to None) is copied in once; one already a view is left as it is. A
+    parameter with no gradient this step keeps None, its range zeroed, so every replica sums
+    the same layout."""
+    if bucket.flat is None:
+        first = bucket.params[0]
+        bucket.flat = torch.empty(sum(p.numel() for p in bucket.params), dtype=first.dtype,
+                                  device=first.device)
+    offset = 0
+    for p in bucket.params:
+        view = bucket.flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if p.grad is None:
+            view.zero_()
+        elif not _same_memory(p.grad, view):
+            view.copy_(p.grad)
+            p.grad = view
+    return bucket.flat
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def in_a_bucket(grad: torch.Tensor, layout: BucketLayout | None) -> bool:
+    """Whether `grad` is a view of one of `layout`'s bucket buffers (the next step's reduction
+    overwrites those)."""
+    storage = grad.untyped_storage().data_ptr()
+    return layout is not None and any(b.flat is not None and
+                                      b.flat.untyped_storage().data_ptr() == storage
+                                      for b in layout.buckets)
+
+
 def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
     offset = 0
     for g in grads:
@@ -178,4 +215,4 @@ def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-__all__ = ["Bucket", "BucketLayout", "StepBuckets", "copy_back"]
+__all__ = ["Bucket", "BucketLayout", "StepBuckets", "bucket_views", "copy_back", "in_a_bucket"]

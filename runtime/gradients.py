@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from autopart.errors import AutopartError
 from autopart.ir import Plan
-from autopart.runtime.buckets import Bucket, BucketLayout, StepBuckets, copy_back
+from autopart.runtime.buckets import Bucket, BucketLayout, StepBuckets, copy_back, in_a_bucket
 
 BUCKET_BYTES = 25 * 2 ** 20     # gradient bytes per overlapped all-reduce (DDP's bucket_cap_mb)
 
@@ -256,7 +256,10 @@ class GradientReducer:
         """What the gradients hold before a step (a train_step not yet zeroed, as after two
         loss.backward() calls), taken out: it was reduced then, and reducing it again would
         count it once per replica or stage sharing it. `add_back` returns it after the step."""
-        earlier = ({n: p.grad for n, p in self.params.items() if p.grad is not None},
+        # a gradient that is a view of a bucket's buffer is copied out: this step's reduction
+        # writes the buffer (runtime/buckets.py bucket_views)
+        earlier = ({n: p.grad.clone() if in_a_bucket(p.grad, self._layout) else p.grad
+                    for n, p in self.params.items() if p.grad is not None},
                    [lay.grad for lay in self.zero_layouts])
         for p in self.params.values():
             p.grad = None

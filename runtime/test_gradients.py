@@ -146,10 +146,35 @@ def test_a_gradient_the_step_did_not_produce_stays_none():
     _run(reducer.overlap([Action(0, "F", 0), Action(0, "B", 0)],
                          {0: SimpleNamespace(params=("a", "unused"))}),
          [None, None])
-    assert rec.calls == [("DP", 1, "async")]
+    # the bucket's layout is fixed (a's range and unused's, zeroed), the same on every replica
+    assert rec.calls == [("DP", 3, "async")]
     assert params["unused"].grad is None and params["a"].grad.tolist() == [2.0]
     reducer.reduce()
     assert len(rec.calls) == 1
+
+
+def test_gradients_are_views_of_the_bucket_summed_in_place():
+    """zero=0's buckets as DDP's gradient_as_bucket_view: after the step every gradient of a
+    bucket is a view of its one buffer (the tensor the all-reduce summed: no concatenation, no
+    copy back). A second train_step before zero_grad adds to what the first left, which the
+    buffer's next sum must not overwrite (set_aside copies it out)."""
+    from autopart.schedule import Action
+    params = {n: _param([0.0] * 3, [1.0] * 3) for n in "ab"}
+    reducer, rec = _overlapped(params)
+    actions = [Action(0, "F", 0), Action(0, "B", 0)]
+    chunks = {0: SimpleNamespace(params=("a", "b"))}
+    _run(reducer.overlap(actions, chunks), actions)
+    flat = reducer._layout.buckets[0].flat
+    assert rec.calls == [("DP", 6, "async")]
+    for p in params.values():
+        assert p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert p.grad.tolist() == [2.0] * 3
+    earlier = reducer.set_aside()                     # no zero_grad: the next step adds
+    for p in params.values():
+        p.grad = torch.full((3,), 3.0)
+    _run(reducer.overlap(actions, chunks), actions)
+    reducer.add_back(earlier)
+    assert [p.grad.tolist() for p in params.values()] == [[2.0 + 6.0] * 3] * 2
 
 
 def test_autograd_hook_posts_a_bucket_while_the_backward_runs():
