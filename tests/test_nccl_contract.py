@@ -223,7 +223,9 @@ def _full_groups() -> dict:
         "pipeline": ([c for cases in te.GROUPS.values() for c in cases], run_cases),
         "zero-bubble": (tz.FAST_2 + tz.FULL_2 + tz.FULL_4, zb_cases),
         "tensor-parallel": ([c for cases in tt.GROUPS.values() for c in cases], run_cases),
-        "expert-parallel": ([c for cases in tx.GROUPS.values() for c in cases], run_cases),
+        # its own rank function (composition cases among its own: the wire is recorded)
+        "expert-parallel": ([c for cases in tx.GROUPS.values() for c in cases],
+                            cm.run_composition),
         "composition": ([row.case() for row in cm.combos()], cm.run_composition),
     }
     groups: dict = {}
