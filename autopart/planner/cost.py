@@ -3,13 +3,14 @@
 Per microbatch and chunk, on one device:
     forward   GEMMs at flops / (peak * efficiency(M, N, K)) + memory-bound ops at bytes / HBM
               + tensor-parallel all-reduces over the node's links (Megatron does not overlap them)
-    backward  twice the forward's GEMMs and memory-bound ops + its tp all-reduces
+    backward  twice the forward's GEMMs and memory-bound ops + its tp all-reduces (under
+              autopart's runtime behind the weight gradients: passes/overlap_collectives.py)
               + with full recomputation, the layer's forward once more
 The pipeline (1F1B or interleaved) is the C++ simulator (autopart._C, what autopart.schedule.simulate
 runs) with those per-chunk costs and a p2p message time: a microbatch's hidden state cut in tp
 slices, each over its own InfiniBand link, then all-gathered over NVLink (the paper's scatter/gather).
-After it: the data-parallel ring all-reduce of the gradients (not overlapped: autopart's runtime
-reduces after the last backward), the tied-embedding all-reduce between first and last stage, and
+After it: what the data-parallel gradient reduction leaves exposed after the backward it
+overlaps (autopart/planner/overlap.py), the tied-embedding all-reduce between first and last stage, and
 the optimizer step (memory-bound). Context parallelism (cp) splits each sequence over cp ranks
 (ring attention, causal load balancing: rank i holds chunks i and 2cp-1-i, so every rank does 1/cp
 of the attention's work): every per-token cost, FLOPs, memory traffic, activations, tp and expert
@@ -38,6 +39,18 @@ SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b")
 # Megatron-LM of the 2021 paper (Table 1: gradients all-reduced after the last backward, no
 # sequence parallelism, tp collectives exposed)
 RUNTIMES = ("autopart", "megatron", "megatron-2021")
+
+
+@functools.cache
+def splits_backward(schedule: str) -> bool:
+    """Whether `schedule` runs I and W actions (the zero-bubble ones), from the C++ core."""
+    from autopart.schedule import make_schedule
+    try:
+        made = make_schedule(schedule, pp=2, microbatches=4, virtual_stages=2 if schedule in (
+            "interleaved-1f1b", "zb-v", "dualpipe-v") else 1)
+    except Exception:        # noqa: BLE001  (a name the core refuses: none to split)
+        return False
+    return any(a.kind in ("I", "W") for actions in made.ranks for a in actions)
 FLASH_BACKWARD = 2.5      # a fused attention's backward runs 5 matmuls to the forward's 2 (it
                           # recomputes Q K^T from the saved log-sum-exp instead of keeping scores)
 # precision -> (param bytes, grad bytes, master bytes, activation bytes, gradient all-reduce bytes).
@@ -174,11 +187,15 @@ class CostModel:
             elementwise -= part.replicated_bytes(b) * (1 - 1 / tp)
         return elementwise / cp * self._act_scale / (c.hbm_bw * c.memory_efficiency) + part.ops * c.op_overhead_s
 
-    def part_times(self, part: Part, tp: int, b: int, ep: int = 1, cp: int = 1) -> tuple[float, float, float]:
+    def part_times(self, part: Part, tp: int, b: int, ep: int = 1, cp: int = 1,
+                   schedule: str = "1f1b") -> tuple[float, float, float]:
         """(forward, backward, communication) of one part for one microbatch; with cp > 1 on one
-        context-parallel rank: 1/cp of the tokens, plus the ring's exposed time. The tp
-        collectives are exposed under autopart's runtime; under Megatron-LM's (tp-comm-overlap)
-        they run chunked behind the part's GEMMs, exposed only where longer."""
+        context-parallel rank: 1/cp of the tokens, plus the ring's exposed time. Under autopart's
+        runtime the forward's tp collectives are exposed and the backward's run behind the
+        column-parallel linears' weight gradients (passes/overlap_collectives.py; about half the
+        part's GEMM time), except under schedules that split the backward (I/W), where the pass
+        does not run; under Megatron-LM's (tp-comm-overlap) they run chunked behind the part's
+        GEMMs, exposed only where longer."""
         c = self.cluster
         # a linear's M (tokens) is 1/cp; an attention core runs cp blocks of s/cp queries by
         # s/cp keys, together 1/cp of its FLOPs (the causal load balancing evens them out)
@@ -193,6 +210,8 @@ class CostModel:
         ar_b = self.allreduce_time(part.allreduce_bwd(b) / cp * self._act_scale, tp, True)
         if self.runtime == "megatron":
             ar_f, ar_b = max(0.0, ar_f - gemm), max(0.0, ar_b - 2 * gemm)
+        elif self.runtime == "autopart" and not splits_backward(schedule):
+            ar_b = max(0.0, ar_b - gemm / 2)
         # expert all-to-alls: ep ranks are dp ranks, tp * cp apart; the backward mirrors the forward's
         a2a = self.alltoall_time(part.alltoall(b) / cp * self._act_scale, ep, tp * cp * ep <= c.gpus_per_node)
         ring_f, ring_b = self.ring_times(part, tp, b, cp)
@@ -227,18 +246,18 @@ class CostModel:
         """Per chunk (model order): forward, backward (with recomputation) and layer counts."""
         parts = self.parts(lay)
         b = lay.microbatch_size
-        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep, lay.cp)
+        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep, lay.cp, lay.schedule)
         again = 0.0
         if lay.recompute == "full":
             again = lf                    # the layer's forward once more before its backward
         elif lay.recompute == "selective":   # its attention core's (and its ring's, with cp) and
             # its memory-bound ops' forward (norms, activation functions: what selective drops)
             core = parts["core"]
-            again = self.part_times(core, lay.tp, b, lay.ep, lay.cp)[0] + max(
+            again = self.part_times(core, lay.tp, b, lay.ep, lay.cp, lay.schedule)[0] + max(
                 0.0, self.elementwise_time(parts["layer"], lay.tp, b, lay.cp)
                 - self.elementwise_time(core, lay.tp, b, lay.cp))     # the core's own counted once
-        ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep, lay.cp)
-        tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep, lay.cp)
+        ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep, lay.cp, lay.schedule)
+        tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep, lay.cp, lay.schedule)
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
         fwd = [n * lf for n in counts]
         bwd = [n * lb + self.recomputed(lay, n) * again for n in counts]
@@ -439,7 +458,10 @@ class CostModel:
                                "the FLOPs, O(s) memory" if c.fused_attention_efficiency > 0 else
                                "scores materialized (attention_score_bytes per score element)"),
                  "tp_collectives": ("behind the part's GEMMs (tp-comm-overlap), exposed only where longer"
-                                    if megatron else "exposed (autopart's runtime does not overlap them)"),
+                                    if megatron else "forward's exposed; backward's behind the column-"
+                                    "parallel weight gradients (overlap_collectives), exposed where longer"
+                                    + (" (not under this split-backward schedule)"
+                                       if splits_backward(lay.schedule) else "")),
                  "activations": ("what autograd keeps; sequence parallelism: 1/tp outside the tp regions"
                                  if self.sequence_parallel(lay.tp) else "what autograd keeps"),
                  "message": "pipeline sends between stages, behind other microbatches' work where the "
