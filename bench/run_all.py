@@ -73,6 +73,14 @@ def _pipeline(out: dict) -> dict:
     return rows
 
 
+def _tp(t: dict) -> dict:
+    rows = {"tp=2": _per_round(t["autopart"], t["dtensor"])}
+    if "autopart_no_overlap" in t:      # from 2026-12-02: the step without overlap_collectives
+        rows["tp=2 overlap=False"] = _per_round(t["autopart_no_overlap"], t["dtensor"])
+        rows["tp=2 overlap / overlap=False"] = _per_round(t["autopart"], t["autopart_no_overlap"])
+    return rows
+
+
 def _zero_bubble(out: dict) -> dict:
     base = out["paired_ms"]["1f1b"]
     rows = {f"{k} / 1f1b": _per_round(v, base) for k, v in out["paired_ms"].items() if k != "1f1b"}
@@ -141,13 +149,7 @@ BENCHMARKS = [
     Bench("tp", "tp_vs_dtensor.py", lambda r: ["--steps", str(r)],
           {"tp=2": "autopart / DTensor parallelize_module step (fwd+bwd+SGD), HF Llama 4 layers "
                    "h=256, batch 8x128"},
-          lambda out: {"tp=2": _per_round(out["step_seconds"]["autopart"],
-                                          out["step_seconds"]["dtensor"]),
-                       "tp=2 overlap=False": _per_round(out["step_seconds"]["autopart_no_overlap"],
-                                                        out["step_seconds"]["dtensor"]),
-                       "tp=2 overlap / overlap=False": _per_round(
-                           out["step_seconds"]["autopart"],
-                           out["step_seconds"]["autopart_no_overlap"])},
+          lambda out: _tp(out["step_seconds"]),
           optional={"tp=2 overlap=False": "autopart overlap=False / DTensor, the same (the "
                                           "backward's all-reduces in series)",
                     "tp=2 overlap / overlap=False": "autopart / autopart overlap=False, the "

@@ -138,3 +138,15 @@ def test_zero_rows_pair_each_level_with_fsdp2_round_by_round(fake):
     got, _, error = run_all.run_once(zero, 3)
     assert error == "" and got["zero3 / fsdp2 reshard"] == pytest.approx(0.5)
     assert got["zero2 / fsdp2"] == pytest.approx(0.9)
+
+
+def test_tp_rows_pair_overlap_with_its_absence_round_by_round():
+    """bench/tp_vs_dtensor.py's third side (overlap=False) gives two rows, each the per-round
+    ratio; a run without it (before 2026-12-02) gives the tp=2 row alone."""
+    tp = next(b for b in run_all.BENCHMARKS if b.name == "tp")
+    rows = tp.values({"step_seconds": {"autopart": [1.0, 2.0], "dtensor": [2.0, 2.0],
+                                       "autopart_no_overlap": [2.0, 4.0]}})
+    assert rows == {"tp=2": [0.5, 1.0], "tp=2 overlap=False": [1.0, 2.0],
+                    "tp=2 overlap / overlap=False": [0.5, 0.5]}
+    assert set(tp.values({"step_seconds": {"autopart": [1.0], "dtensor": [2.0]}})) == {"tp=2"}
+    assert set(rows) - {"tp=2"} <= set(tp.optional)
