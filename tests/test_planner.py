@@ -128,41 +128,28 @@ class _Layers:
         return Block()
 
     @classmethod
-    def unlisted(cls):
+    def model(cls, decoy: bool):
+        """Three blocks as plain attributes; the input embedded by one table, or (decoy) by the
+        sum of five in a ModuleList, the model's longest list."""
         import torch.nn as nn
         outer = cls
 
-        class Unlisted(nn.Module):
+        class Unnamed(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.emb, self.head = nn.Embedding(outer.V, outer.H), nn.Linear(outer.H, outer.V)
-                self.first, self.second, self.third = outer.block(), outer.block(), outer.block()
-
-            def forward(self, idx):
-                x = self.emb(idx)
-                for b in (self.first, self.second, self.third):
-                    x = b(x)
-                return self.head(x).logsumexp(-1).mean()
-        return Unlisted()
-
-    @classmethod
-    def decoy(cls):
-        import torch.nn as nn
-        outer = cls
-
-        class Decoy(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embs = nn.ModuleList(nn.Embedding(outer.V, outer.H) for _ in range(5))
+                if decoy:
+                    self.embs = nn.ModuleList(nn.Embedding(outer.V, outer.H) for _ in range(5))
+                else:           # no ModuleList at all
+                    self.emb = nn.Embedding(outer.V, outer.H)
                 self.b0, self.b1, self.b2 = outer.block(), outer.block(), outer.block()
                 self.head = nn.Linear(outer.H, outer.V)
 
             def forward(self, idx):
-                x = sum(e(idx) for e in self.embs)
+                x = sum(e(idx) for e in (self.embs if decoy else (self.emb,)))
                 for b in (self.b0, self.b1, self.b2):
                     x = b(x)
                 return self.head(x).logsumexp(-1).mean()
-        return Decoy()
+        return Unnamed()
 
 
 @pytest.mark.parametrize("build", ["unlisted", "decoy"])
@@ -176,7 +163,7 @@ def test_profile_finds_the_layers_from_the_graph_not_the_module_list(build):
     from autopart.capture import capture
     from autopart.planner.profile import profile_model
     torch.manual_seed(0)
-    model = getattr(_Layers, build)()
+    model = _Layers.model(decoy=build == "decoy")
     idx = torch.randint(0, _Layers.V, (2, 8))
     profile = profile_model(model, (idx,))
     whole = sum(evaluate(c.flops, 2, 8) for n, c in analyze(capture(model, (idx,))).items()
