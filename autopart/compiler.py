@@ -138,15 +138,18 @@ def _check_fp8(cfg: Config, mesh: Mesh) -> None:
     untested = [what for what, on in (
         (f"cp={mesh.cp} (context parallelism)", mesh.cp > 1),
         (f"ep={mesh.ep} (expert parallelism: the experts' matmuls are not FP8)", mesh.ep > 1),
-        ("zero=3 (weights would be cast to FP8 before the all-gather)", cfg.zero == 3),
-        ("sequence_parallel=True (its gather-then-linear op is not FP8)", cfg.sequence_parallel),
-        (f"recompute={cfg.recompute!r}", cfg.recompute != "none"),
+        ("zero=3 (its all-gathers move the fp32 slices; FP8 needs them cast with the whole "
+         "weight's scale before the gather: zero=2 keeps the weights whole)", cfg.zero == 3),
+        ("sequence_parallel=True with fp8_scaling='rowwise' (the gathered input's token "
+         "columns would need a second, bf16 gather)",
+         cfg.sequence_parallel and cfg.fp8_scaling == "rowwise"),
         (f"compile={cfg.compile!r} (Inductor)", cfg.compile is not False)) if on]
     if untested:
         raise AutopartError(
             f"precision='fp8' is not supported with {', '.join(untested)}: no test holds FP8 "
             "to its recipe there.\n  remedy: precision='bf16' with these options, or "
-            "precision='fp8' without them (pp, tp, dp and zero=1/2 are held to its recipe)")
+            "precision='fp8' without them (pp, tp, dp, zero=1/2, recompute and tensorwise "
+            "sequence_parallel are held to its recipe)")
 
 
 _DEVICES = "cuda|xpu|mps|hpu|npu|mtia|meta|cpu|privateuseone"

@@ -3,19 +3,25 @@
 Per FP8 linear and microbatch: the casts to FP8 (forward x and w; backward the output gradient,
 and under rowwise the recasts of g, w and x along the backward GEMMs' contracted dims) and, on a
 tensor-parallel shard, the max all-reduces of the amaxes over a split dim (autopart/ops/fp8.py):
-one per linear in forward when its contracted dim is split (row-parallel), one in backward when
-its output features are (column-parallel), each of every amax it needs at once.
+the weights' amaxes of a whole chunk in one all-reduce at its start (fp8_weight_amaxes_tp), and
+per linear its activation's: x's in forward when its contracted dim is split (row-parallel) or
+its tokens are (sequence parallelism), the output gradient's in backward when its output features
+are (column-parallel).
 """
 from __future__ import annotations
 
 from autopart.errors import module_path
+from autopart.ops.fp8 import fp8_weight_amaxes_tp
+from autopart.ops.tp import gather_linear_sp
 
 CASTS = {"tensorwise": (2, 1), "rowwise": (2, 4)}      # scaling -> (forward, backward) casts
 
 
 def fp8_rows(compiled) -> list[dict]:
     """One row per linear the fp8_linears pass saw: module, fp8 or why bf16, and per
-    microbatch its casts and the amax all-reduces (count and fp32 elements) over tp."""
+    microbatch its casts, its own amax all-reduces over tp (activations'), the fp32 elements
+    it reduces (its weight's, in its chunk's batch, included) and whether its weight's amax
+    went in that batch."""
     plan = compiled.program.fp8
     if plan is None:
         return []
@@ -28,26 +34,35 @@ def fp8_rows(compiled) -> list[dict]:
             rows.append({**row, "fp8": False, "why": plan.kept[name]})
             continue
         k_split, n_split = plan.converted[name]
-        fwd, bwd = _reduced_elements(plan.scaling, k_split, n_split, tokens, node,
-                                     compiled.plan.mesh.tp)
+        fwd, bwd, weight = _reduced_elements(plan.scaling, k_split, n_split, tokens, node)
+        if node.target is gather_linear_sp:     # x a sequence shard: its amax reduced too
+            fwd = 1                             # (tensorwise only: compile refuses rowwise)
         rows.append({**row, "fp8": True, "casts_fwd": CASTS[plan.scaling][0],
                      "casts_bwd": CASTS[plan.scaling][1],
                      "amax_all_reduces": int(bool(fwd)) + int(bool(bwd)),
-                     "amax_elements": fwd + bwd})
+                     "amax_elements": fwd + bwd + weight, "weight_amax_batched": bool(weight)})
     return rows
 
 
-def _reduced_elements(scaling, k_split, n_split, tokens, node, tp) -> tuple[int, int]:
-    """(forward, backward) amax elements max-all-reduced over tp per microbatch."""
+def _reduced_elements(scaling, k_split, n_split, tokens, node) -> tuple[int, int, int]:
+    """(forward activation, backward gradient, weight) amax elements max-all-reduced over tp
+    per microbatch; the weight's in its chunk's batch."""
     if not (k_split or n_split):
-        return 0, 0
+        return 0, 0, 0
     n_out = int(node.meta["val"].shape[-1])          # whole shapes: the graph's metadata
     x = node.args[1] if "addmm" in str(node.target) else node.args[0]
     k_in = int(x.meta["val"].shape[-1])
     if scaling == "tensorwise":
-        return (2 if k_split else 1 if n_split else 0), (1 if n_split else 0)
-    # rowwise: forward x's rows and w's rows (over K), backward g's rows and w's columns (over N)
-    return (tokens + n_out if k_split else 0), (tokens + k_in if n_split else 0)
+        return int(k_split), int(n_split), 1
+    # rowwise: forward x's rows (over K), backward g's rows (over N); the weight's rows over K
+    # (row-parallel) or columns over N (column-parallel)
+    return (tokens if k_split else 0), (tokens if n_split else 0), (n_out if k_split else k_in)
+
+
+def weight_batches(compiled) -> int:
+    """The chunks whose weights' amaxes are max-all-reduced in one batch (one per microbatch)."""
+    return sum(n.target is fp8_weight_amaxes_tp for c in compiled.program.chunks
+               for n in c.gm.graph.nodes)
 
 
 def fp8_lines(compiled) -> list[str]:
@@ -61,10 +76,12 @@ def fp8_lines(compiled) -> list[str]:
     lines = [f"fp8 ({plan.scaling} scaling, fp8_linears={plan.layers}): {len(fp8)} of "
              f"{len(rows)} linears as FP8 GEMMs (forward, input and weight gradient); per "
              f"linear and microbatch {fwd} casts to FP8 in forward, {bwd} in backward"]
-    reduces = sum(r["amax_all_reduces"] for r in fp8)
-    if reduces:
+    own, batches = sum(r["amax_all_reduces"] for r in fp8), weight_batches(compiled)
+    if own or batches:
         elements = sum(r["amax_elements"] for r in fp8)
-        lines.append(f"  amax max-all-reduces over tp per microbatch: {reduces} "
-                     f"({elements} fp32 elements, {4 * elements} B)")
+        weights = sum(r["weight_amax_batched"] for r in fp8)
+        lines.append(f"  amax max-all-reduces over tp per microbatch: {own + batches} ({batches} "
+                     f"of the weights' {weights} amaxes, one per chunk at its start; {own} of "
+                     f"activations; {elements} fp32 elements, {4 * elements} B)")
     lines += [f"  bf16: {r['module'] or r['node']} ({r['why']})" for r in kept]
     return lines

@@ -14,11 +14,14 @@ except, under fp8_linears="auto" (the default), these, which stay bf16:
           GEMM's alignment); decided on the whole weight, so every mesh converts the same ones
 fp8_linears="all" converts every linear found. The recipe (tensorwise or rowwise scaling) is
 autopart/ops/fp8.py's; under tensor parallelism each linear learns from the tp plan which of its
-dims is split, to reduce those amaxes over tp.
+dims is split, to reduce those amaxes over tp; the weights' amaxes of a whole chunk are reduced
+in one all-reduce at its start (batch_weight_amaxes), the activations' per linear (each comes
+from the linear before it: no two exist at once).
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -27,6 +30,7 @@ from autopart.ir import ChunkProgram, Fp8Plan, Program, copied_graph, graph_modu
 from autopart.linear_forms import linear_form
 from autopart.localize import attribute
 from autopart.ops import fp8 as fp8_ops
+from autopart.ops import tp as tp_ops
 from autopart.ops.tp import TPComm
 from autopart.placement import ndim
 
@@ -54,7 +58,8 @@ def fp8_linears(program: Program, *, scaling: str = "tensorwise", layers: str = 
 
 def operands(node: fx.Node, params) -> tuple | None:
     """(x, w, bias, w_out_dim) of a linear by dataflow (w a 2-D trainable parameter's get_attr;
-    w_out_dim 0: w[N, K] as aten.linear takes it, 1: w[K, N]), or None."""
+    w_out_dim 0: w[N, K] as aten.linear takes it, 1: w[K, N]), or None. Sequence
+    parallelism's gather_linear_sp is one too (its x a sequence shard it gathers first)."""
     if node.op != "call_function":
         return None
     a = node.args
@@ -62,7 +67,8 @@ def operands(node: fx.Node, params) -> tuple | None:
     def param(v):
         return isinstance(v, fx.Node) and v.op == "get_attr" and v.target in params and ndim(v) == 2
 
-    if node.target is aten.linear.default and param(a[1]) and not param(a[0]):
+    if node.target in (aten.linear.default, tp_ops.gather_linear_sp) and param(a[1]) \
+            and not param(a[0]):     # sequence parallelism's gather-then-linear: F.linear's
         return a[0], a[1], a[2] if len(a) > 2 else None, 0
     if node.target is aten.addmm.default and param(a[2]) and not param(a[1]):
         return a[1], a[2], a[0], 1
@@ -115,17 +121,20 @@ def _rewrite_chunk(chunk: ChunkProgram, plan: Fp8Plan, params) -> ChunkProgram:
     comm = next((env[n] for n in chunk.gm.graph.nodes      # the tp group split_tensor_parallel
                  if n.op == "get_attr"                      # gave the program, if any
                  and isinstance(attribute(chunk.gm, n.target), TPComm)), None)
+    split = []                                  # the tensor-parallel FP8 linears (new nodes)
     for old in mine:
         node = env[old]
         x, w, b, out_dim = operands(node, params)
         k_split, n_split = plan.converted[old.name]
-        if k_split or n_split:
-            fn, args = fp8_ops.fp8_linear_tp, (x, w, b, plan.scaling, out_dim, k_split,
-                                               n_split, comm)
+        kwargs = {}
+        if node.target is tp_ops.gather_linear_sp:      # x a sequence shard, gathered in FP8
+            fn, kwargs = fp8_ops.fp8_gather_linear_sp, {"seq_dim": node.args[3]}
         else:
-            fn, args = fp8_ops.fp8_linear, (x, w, b, plan.scaling, out_dim)
+            fn = fp8_ops.fp8_linear_tp if k_split or n_split else fp8_ops.fp8_linear
+        args = (x, w, b, plan.scaling, out_dim) + \
+            ((k_split, n_split, comm) if k_split or n_split else ())
         with graph.inserting_before(node):
-            new = graph.call_function(fn, args)
+            new = graph.call_function(fn, args, kwargs)
         new.meta = dict(node.meta)
         dropped = [a for a in node.all_input_nodes if a.op == "call_function"]
         node.replace_all_uses_with(new)
@@ -133,6 +142,47 @@ def _rewrite_chunk(chunk: ChunkProgram, plan: Fp8Plan, params) -> ChunkProgram:
         for a in dropped:              # the transpose of x @ w.T nothing reads now
             if not a.users:
                 graph.erase_node(a)
+        if k_split or n_split:
+            split.append(new)
+    if split:
+        batch_weight_amaxes(graph, split, plan.scaling, comm)
     graph.lint()
     return dataclasses.replace(chunk, gm=graph_module(chunk.gm, graph,
                                                       class_name=type(chunk.gm).__name__))
+
+
+def batch_weight_amaxes(graph: fx.Graph, linears: list, scaling: str, comm) -> fx.Node:
+    """One fp8_weight_amaxes_tp at the chunk's start for every weight amax `linears` (the
+    chunk's fp8_linear_tp nodes) reduce over tp, each linear then reading its own as w_amax:
+    one all-reduce per chunk instead of one per linear. A weight read by several linears the
+    same way is reduced once. The weights' get_attrs move before the first op (they compute
+    nothing), so the batch can run before any activation exists."""
+    start = next(n for n in graph.nodes if n.op not in ("placeholder", "get_attr"))
+    keys: dict = {}                     # (weight, out_dim, dim) -> index in the batch
+    for node in linears:
+        w, out_dim, (k_split, n_split) = node.args[1], node.args[4], node.args[5:7]
+        _, dim = fp8_ops.weight_amax_over_tp(scaling, k_split, n_split)
+        keys.setdefault((w, out_dim, dim), len(keys))
+    for held in [comm, *(w for w, _, _ in keys)]:
+        if _after(held, start):
+            start.prepend(held)
+    weights, out_dims, dims = (list(t) for t in zip(*keys))
+    with graph.inserting_before(start):
+        batch = graph.call_function(fp8_ops.fp8_weight_amaxes_tp,
+                                    (weights, out_dims, dims, comm))
+        amax = [graph.call_function(operator.getitem, (batch, i)) for i in range(len(keys))]
+    for node in linears:
+        w, out_dim, (k_split, n_split) = node.args[1], node.args[4], node.args[5:7]
+        _, dim = fp8_ops.weight_amax_over_tp(scaling, k_split, n_split)
+        node.args = (*node.args[:8], amax[keys[(w, out_dim, dim)]])
+    return batch
+
+
+def _after(node: fx.Node, anchor: fx.Node) -> bool:
+    """Whether `node` comes after `anchor` in their graph's order."""
+    n = anchor.next
+    while n.op != "root":
+        if n is node:
+            return True
+        n = n.next
+    return False

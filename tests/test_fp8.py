@@ -2,7 +2,8 @@
 scaling), the rest bf16, fp32 master weights; against the plain model trained under the same
 recipe, written out in tests/workers/fp8.py with plain torch._scaled_mm calls.
 
-Fast tier: python -m pytest -m "not full" tests/test_fp8.py   (one process, tensorwise, ~40 s)
+Fast tier: python -m pytest -m "not full" tests/test_fp8.py   (one process, tensorwise, with and
+           without recompute="full"; one linear over 2 ranks)
 Full tier: python -m pytest tests/test_fp8.py                  (rowwise, and one 2-rank spawn)
 """
 from __future__ import annotations
@@ -25,6 +26,11 @@ CASES = [
           microbatches=4),
     FCase("gpt4-dp2-zero1", model="gpt4", dp=2, microbatches=2, zero=1),
     FCase("gpt4-dp2-zero2", model="gpt4", dp=2, microbatches=2, zero=2),
+    FCase("gpt4-tp2-sp", model="gpt4", tp=2, microbatches=2, noise="tp", sequence_parallel=True),
+    FCase("gpt4-tp2-recompute-full", model="gpt4", tp=2, microbatches=2, noise="tp",
+          recompute="full"),
+    FCase("gpt4-pp2-recompute-selective", model="gpt4", pp=2, microbatches=2,
+          recompute="selective"),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
@@ -33,11 +39,15 @@ def _problems(r) -> str:
     return f"{r['case']} rank {r['rank']}:\n" + "\n".join(r["problems"])
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.full)])
-def test_fp8_matches_the_recipe_single_process(scaling, single_process_group):
+@pytest.mark.parametrize("scaling, recompute", [
+    ("tensorwise", "none"), pytest.param("rowwise", "none", marks=pytest.mark.full),
+    ("tensorwise", "full"), pytest.param("rowwise", "full", marks=pytest.mark.full)])
+def test_fp8_matches_the_recipe_single_process(scaling, recompute, single_process_group):
     """One process: the very roundings of the recipe (measured: every error 0.0), and 4e-2
-    (tensorwise) / 3e-2 (rowwise) from the bf16 recipe's step-1 gradients."""
-    r = fp8_equivalence(FCase("gpt4-pp1", model="gpt4", microbatches=2, scaling=scaling), 0)
+    (tensorwise) / 3e-2 (rowwise) from the bf16 recipe's step-1 gradients; recompute="full"
+    replays every FP8 linear of each layer in backward, to the same bits."""
+    r = fp8_equivalence(FCase("gpt4-pp1", model="gpt4", microbatches=2, scaling=scaling,
+                              recompute=recompute), 0)
     assert not r["problems"], _problems(r)
     assert r["errors"]["grad"] <= 1e-5 and r["apart"]["grad"] > 1e-2, r["errors"]
     assert len(r["converted"]) == 15 and len(r["fp8"]["fp8"]) == 15, r["fp8"]

@@ -3,6 +3,10 @@
     fp8_linear      y = x @ w.T (+ b): three FP8 GEMMs (forward, input gradient, weight gradient)
     fp8_linear_tp   the same on a tensor-parallel shard: the amaxes over a split dim are
                     max-all-reduced over tp first, so every rank scales with the global amax
+    fp8_gather_linear_sp  fp8_linear_tp of a column-parallel linear under sequence parallelism:
+                    x's sequence shard cast to e4m3 (global scale), then all-gathered in FP8
+    fp8_weight_amaxes_tp   the global amaxes of a chunk's tensor-parallel FP8 weights, in one
+                    max all-reduce at the chunk's start (the linears then take them as w_amax)
 
 The recipes (torchao Float8Linear's; docs/precision.md):
 
@@ -27,12 +31,20 @@ features are, a column-parallel one). Tensorwise: x's amax when k_split, w's whe
 gradient's when n_split. Rowwise: a row's amax spans the contracted dim only, so forward reduces
 when k_split and the input-gradient GEMM (contracting the output features) when n_split; the
 weight-gradient GEMM contracts the tokens, never split, and needs none.
+
+A weight's amax over tp needs no activation: passes/fp8_linears.py reduces those of a whole
+chunk in one all-reduce at its start (fp8_weight_amaxes_tp) and hands each linear its own as
+`w_amax`, so a linear's own all-reduces carry only activations' amaxes (x's when k_split, in
+forward; the gradient's when n_split, in backward). Each linear takes exactly one weight amax
+over tp: tensorwise the whole tensor's (forward; backward reuses its scale), rowwise the rows'
+over K when k_split (forward) or the columns' over N when n_split (the input-gradient GEMM).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from autopart.ops import tp as tp_ops
 from autopart.ops.registry import register
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -89,18 +101,22 @@ class _Fp8Linear(torch.autograd.Function):
     """y[M, N] = x[M, K] @ w[N, K].T in FP8 (2-D x; the op reshapes)."""
 
     @staticmethod
-    def forward(ctx, x, w, scaling, k_split, n_split, comm):
+    def forward(ctx, x, w, scaling, k_split, n_split, comm, w_amax):
         rowwise = scaling == "rowwise"
         x = x.to(torch.bfloat16)
         dim = 1 if rowwise else None
         # a row's amax spans K only (rowwise); a tensor's spans every split dim (tensorwise)
         w_split = k_split if rowwise else k_split or n_split
-        ax, aw = _reduced([_amax(x, dim), _amax(w, dim)], [k_split, w_split], comm)
+        if w_amax is not None and w_split:      # reduced at the chunk's start with the others
+            (ax,), aw = _reduced([_amax(x, dim)], [k_split], comm), w_amax
+        else:
+            ax, aw = _reduced([_amax(x, dim), _amax(w, dim)], [k_split, w_split], comm)
         sx, sw = amax_to_scale(ax, E4M3, rowwise), amax_to_scale(aw, E4M3, rowwise)
         x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
         ctx.scaling, ctx.n_split, ctx.comm = scaling, n_split, comm
         if rowwise:     # recast along the backward GEMMs' contracted dims
-            ctx.save_for_backward(x, w)
+            # rowwise and n_split: w_amax is w's columns' over N, the input-gradient GEMM's
+            ctx.save_for_backward(x, w, *([w_amax] if w_amax is not None and n_split else []))
         else:
             ctx.save_for_backward(x8, w8, sx, sw)
         return scaled_mm(x8, w8.t(), sx, sw.t() if rowwise else sw, torch.bfloat16)
@@ -108,21 +124,26 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if ctx.scaling == "rowwise":
-            x, w = ctx.saved_tensors
-            return (*_rowwise_grads(g, x, w, ctx.n_split, ctx.comm), None, None, None, None)
+            x, w, *w_amax = ctx.saved_tensors
+            return (*_rowwise_grads(g, x, w, ctx.n_split, ctx.comm, *w_amax),
+                    None, None, None, None, None)
         x8, w8, sx, sw = ctx.saved_tensors
         (ag,) = _reduced([_amax(g, None)], [ctx.n_split], ctx.comm)
         sg = amax_to_scale(ag, E5M2, False)
         g8 = to_fp8(g, sg, E5M2)
         grad_x = scaled_mm(g8, w8, sg, sw, torch.bfloat16)
         grad_w = scaled_mm(g8.t(), x8, sg, sx, torch.bfloat16)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
-def _rowwise_grads(g, x, w, n_split: bool, comm):
+def _rowwise_grads(g, x, w, n_split: bool, comm, w_amax=None):
     """(grad_x, grad_w) of the rowwise recipe: g @ w scales g's rows and w's columns over the
-    output features (split over tp when n_split); g.T @ x scales both over the tokens."""
-    ag, aw = _reduced([_amax(g, 1), _amax(w, 0)], [n_split, n_split], comm)
+    output features (split over tp when n_split; w's given as w_amax when batched); g.T @ x
+    scales both over the tokens."""
+    if w_amax is not None:
+        (ag,), aw = _reduced([_amax(g, 1)], [n_split], comm), w_amax
+    else:
+        ag, aw = _reduced([_amax(g, 1), _amax(w, 0)], [n_split, n_split], comm)
     sg, sw = amax_to_scale(ag, E4M3, True), amax_to_scale(aw, E4M3, True)
     grad_x = scaled_mm(to_fp8(g, sg, E4M3), to_fp8(w, sw, E4M3), sg, sw, torch.bfloat16)
     sgt, sx = amax_to_scale(_amax(g, 0), E4M3, True), amax_to_scale(_amax(x, 0), E4M3, True)
@@ -130,10 +151,53 @@ def _rowwise_grads(g, x, w, n_split: bool, comm):
     return grad_x, grad_w
 
 
-def _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm):
+class _Fp8GatherLinear(torch.autograd.Function):
+    """y = all_gather(x, dim) @ w.T, tensorwise, on a column-parallel shard under sequence
+    parallelism (ops/tp.py's gather_linear_sp in FP8): x's amax is reduced over tp (the sequence
+    is split), its shard cast to e4m3 and all-gathered as FP8, half bf16's bytes (casting then
+    gathering is bitwise gathering then casting: the cast is elementwise and the scale global).
+    Backward re-gathers the FP8 shard for the weight gradient (kept: only the shard, 1 byte an
+    element) and reduce-scatters the input gradient along the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, w, dim, comm, w_amax):
+        x = x.to(torch.bfloat16)
+        if w_amax is None:
+            ax, aw = _max_over_tp([_amax(x, None), _amax(w, None)], comm)
+        else:
+            (ax,), aw = _max_over_tp([_amax(x, None)], comm), w_amax
+        sx, sw = amax_to_scale(ax, E4M3, False), amax_to_scale(aw, E4M3, False)
+        x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
+        ctx.dim, ctx.comm = dim, comm
+        ctx.save_for_backward(x8, w8, sx, sw)
+        full = _gather_fp8(x8, dim, comm)
+        y = scaled_mm(full.reshape(-1, full.shape[-1]), w8.t(), sx, sw, torch.bfloat16)
+        return y.reshape(*full.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x8, w8, sx, sw = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        (ag,) = _max_over_tp([_amax(g2, None)], ctx.comm)     # the output features are split
+        sg = amax_to_scale(ag, E5M2, False)
+        g8 = to_fp8(g2, sg, E5M2)
+        gathering = tp_ops._start_all_gather(x8.view(torch.uint8), ctx.dim, ctx.comm)
+        grad_full = scaled_mm(g8, w8, sg, sw, torch.bfloat16).reshape(*g.shape[:-1], -1)
+        full = tp_ops._finish(*gathering).view(E4M3)
+        scattering = tp_ops._start_reduce_scatter(grad_full, ctx.dim, ctx.comm)
+        grad_w = scaled_mm(g8.t(), full.reshape(-1, full.shape[-1]), sg, sx, torch.bfloat16)
+        return tp_ops._finish(*scattering), grad_w, None, None, None
+
+
+def _gather_fp8(x8: torch.Tensor, dim: int, comm) -> torch.Tensor:
+    """x8 all-gathered along `dim` over tp, as its bytes (a collective's dtype need not be FP8)."""
+    return tp_ops._all_gather(x8.view(torch.uint8), dim, comm).view(x8.dtype)
+
+
+def _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm, w_amax=None):
     # scaling: Config.fp8_scaling's value, checked where the user wrote it (autopart/config.py)
     w = w if w_out_dim == 0 else w.t()
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, scaling, k_split, n_split, comm)
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, scaling, k_split, n_split, comm, w_amax)
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b.to(y.dtype)
 
@@ -143,10 +207,40 @@ def fp8_linear(x, w, b, scaling: str = "tensorwise", w_out_dim: int = 0):
     return _apply(x, w, b, scaling, w_out_dim, False, False, None)
 
 
-def fp8_linear_tp(x, w, b, scaling: str, w_out_dim: int, k_split: bool, n_split: bool, comm):
-    """fp8_linear on a tensor-parallel shard: the amaxes over a split dim are the global ones."""
-    return _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm)
+def fp8_linear_tp(x, w, b, scaling: str, w_out_dim: int, k_split: bool, n_split: bool, comm,
+                  w_amax=None):
+    """fp8_linear on a tensor-parallel shard: the amaxes over a split dim are the global ones
+    (the weight's given as `w_amax` when fp8_weight_amaxes_tp reduced it already)."""
+    return _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm, w_amax)
+
+
+def fp8_gather_linear_sp(x, w, b, scaling: str, w_out_dim: int, k_split: bool, n_split: bool,
+                         comm, w_amax=None, *, seq_dim: int):
+    """gather_linear_sp(x, w, b, seq_dim, comm) in FP8, tensorwise (fp8_linear_tp's arguments:
+    a column-parallel linear, so k_split False and n_split True; rowwise is refused at
+    compile: autopart/compiler.py)."""
+    w = w if w_out_dim == 0 else w.t()
+    y = _Fp8GatherLinear.apply(x, w, seq_dim, comm, w_amax)
+    return y if b is None else y + b.to(y.dtype)
+
+
+def weight_amax_over_tp(scaling: str, k_split: bool, n_split: bool) -> tuple[bool, int | None]:
+    """(whether a linear's weight amax is reduced over tp, the dim of w[N, K] that amax
+    reduces: None for the whole tensor)."""
+    if scaling == "tensorwise":
+        return k_split or n_split, None
+    return k_split or n_split, 1 if k_split else 0
+
+
+def fp8_weight_amaxes_tp(weights: list, out_dims: list, dims: list, comm) -> tuple:
+    """The global amaxes of `weights` (w[N, K], or w[K, N] where out_dims says 1), each over
+    `dims`' dim of w[N, K] (None: the whole tensor), in one max all-reduce over tp. No autograd:
+    a scale is a constant of the GEMM it scales, as in the recipe."""
+    with torch.no_grad():
+        amaxes = [_amax(w if o == 0 else w.t(), d) for w, o, d in zip(weights, out_dims, dims)]
+        return tuple(_max_over_tp(amaxes, comm))
 
 
 register(fp8_linear, kind="local", axis="fp8", namespace="autopart.fp8_ops")
-register(fp8_linear_tp, kind="collective", axis="tp", namespace="autopart.fp8_ops")
+register(fp8_linear_tp, fp8_gather_linear_sp, fp8_weight_amaxes_tp, kind="collective", axis="tp",
+         namespace="autopart.fp8_ops")

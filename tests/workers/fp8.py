@@ -83,17 +83,43 @@ class RefRowwise(torch.autograd.Function):
 
 
 def fp8_recipe(model: nn.Module, scaling: str, kept=KEPT) -> list[str]:
-    """Make `model`'s nn.Linear layers (but `kept`) run the recipe; returns their names."""
+    """Make `model`'s linear modules (nn.Linear; HF GPT-2's Conv1D, x @ W + b with W[K, N]) but
+    `kept` run the recipe; returns their names."""
     fn = RefRowwise if scaling == "rowwise" else RefTensorwise
     done = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and name not in kept:
-            def forward(x, m=m):
-                y = fn.apply(x.reshape(-1, x.shape[-1]), m.weight).reshape(*x.shape[:-1], -1)
+        conv1d = type(m).__name__ == "Conv1D"       # transformers.pytorch_utils.Conv1D
+        if (isinstance(m, nn.Linear) or conv1d) and name not in kept:
+            def forward(x, m=m, conv1d=conv1d):
+                w = m.weight.t() if conv1d else m.weight
+                y = fn.apply(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
                 return y if m.bias is None else y + m.bias.to(y.dtype)
             m.forward = forward
             done.append(name)
     return done
+
+
+# fp8_linears="auto"'s rule applied by hand to the test models: the first linear (no linear
+# upstream) and the last (the head), by family; and every weight with a side under 32 or not a
+# multiple of 16 ("small", from the weight's shape)
+FIRST_LAST = {"gpt": KEPT, "hf-gpt2": KEPT,
+              "hf-mixtral": ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                             "model.layers.0.self_attn.v_proj", "lm_head")}
+
+
+def kept_by_rule(model: nn.Module, family: str) -> tuple[str, ...]:
+    small = [name for name, m in model.named_modules()
+             if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+             and (min(m.weight.shape) < 32 or any(d % 16 for d in m.weight.shape))]
+    return tuple(FIRST_LAST[family]) + tuple(small)
+
+
+def _family(model_name: str) -> str:
+    """tests/workers/common's model name (gpt4, c-hf-gpt2-tied, ...) -> FIRST_LAST's family."""
+    for family in ("hf-mixtral", "hf-gpt2"):
+        if family in model_name:
+            return family
+    return "gpt"
 
 
 @dataclass(frozen=True)
@@ -101,6 +127,7 @@ class FCase(BCase):
     scaling: str = "tensorwise"
     layers: str = "auto"                # fp8_linears
     precision: str = "fp8"
+    recompute: str = "none"
 
 
 # Bounds: relative errors over the whole model, as tests/workers/precision.py measures them.
@@ -127,12 +154,14 @@ def fp8_equivalence(case: FCase, rank: int) -> dict:
     start = time.perf_counter()
     model, loss_fn, inputs, target = build(case)
     ref, ref16 = copy.deepcopy(model), copy.deepcopy(model)
-    kept = KEPT if case.layers == "auto" else ()
-    converted = fp8_recipe(ref, case.scaling, kept)
+    scaling, layers = getattr(case, "scaling", "tensorwise"), getattr(case, "layers", "auto")
+    kept = kept_by_rule(ref, _family(case.model)) if layers == "auto" else ()
+    converted = fp8_recipe(ref, scaling, kept)
     mesh = autopart.Mesh(pp=case.pp, dp=case.dp, tp=case.tp)
     cfg = autopart.Config(microbatches=case.microbatches, schedule=case.schedule,
                           virtual_stages=case.virtual_stages, zero=case.zero, precision="fp8",
-                          fp8_scaling=case.scaling, fp8_linears=case.layers)
+                          fp8_scaling=scaling, fp8_linears=layers,
+                          sequence_parallel=case.sequence_parallel, recompute=case.recompute)
     pm = autopart.parallelize(model, mesh, inputs, loss_fn=loss_fn, target=target, config=cfg,
                               timeout=timedelta(seconds=120))
     opts = [pm.optimizer(torch.optim.SGD, lr=0.1)] + \
@@ -228,9 +257,9 @@ def _halves(n: int, first: float, second: float) -> torch.Tensor:
 def tp_linear_problems(rank: int, world: int, scaling: str) -> list[str]:
     """fp8_linear_tp on rank `rank`'s shard of a 64x96x80 linear, column- then row-parallel:
     every output and gradient the rank computes bitwise equal to its share of the recipe's
-    GEMMs with the whole tensors' scales (which only the max all-reduce gives it)."""
+    GEMMs with the whole tensors' scales (which only the max all-reduce gives it), with the
+    weight's amax reduced by the linear and batched at a chunk's start (_shard_problems)."""
     import torch.distributed as dist
-    from autopart.ops import fp8 as fp8_ops     # the op under test (the recipe is above)
     from autopart.ops.tp import TPComm
 
     comm = TPComm(world).bind(dist.group.WORLD, rank)
@@ -241,17 +270,65 @@ def tp_linear_problems(rank: int, world: int, scaling: str) -> list[str]:
     w = torch.randn(N, K, generator=g_) * _halves(N, 1, 50)[:, None]
     g = (torch.randn(M, N, generator=g_) * _halves(N, 50, 1)).bfloat16()
     p = _pieces(scaling, x, w, g)
-    rowwise = scaling == "rowwise"
     problems = []
+    for batched in (False, True):
+        problems += _shard_problems(rank, scaling, batched, comm, x, w, g, p)
+        if scaling == "tensorwise":
+            problems += _sequence_parallel_problems(rank, batched, comm, x, w, g, p)
+    return problems
+
+
+def _sequence_parallel_problems(rank, batched, comm, x, w, g, p) -> list[str]:
+    """fp8_gather_linear_sp: the column-parallel shard with x's tokens split over the 2 ranks
+    (the op gathers them in FP8): the output and the weight gradient bitwise the recipe's share,
+    the input gradient this rank's tokens of the sum of both ranks' bf16 GEMMs over their
+    output features (what the reduce-scatter adds)."""
+    from autopart.ops import fp8 as fp8_ops
+    problems, how = [], "batched" if batched else "per linear"
+    (M, K), N = x.shape, w.shape[0]
+    rows, tokens = slice(rank * N // 2, (rank + 1) * N // 2), slice(rank * M // 2, (rank + 1) * M // 2)
+    xs, ws = x[tokens].clone().requires_grad_(), w[rows].clone().requires_grad_()
+    w_amax = fp8_ops.fp8_weight_amaxes_tp([ws], [0], [None], comm)[0] if batched else None
+    y = fp8_ops.fp8_gather_linear_sp(xs, ws, None, "tensorwise", 0, False, True, comm, w_amax,
+                                     seq_dim=0)
+    y.backward(g[:, rows])
+    halves = [slice(r * N // 2, (r + 1) * N // 2) for r in range(2)]
+    partial = [_mm(p["g8"][:, h], p["bw8"][h], p["sg"], p["bsw"], torch.bfloat16) for h in halves]
+    for what, got, want in (
+            ("forward", y, _mm(p["x8"], p["w8"][rows].t(), p["sx"], p["sw"], torch.bfloat16)),
+            ("weight gradient", ws.grad, p["grad_w"][rows]),
+            ("input gradient", xs.grad, (partial[0] + partial[1])[tokens])):
+        if not torch.equal(got.float(), want.float()):
+            problems.append(f"sequence-parallel {what} ({how}): max difference "
+                            f"{(got.float() - want.float()).abs().max():.3g}")
+    return problems
+
+
+def _shard_problems(rank, scaling, batched, comm, x, w, g, p) -> list[str]:
+    """The column- then row-parallel shard of tp_linear_problems; `batched`: the weight's amax
+    over tp from fp8_weight_amaxes_tp (a chunk's one all-reduce at its start, passed as w_amax),
+    else reduced by the linear itself."""
+    from autopart.ops import fp8 as fp8_ops
+    rowwise, problems = scaling == "rowwise", []
+    N, K = w.shape
+    how = "batched" if batched else "per linear"
 
     def check(what, got, want):
         if not torch.equal(got.float(), want.float()):
-            problems.append(f"{scaling} {what}: max difference {(got.float() - want.float()).abs().max():.3g}")
+            problems.append(f"{scaling} {what} ({how}): max difference "
+                            f"{(got.float() - want.float()).abs().max():.3g}")
+
+    def linear(xs, ws, k_split, n_split):
+        w_amax = None
+        if batched:     # the weight's amax over the dim its split lies on (rowwise) or whole
+            dim = (1 if k_split else 0) if rowwise else None
+            (w_amax,) = fp8_ops.fp8_weight_amaxes_tp([ws], [0], [dim], comm)
+        return fp8_ops.fp8_linear_tp(xs, ws, None, scaling, 0, k_split, n_split, comm, w_amax)
 
     # column-parallel: w's rows (output features) split; x whole
     rows = slice(rank * N // 2, (rank + 1) * N // 2)
     xs, ws = x.clone().requires_grad_(), w[rows].clone().requires_grad_()
-    y = fp8_ops.fp8_linear_tp(xs, ws, None, scaling, 0, False, True, comm)
+    y = linear(xs, ws, False, True)
     y.backward(g[:, rows])
     check("column forward", y, _mm(p["x8"], p["w8"][rows].t(), p["sx"],
                                    _cut(p["sw"], 0, rank).t(), torch.bfloat16))
@@ -261,7 +338,7 @@ def tp_linear_problems(rank: int, world: int, scaling: str) -> list[str]:
     # row-parallel: the contracted dim split, x's and w's columns
     cols = slice(rank * K // 2, (rank + 1) * K // 2)
     xs, ws = x[:, cols].clone().requires_grad_(), w[:, cols].clone().requires_grad_()
-    y = fp8_ops.fp8_linear_tp(xs, ws, None, scaling, 0, True, False, comm)
+    y = linear(xs, ws, True, False)
     y.backward(g)
     check("row forward share", y, _mm(p["x8"][:, cols], p["w8"][:, cols].t(), p["sx"],
                                       p["sw"].t(), torch.bfloat16))
