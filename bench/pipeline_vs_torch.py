@@ -2,6 +2,8 @@
 
     python bench/pipeline_vs_torch.py                          # both schedules, table
     python bench/pipeline_vs_torch.py --schedule 1f1b --microbatches 16 --steps 10 --json
+    python bench/pipeline_vs_torch.py --traced --microbatches 8 --microbatch-size 2 \
+        --config tiny,n_layer=8,n_embd=128,block_size=16      # issue 52's tracer-built baseline
 
 Two rank processes (Gloo, one thread each) run, per schedule, four things in turn, step after
 step in one run so that the machine's noise hits all of them alike:
@@ -12,6 +14,9 @@ step in one run so that the machine's noise hits all of them alike:
   torch      torch.distributed.pipelining: one PipelineStage per autopart chunk, built by splitting
              the GPT at the layer boundaries autopart chose, driven by Schedule1F1B /
              ScheduleInterleaved1F1B with the same loss function
+  torch-traced  (--traced) the same schedules over torch's tracer-built stages: pipeline()
+             (torch.export) split at the same blocks, build_stage per chunk; the table gives
+             autopart / torch traced, own floor / torch traced and their distance
   floor      each rank's chunks run eagerly microbatch by microbatch, no communication
              (torch's stage modules: a bound on torch's step, not autopart's)
   own-floor  autopart's own chunk programs the same way: the bound on autopart's step
@@ -32,6 +37,7 @@ import re
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,11 +128,7 @@ def torch_pipeline(model: GPT, compiled, rank: int, microbatches: int, schedule:
             raise RuntimeError(f"chunk {c}: torch stage holds {sorted(names)} but autopart's chunk "
                                f"holds {sorted(theirs)}")
         stages.append(tp.PipelineStage(module, c, k, torch.device("cpu")))
-    cls = getattr(tp, SCHEDULES[schedule][1])
-    if len(stages) == 1:
-        sched = cls(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
-    else:
-        sched = cls(stages, n_microbatches=microbatches, loss_fn=lm_loss)
+    sched = _schedule(schedule, stages, microbatches)
     # Tied embedding / output projection: both ranks hold it; sum its grads as autopart does.
     tied = []
     first_rank, last_rank = plan.chunk_ranks[0], plan.chunk_ranks[-1]
@@ -135,6 +137,78 @@ def torch_pipeline(model: GPT, compiled, rank: int, microbatches: int, schedule:
     params = list({id(p): p for s in stages for p in s.submod.parameters()}.values())
     return TorchPipe(sched, 0 in mine, k - 1 in mine, tied, params,
                      {id(p): n for n, p in model.named_parameters()}, stages)
+
+
+def traced_pipeline(model: GPT, compiled, rank: int, microbatches: int, schedule: str,
+                    example: torch.Tensor) -> TorchPipe:
+    """torch's tracer front end: `pipeline()` traces the plain GPT (torch.export) on one
+    microbatch `example` and splits it where autopart's chunks begin (SplitPoint.BEGINNING on
+    each chunk's first block); `build_stage` makes this rank's stages. The tied embedding /
+    output projection is replicated on the first and last stage (torch's default), its
+    gradients summed between the ranks in torch_step as for the hand-built stages."""
+    from torch.distributed import pipelining as tp
+    plan = compiled.plan
+    cuts = layer_cuts(plan.chunk_layers, model.config.n_layer)
+    k = len(cuts)
+    spec = {f"transformer.h.{c[0]}": tp.SplitPoint.BEGINNING for c in cuts[1:]}
+    named = list(model.named_parameters(remove_duplicate=False))
+    uses = Counter(id(p) for _, p in named)
+    shared = {n for n, p in named if uses[id(p)] > 1}       # the tied embedding's two names
+    pipe = tp.pipeline(model, mb_args=(example,), split_spec=spec)
+    if pipe.num_stages != k:
+        raise RuntimeError(f"pipeline() made {pipe.num_stages} stages of split points {spec}, "
+                           f"autopart {k} chunks")
+    mine = [c for c in range(k) if plan.chunk_ranks[c] == rank]
+    by_chunk = {c.chunk: c for c in compiled.programs[rank].chunks}
+    stages, names, read = [], {}, {}
+    for c in mine:
+        stage = pipe.build_stage(c, torch.device("cpu"))
+        held = read_parameters(stage.submod)
+        if len(held) != len(by_chunk[c].params) or \
+                not set(by_chunk[c].params) <= _aliases(model, held):
+            raise RuntimeError(f"chunk {c}: torch's traced stage holds {sorted(held)} but "
+                               f"autopart's chunk holds {sorted(by_chunk[c].params)}")
+        names.update({id(p): n for n, p in held.items()})
+        read.update({id(p): p for p in held.values()})
+        stages.append(stage)
+    sched = _schedule(schedule, stages, microbatches)
+    params = list(read.values())
+    tied = [p for p in params if names[id(p)] in shared] \
+        if plan.chunk_ranks[0] != plan.chunk_ranks[-1] else []
+    return TorchPipe(sched, 0 in mine, k - 1 in mine, tied, params, names, stages)
+
+
+def read_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a traced stage's graphs read (get_attr), by qualified name, through its
+    call_module nodes: pipeline() also attaches the tied embedding's other name to a stage
+    that never reads it (the original tensor, its .grad None), which is no part of its work."""
+    out: dict[str, nn.Parameter] = {}
+
+    def walk(mod: nn.Module, prefix: str) -> None:
+        own = dict(mod.named_parameters())
+        for n in getattr(mod, "graph", None).nodes if hasattr(mod, "graph") else ():
+            if n.op == "get_attr" and n.target in own:
+                out[prefix + n.target] = own[n.target]
+            elif n.op == "call_module":
+                walk(mod.get_submodule(n.target), prefix + n.target + ".")
+    walk(module, "")
+    return out
+
+
+def _aliases(model: GPT, held: dict) -> set[str]:
+    """Every plain-model name of the tensors `held` names (a tied tensor has two)."""
+    plain = model.named_parameters(remove_duplicate=False)
+    by_name = dict(plain)
+    ids = {id(by_name[n]) for n in held if n in by_name}
+    return {n for n, p in by_name.items() if id(p) in ids} | set(held)
+
+
+def _schedule(schedule: str, stages: list, microbatches: int):
+    from torch.distributed import pipelining as tp
+    cls = getattr(tp, SCHEDULES[schedule][1])
+    if len(stages) == 1:
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
+    return cls(stages, n_microbatches=microbatches, loss_fn=lm_loss)
 
 
 def torch_step(pipe: TorchPipe, tokens, targets) -> torch.Tensor:
@@ -176,21 +250,27 @@ def _grad_error(pairs) -> float:
     return worst / scale
 
 
-def check_equal_work(plain, pm, pipe, tokens, targets, tol: float) -> dict:
-    """First step of each on the same weights and batch: loss and grads must match the plain model."""
-    plain_params = dict(plain.named_parameters())
+def check_equal_work(plain, pm, pipes: dict, tokens, targets, tol: float) -> dict:
+    """First step of each on the same weights and batch: loss and grads must match the plain
+    model. `pipes`: side name (torch, torch_traced) -> its TorchPipe."""
+    plain_params = dict(plain.named_parameters(remove_duplicate=False))
     _zero(plain_params.values())
     ref_loss = float(plain_step(plain, tokens, targets))
-    ap_loss = float(pm.train_step(tokens, target=targets))
-    ap_err = _grad_error([(p.grad, plain_params[n].grad) for n, p in pm.named_parameters()])
-    t_loss = float(torch_step(pipe, tokens, targets))
-    t_err = _grad_error([(p.grad, plain_params[pipe.names[id(p)]].grad) for p in pipe.params])
-    errs = torch.tensor([abs(ap_loss - ref_loss), abs(t_loss - ref_loss), ap_err, t_err])
+    losses = {"autopart": float(pm.train_step(tokens, target=targets))}
+    errors = {"autopart": _grad_error([(p.grad, plain_params[n].grad)
+                                       for n, p in pm.named_parameters()])}
+    for side, pipe in pipes.items():
+        losses[side] = float(torch_step(pipe, tokens, targets))
+        errors[side] = _grad_error([(p.grad, plain_params[pipe.names[id(p)]].grad)
+                                    for p in pipe.params])
+    sides = list(losses)
+    errs = torch.tensor([abs(losses[k] - ref_loss) for k in sides] + [errors[k] for k in sides])
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-    out = {"plain_loss": ref_loss, "autopart_loss": ap_loss, "torch_loss": t_loss,
-           "autopart_grad_rel_err": float(errs[2]), "torch_grad_rel_err": float(errs[3])}
-    bad = [k for k, v in zip(("autopart loss", "torch loss", "autopart grads", "torch grads"), errs)
-           if not float(v) <= tol * (max(1.0, abs(ref_loss)) if "loss" in k else 1.0)]
+    out = {"plain_loss": ref_loss, **{f"{k}_loss": v for k, v in losses.items()},
+           **{f"{k}_grad_rel_err": float(e) for k, e in zip(sides, errs[len(sides):])}}
+    scale = max(1.0, abs(ref_loss))
+    bad = [f"{k} loss" for k, e in zip(sides, errs) if not float(e) <= tol * scale] + \
+        [f"{k} grads" for k, e in zip(sides, errs[len(sides):]) if not float(e) <= tol]
     if bad:
         raise AssertionError(f"not the same work as the plain model: {', '.join(bad)} differ: {out}")
     return out
@@ -278,10 +358,14 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
                                   target=targets, microbatches=m, schedule=name, virtual_stages=v)
         compile_s = time.perf_counter() - t0
         pipe = torch_pipeline(t_model, pm.compiled, pm.coords["pp"], m, name)
+        pipes = {"torch": pipe}
+        if opts.get("traced"):      # torch's tracer front end on its own copy of the weights
+            pipes["torch_traced"] = traced_pipeline(copy.deepcopy(plain), pm.compiled,
+                                                    pm.coords["pp"], m, name, tokens[:mbs])
         nccl_lowered = nccl_lowering(autopart.parallelize(
             copy.deepcopy(plain), autopart.Mesh(pp=PP), (tokens,), loss_fn=lm_loss,
             target=targets, microbatches=m, schedule=name, virtual_stages=v))
-        check = check_equal_work(plain, pm, pipe, tokens, targets, opts["tol"])
+        check = check_equal_work(plain, pm, pipes, tokens, targets, opts["tol"])
 
         ap_params, t_params, p_params = list(pm.parameters()), pipe.params, list(plain.parameters())
         runners = {   # every rank runs these together, each step starting at a barrier
@@ -289,6 +373,8 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
             "nccl-lowered": (lambda: nccl_lowered.train_step(tokens, target=targets),
                              list(nccl_lowered.parameters())),
             "torch": (lambda: torch_step(pipe, tokens, targets), t_params),
+            **({"torch-traced": (lambda: torch_step(pipes["torch_traced"], tokens, targets),
+                                 pipes["torch_traced"].params)} if "torch_traced" in pipes else {}),
             "floor": (lambda: floor_step(pipe, tokens, targets, m, hidden), t_params),
             "own-floor": (lambda: own_floor_step(pm, tokens, targets, m), ap_params),
         }
@@ -344,9 +430,24 @@ def rank_main(rank: int, world: int, opts: dict) -> dict:
             "lowering": statistics.median(a / b for a, b in zip(wall["autopart"],
                                                                  wall["nccl-lowered"])),
             "load_before": load, "load_after": os.getloadavg()[0],
-            "compile_s": compile_s, "check": check})
-        del pm, pipe, nccl_lowered
+            "compile_s": compile_s, "check": check, **traced_figures(wall)})
+        del pm, pipe, pipes, nccl_lowered
     return {"results": results}
+
+
+def traced_figures(wall: dict) -> dict:
+    """The torch-traced side's figures (none when it did not run): autopart / torch traced and
+    autopart's own floor / torch traced, each the median of per-round ratios, and the distance
+    between them, the median of per-round (autopart - own floor) / torch traced: how far
+    autopart's step is above the limit of its own programs, in torch traced steps."""
+    if "torch-traced" not in wall:
+        return {}
+    t, a, f = wall["torch-traced"], wall["autopart"], wall["own-floor"]
+    return {"torch_traced_ms": 1e3 * statistics.median(t),
+            "torch_traced_ms_all": [1e3 * x for x in t],
+            "ratio_traced": statistics.median(x / y for x, y in zip(a, t)),
+            "own_floor_over_traced": statistics.median(x / y for x, y in zip(f, t)),
+            "traced_distance": statistics.median((x - z) / y for x, z, y in zip(a, f, t))}
 
 
 # -- driver ------------------------------------------------------------------------------------------
@@ -393,6 +494,13 @@ def table(opts: dict, results: list[dict]) -> str:
                      f"{c['torch_loss']:.6f}; grad rel err autopart {c['autopart_grad_rel_err']:.1e} "
                      f"torch {c['torch_grad_rel_err']:.1e}; load avg {r['load_before']:.1f} -> "
                      f"{r['load_after']:.1f} on {os.cpu_count()} cpus")
+        if "ratio_traced" in r:
+            lines.append(f"    torch traced (pipeline() + build_stage): {r['torch_traced_ms']:.1f} ms; "
+                         f"autopart / torch traced {r['ratio_traced']:.3f}; own floor / torch "
+                         f"traced {r['own_floor_over_traced']:.3f}; distance (autopart - own "
+                         f"floor) / torch traced {r['traced_distance']:.3f}; first-step loss "
+                         f"{c['torch_traced_loss']:.6f}, grad rel err "
+                         f"{c['torch_traced_grad_rel_err']:.1e}")
         q = r["quartiles_ms"]
         lines.append("    step time quartiles (ms): " + "; ".join(
             f"{k} {v[0]:.1f} / {v[1]:.1f} / {v[2]:.1f}" for k, v in q.items()))
@@ -412,12 +520,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=1e-4,
                     help="allowed loss / relative gradient difference from the plain model")
     ap.add_argument("--timeout", type=float, default=900, help="seconds before the ranks are killed")
+    ap.add_argument("--traced", action="store_true",
+                    help="also step torch's tracer-built stages (pipeline() + build_stage), "
+                         "paired with the others round by round")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON line on stdout (the table goes to stderr)")
     a = ap.parse_args(argv)
     opts = dict(schedules=list(SCHEDULES) if a.schedule == "all" else [a.schedule],
                 microbatches=a.microbatches, microbatch_size=a.microbatch_size, steps=a.steps,
-                warmup=a.warmup, config=a.config, seed=a.seed, tol=a.tol)
+                warmup=a.warmup, config=a.config, seed=a.seed, tol=a.tol, traced=a.traced)
     from autopart.runtime.launch import spawn
     out = spawn(rank_main, PP, opts, timeout=a.timeout)[0]
     text = table(opts, out["results"])

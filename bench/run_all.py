@@ -73,6 +73,23 @@ def _pipeline(out: dict) -> dict:
     return rows
 
 
+def _traced(out: dict) -> dict:
+    """pipeline_vs_torch.py --traced: autopart against torch's tracer-built stages, and how far
+    autopart's step is above its own floor, each per round."""
+    rows = {}
+    for r in out["results"]:
+        s, t = r["schedule"], r["torch_traced_ms_all"]
+        a, f = r["autopart_ms_all"], r["own_floor_ms_all"]
+        rows[f"pp {s} / torch traced"] = _per_round(a, t)
+        rows[f"pp {s} own floor / torch traced"] = _per_round(f, t)
+        rows[f"pp {s} / torch traced above own floor"] = [
+            x - y for x, y in zip(_per_round(a, t), _per_round(f, t))]
+    return rows
+
+
+TRACED = ("8 layers n_embd=128, seq 16, 8 microbatches of 2 (issue 52's setup)")
+
+
 def _tp(t: dict) -> dict:
     rows = {"tp=2": _per_round(t["autopart"], t["dtensor"])}
     if "autopart_no_overlap" in t:      # from 2026-12-02: the step without overlap_collectives
@@ -103,6 +120,11 @@ def _zero(out: dict) -> dict:
     rows = {f"zero{k} / fsdp2": _per_round(t[f"autopart_zero{k}"], t["fsdp2"]) for k in (2, 1, 0)}
     if "autopart_zero3" in t:       # runs before zero=3 had no such side
         rows["zero3 / fsdp2 reshard"] = _per_round(t["autopart_zero3"], t["fsdp2_reshard"])
+    if "autopart_zero3_noprefetch" in t:    # from 2026-12-02: the prefetch's A/B (issue 52)
+        rows["zero3 no prefetch / fsdp2 reshard"] = _per_round(t["autopart_zero3_noprefetch"],
+                                                              t["fsdp2_reshard"])
+        rows["zero3 prefetch / no prefetch"] = _per_round(t["autopart_zero3"],
+                                                         t["autopart_zero3_noprefetch"])
     return rows
 
 
@@ -146,6 +168,22 @@ BENCHMARKS = [
           optional={"pp 1f1b compute-bound / nccl-lowered": "autopart's step lowered for Gloo / "
                     "lowered for NCCL, the compute-bound model, paired rounds",
                     "pp 1f1b compute-bound floor / torch": FLOOR + "the compute-bound model"}),
+    Bench("pipeline-traced", "pipeline_vs_torch.py",
+          lambda r: ["--steps", str(r), "--traced", "--microbatches", "8", "--microbatch-size",
+                     "2", "--config", "tiny,n_layer=8,n_embd=128,block_size=16"],
+          {**{f"pp {s} / torch traced": f"autopart / torch.distributed.pipelining step over "
+              f"torch's tracer-built stages (pipeline() + build_stage, split where autopart's "
+              f"chunks begin; {cls}), pp=2, GPT " + TRACED
+              for s, cls in (("1f1b", "Schedule1F1B"),
+                             ("interleaved-1f1b", "ScheduleInterleaved1F1B, v=2"))},
+           **{f"pp {s} own floor / torch traced": "autopart's own floor (its chunk programs, "
+              "forward+backward per microbatch, no communication, no schedule) / the same "
+              "torch traced step, paired rounds: the lowest the row above can read, " + what
+              for s, what in (("1f1b", "1F1B"), ("interleaved-1f1b", "interleaved"))},
+           **{f"pp {s} / torch traced above own floor": "(autopart - own floor) / torch traced, "
+              "per round: the distance of the ratio from autopart's own floor, " + what
+              for s, what in (("1f1b", "1F1B"), ("interleaved-1f1b", "interleaved"))}},
+          _traced),
     Bench("tp", "tp_vs_dtensor.py", lambda r: ["--steps", str(r)],
           {"tp=2": "autopart / DTensor parallelize_module step (fwd+bwd+SGD), HF Llama 4 layers "
                    "h=256, batch 8x128"},
@@ -182,7 +220,12 @@ BENCHMARKS = [
            "zero3 / fsdp2 reshard": "autopart zero=3 / FSDP2 with reshard_after_forward=True, "
                                     "resharded after every microbatch's backward (both gather "
                                     "each layer for its forward and again for its backward)"},
-          _zero),
+          _zero,
+          optional={"zero3 no prefetch / fsdp2 reshard": "autopart zero=3 with its one-group-"
+                    "ahead all-gather off (each group gathered where the program needs it) / "
+                    "the same FSDP2, paired rounds",
+                    "zero3 prefetch / no prefetch": "autopart zero=3 / the same program without "
+                    "the prefetch, paired rounds (issue 52)"}),
     Bench("health", "health_check.py", lambda r: ["--steps", str(3 * r)],
           {"health pp=2": "nonfinite='raise' / 'ignore' step, pp=2, tiny GPT (overhead-bound), "
                           "3x the rounds",
@@ -294,11 +337,12 @@ def _spread(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'benchmark':<30}{'run 1':>10}{'run 2':>10}{'apart':>8}  {'verdict':<8}{'rounds':>7}{'seconds':>9}"
+    w = max([30] + [len(r["benchmark"]) + 2 for r in rows])
+    head = f"{'benchmark':<{w}}{'run 1':>10}{'run 2':>10}{'apart':>8}  {'verdict':<8}{'rounds':>7}{'seconds':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         a, b = (r["runs"] + [None, None])[:2]
-        lines.append(f"{r['benchmark']:<30}{_fmt(a, r['unit']):>10}{_fmt(b, r['unit']):>10}"
+        lines.append(f"{r['benchmark']:<{w}}{_fmt(a, r['unit']):>10}{_fmt(b, r['unit']):>10}"
                      f"{_spread(r):>8}  {r['verdict']:<8}{r['rounds']:>7}{r['seconds']:>9.0f}")
     return "\n".join(lines)
 

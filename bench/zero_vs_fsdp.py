@@ -11,6 +11,8 @@ are built from the same weights and step back to back in every round (their orde
 every other round), each step (forward + backward + optimizer step + zero_grad) from a barrier
 and lasting as long as its slowest rank:
   autopart_zero3/2/1/0  parallelize(..., Mesh(dp=2), microbatches=M, zero=k), pm.optimizer(AdamW)
+  autopart_zero3_noprefetch  zero=3 with the runtime's one-group-ahead all-gather off (each
+                      group gathered where the program needs it): the A/B of the prefetch
   fsdp2_reshard       fully_shard as below but reshard_after_forward=True and resharded after
                       every microbatch's backward: parameters gathered for each layer's forward
                       and again for its backward, ZeRO-3's work, the peer of autopart_zero3
@@ -22,8 +24,8 @@ and lasting as long as its slowest rank:
                       microbatches (set_reshard_after_backward(False) but on the last)
 Before timing, every side's first-step loss must equal the plain model's on the global batch
 (rtol 1e-5) and the second step's losses (after one AdamW step) must agree with each other: a
-benchmark of unequal work is worthless. The ratios are medians of per-round ratios: zero3 /
-fsdp2_reshard, and zero2, zero1, zero0 / fsdp2.
+benchmark of unequal work is worthless. The ratios are medians of per-round ratios: zero3 (and
+zero3_noprefetch) / fsdp2_reshard, zero2, zero1, zero0 / fsdp2, and zero3 / zero3_noprefetch.
 
 Memory mode (`--memory`): per rank, the peak RSS (VmHWM) net of a torch-only process's, at
 dp=`--dp` (4) for each of `--levels`, against one plain process training the same model 2 AdamW
@@ -54,10 +56,10 @@ from bench.run_all import _per_round  # noqa: E402
 from examples.gpt import GPT, config, lm_loss  # noqa: E402
 
 STEP_CONFIG = "tiny,n_layer=4,n_embd=256,n_head=4,vocab_size=8192,block_size=128"
-SIDES = ("autopart_zero3", "autopart_zero2", "autopart_zero1", "autopart_zero0", "fsdp2",
-         "fsdp2_reshard")
-PEER = {"autopart_zero3": "fsdp2_reshard", "autopart_zero2": "fsdp2", "autopart_zero1": "fsdp2",
-        "autopart_zero0": "fsdp2"}
+SIDES = ("autopart_zero3", "autopart_zero3_noprefetch", "autopart_zero2", "autopart_zero1",
+         "autopart_zero0", "fsdp2", "fsdp2_reshard")
+PEER = {"autopart_zero3": "fsdp2_reshard", "autopart_zero3_noprefetch": "fsdp2_reshard",
+        "autopart_zero2": "fsdp2", "autopart_zero1": "fsdp2", "autopart_zero0": "fsdp2"}
 LR = 1e-3
 
 
@@ -81,6 +83,17 @@ def autopart_step(pm, opt, x) -> float:
     opt.step()
     opt.zero_grad()
     return float(loss)
+
+
+def without_prefetch(pm):
+    """`pm` (zero=3) gathering each parameter group when it is needed, never one ahead: the
+    program's gathers keep their places (passes/gather_parameters.py), the runtime posts no
+    next group's all-gather (runtime/param_shards.py ShardedParameters.gather's next_group).
+    The A/B of the prefetch, on the same program."""
+    sharded = pm._sharded
+    gather = type(sharded).gather
+    sharded.gather = lambda params, next_group=None: gather(sharded, params)
+    return pm
 
 
 def fsdp2_side(plain, world: int, reshard: bool = False):
@@ -151,6 +164,10 @@ def step_rank(rank: int, world: int, opts: dict) -> dict:
         if f"autopart_zero{level}" in sides:
             pm, opt = autopart_side(copy.deepcopy(plain), autopart.Mesh(dp=world), x, m, level)
             steps[f"autopart_zero{level}"] = lambda pm=pm, opt=opt: autopart_step(pm, opt, x)
+    if "autopart_zero3_noprefetch" in sides:
+        pm, opt = autopart_side(copy.deepcopy(plain), autopart.Mesh(dp=world), x, m, 3)
+        without_prefetch(pm)
+        steps["autopart_zero3_noprefetch"] = lambda pm=pm, opt=opt: autopart_step(pm, opt, x)
     for name, reshard in (("fsdp2", False), ("fsdp2_reshard", True)):
         if name in sides:
             fsdp, fsdp_opt = fsdp2_side(plain, world, reshard)
@@ -185,6 +202,9 @@ def step_mode(a) -> int:
     times = out["step_seconds"]
     ratios = {k: statistics.median(_per_round(times[k], times[peer])) for k, peer in PEER.items()
               if k in times and peer in times}
+    if "autopart_zero3_noprefetch" in times and "autopart_zero3" in times:
+        ratios["prefetch"] = statistics.median(_per_round(times["autopart_zero3"],
+                                                          times["autopart_zero3_noprefetch"]))
     result = {"bench": "zero_vs_fsdp", "dp": 2, "config": a.config, "params": out["params"],
               "batch": a.batch, "microbatches": a.microbatches, "steps": a.steps,
               "warmup": a.warmup, "equal_work": out["check"], "step_seconds": times,
@@ -203,11 +223,13 @@ def step_table(r: dict) -> str:
              f"{r['steps']} rounds after {r['warmup']} warm-up",
              f"equal work: plain first-step loss {c['plain']:.6f}; " + ", ".join(
                  f"{k} {v:.6f}" for k, v in c["first"].items()) + " (match)", "",
-             f"{'side':<16}{'median s':>10}{'/ peer':>10}  peer"]
+             f"{'side':<26}{'median s':>10}{'/ peer':>10}  peer"]
     for side in [s for s in SIDES if s in r["step_seconds"]]:
         ratio = r["median_ratio_to_fsdp2"].get(side)
-        lines.append(f"{side:<16}{statistics.median(r['step_seconds'][side]):>10.3f}"
+        lines.append(f"{side:<26}{statistics.median(r['step_seconds'][side]):>10.3f}"
                      f"{'' if ratio is None else f'{ratio:.3f}':>10}  {PEER.get(side, '')}")
+    if "prefetch" in r["median_ratio_to_fsdp2"]:
+        lines.append(f"{'zero3 prefetch / no prefetch':<26}{r['median_ratio_to_fsdp2']['prefetch']:.3f}")
     lines += ["", "/ peer: median of the per-round ratios (lower: autopart faster)",
               f"load average {r['load_before']:.1f} before, {r['load_after']:.1f} after, on "
               f"{os.cpu_count()} cpus"]

@@ -150,3 +150,40 @@ def test_tp_rows_pair_overlap_with_its_absence_round_by_round():
                     "tp=2 overlap / overlap=False": [0.5, 0.5]}
     assert set(tp.values({"step_seconds": {"autopart": [1.0], "dtensor": [2.0]}})) == {"tp=2"}
     assert set(rows) - {"tp=2"} <= set(tp.optional)
+
+
+def test_traced_rows_pair_autopart_and_its_own_floor_with_torchs_traced_stages(fake):
+    """pipeline_vs_torch.py --traced (issue 52's setup): autopart / torch traced, own floor /
+    torch traced, and their per-round difference (the distance from autopart's own floor)."""
+    outputs, calls = fake
+    one = {"autopart_ms_all": [6.0, 8.0, 7.0], "own_floor_ms_all": [3.0, 2.0, 4.0],
+           "torch_traced_ms_all": [10.0, 10.0, 10.0], "torch_ms_all": [1.0] * 3}
+    outputs.append((0, json.dumps({"results": [{"schedule": "1f1b", **one},
+                                               {"schedule": "interleaved-1f1b", **one}]})))
+    traced = next(b for b in run_all.BENCHMARKS if b.name == "pipeline-traced")
+    got, _, error = run_all.run_once(traced, 3)
+    assert error == ""
+    argv = calls[0]
+    assert argv[1].endswith("pipeline_vs_torch.py") and "--traced" in argv
+    assert argv[argv.index("--microbatches") + 1] == "8"
+    assert argv[argv.index("--microbatch-size") + 1] == "2"
+    assert argv[argv.index("--config") + 1] == "tiny,n_layer=8,n_embd=128,block_size=16"
+    for s in ("1f1b", "interleaved-1f1b"):
+        assert got[f"pp {s} / torch traced"] == pytest.approx(0.7)           # 0.6, 0.8, 0.7
+        assert got[f"pp {s} own floor / torch traced"] == pytest.approx(0.3)  # 0.3, 0.2, 0.4
+        assert got[f"pp {s} / torch traced above own floor"] == pytest.approx(0.3)  # .3 .6 .3
+    assert set(got) == set(traced.rows)      # only its own rows: no name shared with `pipeline`
+    assert not set(traced.rows) & {r for b in run_all.BENCHMARKS if b is not traced
+                                   for r in {**b.rows, **b.optional}}
+
+
+def test_zero3_prefetch_rows_pair_it_with_its_absence_round_by_round():
+    zero = next(b for b in run_all.BENCHMARKS if b.name == "zero")
+    t = {"autopart_zero3": [1.0, 3.0, 2.0], "autopart_zero3_noprefetch": [2.0, 2.0, 4.0],
+         "fsdp2_reshard": [2.0, 4.0, 4.0], "autopart_zero2": [1.0] * 3,
+         "autopart_zero1": [1.0] * 3, "autopart_zero0": [1.0] * 3, "fsdp2": [1.0] * 3}
+    rows = zero.values({"step_seconds": t})
+    assert rows["zero3 / fsdp2 reshard"] == [0.5, 0.75, 0.5]
+    assert rows["zero3 no prefetch / fsdp2 reshard"] == [1.0, 0.5, 1.0]
+    assert rows["zero3 prefetch / no prefetch"] == [0.5, 1.5, 0.5]
+    assert {"zero3 no prefetch / fsdp2 reshard", "zero3 prefetch / no prefetch"} <= set(zero.optional)
