@@ -5,7 +5,9 @@ processes, trains `steps` optimizer steps of the compiled layout (`autopart.para
 a deep copy of the plain model taken before parallelize, on the same batch in every rank
 process, and compares the loss of every step and every parameter after the last step: each rank
 compares the shard it holds (`local_view`: its tensor-parallel slice, its experts) with the same
-slice of the plain model's parameter. The result is a `VerifyReport`: per parameter group (a
+slice of the plain model's parameter (with `local_batches=True` each rank's train_step is given
+only its share of the batch, `pm.local_batch`, as a loader feeding each rank would, while the
+plain copy trains on the whole batch). The result is a `VerifyReport`: per parameter group (a
 layer, the embeddings, the head, a norm), the largest difference, PASS/FAIL against the stated
 tolerance and the first parameter that differs, in the plain model's order.
 
@@ -90,6 +92,10 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)   # anything else that differs
     notes: list[str] = field(default_factory=list)      # what verify changed (shrink, dropout)
     seconds: float = 0.0
+    # local_batches=True: each rank's train_step was given its share of the batch only
+    # (pm.local_batch); `fed[r]`: the shapes rank r was given on step 1 (None: it passed None)
+    local_batches: bool = False
+    fed: list = field(default_factory=list)
 
     @property
     def max_diff(self) -> float:
@@ -300,14 +306,38 @@ def _plain_loss(ref: nn.Module, inputs: tuple, loss_fn, target):
     return loss
 
 
+def _share(pm, inputs: tuple, target, wrong: bool) -> tuple[tuple, Any]:
+    """This rank's share of the global batch (pm.local_batch: its rows, its cp chunks, None
+    where it reads nothing). `wrong` (tests only): the share of the global batch with its rows
+    rolled by one replica's, i.e. another data-parallel replica's rows, which the comparison
+    must catch."""
+    if wrong:
+        if pm.mesh.dp < 2:
+            raise AutopartError("a wrong share (another replica's rows) needs dp >= 2")
+
+        def roll(t):
+            return torch.roll(t, pm.batch_shard.local_rows, 0) \
+                if isinstance(t, torch.Tensor) and t.dim() else t
+        inputs, target = tuple(map(roll, inputs)), roll(target)
+    return pm.local_batch(*inputs, target=target)
+
+
+def _shapes(tensors) -> list:
+    return [None if t is None else list(t.shape) for t in tensors]
+
+
 def verify_rank(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn=None,
                 target=None, steps: int = 3, optimizer: str = "sgd", tolerance=None,
                 timeout: float = PG_TIMEOUT, perturb: str | None = None,
+                local_batches: bool = False, wrong_share: int | None = None,
                 **parallelize_kwargs) -> dict:
     """This rank's half of verify (inside an initialized process group, on every rank): train
     the layout and the plain model `steps` steps on `example_inputs`; return plain data that
-    `merge` turns into the report. `perturb` (tests only): a plain parameter's name, nudged by
-    1e-3 in the plain copy before training, so the layout must be reported as differing."""
+    `merge` turns into the report. `local_batches`: the layout's train_step is given only this
+    rank's share of the batch (pm.local_batch), the plain model the whole batch. `perturb`
+    (tests only): a plain parameter's name, nudged by 1e-3 in the plain copy before training;
+    `wrong_share` (tests only, with local_batches): the rank fed another replica's rows. Either
+    way the layout must be reported as differing."""
     import torch.distributed as dist
     from autopart.api import parallelize
 
@@ -332,9 +362,14 @@ def verify_rank(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn=
     cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
     opt = pm.optimizer(cls, lr=LEARNING_RATE[optimizer])
     ref_opt = cls(ref.parameters(), lr=LEARNING_RATE[optimizer])
-    losses, had_grad = [], set()
+    losses, had_grad, fed = [], set(), None
     for _ in range(steps):
-        loss = pm.train_step(*inputs, target=target)
+        if local_batches:   # local=True: under cp with dp=1 a share has a global batch's shape
+            given, given_target = _share(pm, inputs, target, wrong_share == rank)
+            fed = fed or _shapes((*given, given_target))
+            loss = pm.train_step(*given, target=given_target, local=True)
+        else:
+            loss = pm.train_step(*inputs, target=target)
         ref_loss = _plain_loss(ref, inputs, loss_fn, target)
         ref_loss.backward()
         losses.append((float(loss.detach()), float(ref_loss.detach())))
@@ -347,7 +382,7 @@ def verify_rank(model: nn.Module, mesh: Mesh, example_inputs: tuple, *, loss_fn=
         diff, detail = compare(p, mine(name, ref_params[name]), rtol, atol)
         params[name] = (diff, detail)
     return {"rank": rank, "losses": losses, "params": params, "order": order, "numel": numel,
-            "had_grad": sorted(had_grad), "dropout": dropped}
+            "had_grad": sorted(had_grad), "dropout": dropped, "fed": fed}
 
 
 def merge(per_rank: list[dict], *, mesh: Mesh, steps: int, optimizer: str, tolerance=None,
@@ -389,16 +424,29 @@ def merge(per_rank: list[dict], *, mesh: Mesh, steps: int, optimizer: str, toler
         if n in failed and g.ok:
             g.ok, g.first_differing, g.detail = False, n, failed[n]
     first_bad = next((n for n in order if n in failed), None)
-    dropped = first.get("dropout") or []
-    notes = list(notes or [])
-    if dropped:
-        notes.append(f"dropout set to 0 in {len(dropped)} module(s) (random masks differ "
-                     f"between layouts): {', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''}")
+    notes, fed = _notes(per_rank, notes)
+    local = any(f is not None for f in fed)
     ok = (all(s.ok for s in losses) and all(g.ok for g in groups.values()) and not problems)
     return VerifyReport(ok=ok, mesh=str(mesh), world=mesh.world_size, steps=steps,
                         optimizer=optimizer, lr=LEARNING_RATE[optimizer], rtol=rtol, atol=atol,
                         losses=losses, groups=list(groups.values()), first_differing=first_bad,
-                        unused=unused, problems=problems, notes=notes, seconds=seconds)
+                        unused=unused, problems=problems, notes=notes, seconds=seconds,
+                        local_batches=local, fed=fed if local else [])
+
+
+def _notes(per_rank: list[dict], notes: list[str] | None) -> tuple[list[str], list]:
+    """The report's notes (the caller's, then what the ranks changed or were fed) and, per rank
+    in rank order, the shapes it was fed on step 1 (None everywhere: the global batch)."""
+    notes = list(notes or [])
+    dropped = per_rank[0].get("dropout") or []
+    if dropped:
+        notes.append(f"dropout set to 0 in {len(dropped)} module(s) (random masks differ "
+                     f"between layouts): {', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''}")
+    fed = [r.get("fed") for r in sorted(per_rank, key=lambda r: r["rank"])]
+    if any(f is not None for f in fed):
+        notes.append("local batches: each rank's train_step was given only its share of the "
+                     "batch (pm.local_batch), the plain model the whole batch")
+    return notes, fed
 
 
 # -- the Python API -------------------------------------------------------------------------------
@@ -419,7 +467,8 @@ def _api_rank(rank: int, world: int, build: Callable, mesh: Mesh, inputs, kwargs
 def verify(model: nn.Module | Callable[[], nn.Module], mesh: Mesh | str, example_inputs, *,
            loss_fn: Callable | None = None, target: torch.Tensor | None = None, steps: int = 3,
            optimizer: str = "sgd", tolerance: float | tuple[float, float] | None = None,
-           timeout: float = SPAWN_TIMEOUT, **parallelize_kwargs) -> VerifyReport:
+           timeout: float = SPAWN_TIMEOUT, local_batches: bool = False,
+           **parallelize_kwargs) -> VerifyReport:
     """Train the layout `parallelize(model, mesh, ...)` and the plain model `steps` steps on the
     batch `example_inputs` (and `target`), and compare every loss and parameter.
 
@@ -445,6 +494,10 @@ def verify(model: nn.Module | Callable[[], nn.Module], mesh: Mesh | str, example
     Other keyword arguments go to `parallelize` (microbatches, schedule, virtual_stages,
     sequence_parallel, recompute, zero, ...). nn.Dropout modules get p=0 on both sides (their
     masks are random); the report's notes say so. `timeout`: seconds for the spawned run.
+    `local_batches=True`: each rank's train_step is given only its share of the batch
+    (`pm.local_batch(*example_inputs, target=target)`: its rows, its cp chunks, None for what
+    it does not read), as a data loader feeding each rank would; the plain model still trains
+    on the whole batch, and the comparison is the same (`report.fed`: what each rank was given).
     """
     import torch.distributed as dist
 
@@ -460,7 +513,7 @@ def verify(model: nn.Module | Callable[[], nn.Module], mesh: Mesh | str, example
         raise AutopartError(f"steps={steps}: verify trains at least one step")
     tolerance_for(optimizer, tolerance)
     kwargs = dict(loss_fn=loss_fn, target=target, steps=steps, optimizer=optimizer,
-                  tolerance=tolerance, **parallelize_kwargs)
+                  tolerance=tolerance, local_batches=local_batches, **parallelize_kwargs)
     summary = dict(mesh=mesh, steps=steps, optimizer=optimizer, tolerance=tolerance)
     if dist.is_initialized():
         if not isinstance(model, nn.Module):

@@ -2,9 +2,11 @@
 ranks, compared per parameter group (autopart/verification.py, autopart/cli/verify.py).
 
 Fast tier: the report, the comparison (NaN fails), --shrink on configs (no processes), bad flags,
-one passing run and one run with a deliberately wrong plain copy (2 ranks each). Full tier: a
-Hugging Face GPT-2 with tp=2, the Switch MoE with dp=2 x ep=2, a shrunk gpt3-175b with tp=2 x
-pp=2 under zb-v, and the Python API with a builder function.
+one passing run and one run with a deliberately wrong plain copy, one passing run with
+--local-batches (2 ranks each). Full tier: a Hugging Face GPT-2 with tp=2, the Switch MoE with
+dp=2 x ep=2, a shrunk gpt3-175b with tp=2 x pp=2 under zb-v, --local-batches on pp=2 x dp=2
+passing and failing with a rank fed another replica's rows, and the Python API with a builder
+function (local_batches=True on dp=2 x cp=2 too).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ TIMEOUT = ["--timeout", "400"]      # every spawned run is bounded (spawn kills 
 REPORT_KEYS = {"ok", "mesh", "world", "steps", "optimizer", "lr", "rtol", "atol", "losses",
                "groups", "first_differing", "unused", "problems", "notes", "seconds",
                "max_diff", "model", "config", "parameters", "shrunk", "batch", "schedule",
-               "microbatches"}
+               "microbatches", "local_batches", "fed"}
 GROUP_KEYS = {"group", "parameters", "elements", "max_diff", "ok", "verdict", "first_differing",
               "detail"}
 LOSS_KEYS = {"step", "parallel", "plain", "diff", "ok"}
@@ -293,6 +295,28 @@ def test_verify_reports_a_layout_that_differs(capsys, monkeypatch):
     assert "FAIL: the layout" in out and "first differing parameter: transformer." in out
 
 
+def _local(mesh: str) -> list[str]:
+    return [GPT, "--config", "tiny,n_layer=2", "--mesh", mesh, "--microbatches", "2", "--steps",
+            "2", "--local-batches", "--json", *TIMEOUT]
+
+
+def test_verify_with_local_batches_on_dp(capsys):
+    """--local-batches on dp=2: each rank's train_step is given only its replica's 2 of the 4
+    rows; the plain model trains on all 4. PASS."""
+    code, out, err = _run(_local("dp=2"), capsys)
+    report = json.loads(out)
+    assert code == 0 and report["ok"], (report, err)
+    assert report["local_batches"] and report["batch"] == 4
+    assert report["fed"] == [[[2, 64], [2, 64]]] * 2, report["fed"]
+    assert any("local batches" in n for n in report["notes"])
+
+
+def test_a_wrong_share_without_local_batches_is_bad_input(capsys, monkeypatch):
+    monkeypatch.setenv("AUTOPART_VERIFY_WRONG_SHARE", "1")
+    code, _, err = _run([GPT, "--config", "tiny", "--mesh", "dp=2"], capsys)
+    assert code == 2 and "add --local-batches" in err and err.count("\n") == 1
+
+
 # -- full tier ------------------------------------------------------------------------------------
 
 @pytest.mark.full
@@ -323,6 +347,30 @@ def test_verify_shrunk_gpt3_tp_pp_zero_bubble(capsys):
     report = json.loads(out)
     assert code == 0 and report["ok"], (report, err)
     assert report["shrunk"]["n_head"] % 2 == 0 and report["shrunk"]["n_layer"] >= 4
+
+
+@pytest.mark.full
+def test_verify_with_local_batches_on_pp_x_dp(capsys):
+    """--local-batches on pp=2 x dp=2: each rank is given only its replica's 2 of the 4 rows,
+    the first stage the tokens alone, the last the targets alone. PASS."""
+    code, out, err = _run(_local("pp=2,dp=2"), capsys)
+    report = json.loads(out)
+    assert code == 0 and report["ok"], (report, err)
+    # rank = pp * 2 + dp: ranks 0, 1 the first stage, 2, 3 the last
+    assert report["fed"] == [[[2, 64], None]] * 2 + [[None, [2, 64]]] * 2, report["fed"]
+
+
+@pytest.mark.full
+def test_verify_with_local_batches_fails_a_rank_fed_another_replicas_rows(capsys, monkeypatch):
+    """The same run with rank 1 (first stage, replica 1) fed replica 0's rows
+    (AUTOPART_VERIFY_WRONG_SHARE, a hook for this test only): its shapes are right, its data is
+    not, and verify must say FAIL, exit 1."""
+    monkeypatch.setenv("AUTOPART_VERIFY_WRONG_SHARE", "1")
+    code, out, err = _run(_local("pp=2,dp=2"), capsys)
+    report = json.loads(out)
+    assert code == 1 and not report["ok"], (report, err)
+    assert report["fed"][1] == [[2, 64], None]
+    assert not all(s["ok"] for s in report["losses"]) and report["first_differing"]
 
 
 NAN_LOSS = '''
@@ -364,6 +412,19 @@ def test_python_api_with_a_builder():
     assert isinstance(report, autopart.VerifyReport)
     assert report.ok, str(report)
     assert len(report.losses) == 2 and report.groups[0].group == "transformer.wte"
+
+
+@pytest.mark.full
+def test_python_api_with_local_batches_on_dp_x_cp():
+    """dp=2 x cp=2, local_batches=True: each rank given its replica's 2 rows and its two of the
+    four sequence chunks (8 of 16 positions), tokens and targets; the plain model all of it."""
+    from examples.gpt import lm_loss
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (4, 16), generator=g) for _ in range(2))
+    report = autopart.verify(build_tiny_gpt, "dp=2,cp=2", (x,), loss_fn=lm_loss, target=y,
+                             steps=2, timeout=400, local_batches=True)
+    assert report.ok, str(report)
+    assert report.local_batches and report.fed == [[[2, 8], [2, 8]]] * 4, report.fed
 
 
 def verify_in_group(rank: int, world: int) -> dict:

@@ -6,10 +6,12 @@
 
 Starts the mesh as local Gloo processes (at most 8), and on every rank trains --steps steps of
 the compiled layout and of the plain model (a copy taken before parallelize) on the same random
-batch of token ids, then prints each step's loss (parallel, plain) and, per parameter group, the
-largest difference, PASS/FAIL against the tolerance and the first parameter that differs. Exit
-0: everything matches; 1: something differs; 2: bad input. The model, config and layout flags
-are `autopart compile`'s (autopart/cli/compile.py); autopart/verification.py does the comparing.
+batch of token ids (with --local-batches each rank's layout is given only its share of it,
+pm.local_batch; the plain model the whole batch), then prints each step's loss (parallel,
+plain) and, per parameter group, the largest difference, PASS/FAIL against the tolerance and
+the first parameter that differs. Exit 0: everything matches; 1: something differs; 2: bad
+input. The model, config and layout flags are `autopart compile`'s (autopart/cli/compile.py);
+autopart/verification.py does the comparing.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ BATCH_SEED = 1234
 # the layout's share of them (8, all of it on one rank at worst), plus Adam's two moments for each
 BYTES_PER_PARAM = {"sgd": 16, "adam": 32}
 PERTURB_ENV = "AUTOPART_VERIFY_PERTURB"   # tests only: a plain parameter to nudge (must FAIL)
+WRONG_SHARE_ENV = "AUTOPART_VERIFY_WRONG_SHARE"   # tests only: a rank fed another replica's rows
 
 
 def add_verify_command(subparsers) -> argparse.ArgumentParser:
@@ -55,6 +58,10 @@ def add_verify_command(subparsers) -> argparse.ArgumentParser:
                    help="scale width and depth down to fit this machine, keeping the layout's "
                         "structure (heads and k/v heads divisible by tp, layers >= pp * "
                         "virtual stages, experts divisible by ep, vocabulary divisible by tp)")
+    p.add_argument("--local-batches", action="store_true",
+                   help="give each rank's train_step only its share of the batch (pm.local_batch: "
+                        "its rows, its cp chunks, None for what it does not read), as a data "
+                        "loader feeding each rank would; the plain model trains on the whole batch")
     p.add_argument("--timeout", type=float, default=V.SPAWN_TIMEOUT, metavar="SECONDS",
                    help=f"the whole run's limit; ranks still running are killed "
                         f"(default {V.SPAWN_TIMEOUT:.0f})")
@@ -110,7 +117,9 @@ def _run(args: argparse.Namespace) -> tuple[int, dict | None]:
               f"batch {job['batch']}")
         print(f"model: {prepared['n_params']:,} parameters; {args.steps} steps of "
               f"{args.optimizer} (lr {V.LEARNING_RATE[args.optimizer]:g}) on one random batch "
-              f"(seed {BATCH_SEED}), layout and plain model on every rank")
+              f"(seed {BATCH_SEED}), layout and plain model on every rank"
+              + (", each rank's layout given only its share of it (--local-batches)"
+                 if args.local_batches else ""))
         for note in notes:
             print(note)
         sys.stdout.flush()
@@ -176,6 +185,17 @@ def _tolerance(text: str | None, optimizer: str):
     return parts[0] if len(parts) == 1 else (parts[0], parts[1])
 
 
+def _wrong_share(args: argparse.Namespace) -> int | None:
+    """The rank AUTOPART_VERIFY_WRONG_SHARE names (tests only): with --local-batches it is fed
+    another data-parallel replica's rows, so the run must FAIL."""
+    rank = os.environ.get(WRONG_SHARE_ENV)
+    if not rank:
+        return None
+    if not args.local_batches:
+        raise _UsageError(f"{WRONG_SHARE_ENV} feeds a rank a wrong share: add --local-batches")
+    return int(rank)
+
+
 def _job(args: argparse.Namespace) -> dict:
     """Everything a rank needs to rebuild the same model and batch (picklable: the model file is
     loaded again in each rank process)."""
@@ -195,6 +215,7 @@ def _job(args: argparse.Namespace) -> dict:
             "optimizer": args.optimizer, "tolerance": tolerance,
             "virtual_stages": args.virtual_stages,
             "perturb": os.environ.get(PERTURB_ENV) or None,
+            "local_batches": args.local_batches, "wrong_share": _wrong_share(args),
             "parallel": dict(microbatches=microbatches, schedule=schedule,
                              virtual_stages=args.virtual_stages,
                              sequence_parallel=args.sequence_parallel, recompute=args.recompute,
@@ -303,4 +324,5 @@ def _rank(rank: int, world: int, job: dict) -> dict:
                          loss_fn=prepared["loss_fn"], target=prepared["target"],
                          steps=job["steps"], optimizer=job["optimizer"],
                          tolerance=job["tolerance"], perturb=job["perturb"],
+                         local_batches=job["local_batches"], wrong_share=job["wrong_share"],
                          timeout=V.PG_TIMEOUT, **job["parallel"])
