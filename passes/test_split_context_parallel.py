@@ -37,7 +37,7 @@ class Attn(nn.Module):
             y = F.scaled_dot_product_attention(x, x, x, is_causal=True)
         elif self.mask == "compare":      # causal, written as a comparison of positions
             y = F.scaled_dot_product_attention(x, x, x, attn_mask=pos[None, :] <= pos[:, None])
-        elif self.mask == "window":       # causal with a window of 4: not supported
+        elif self.mask == "window":       # causal with a window of 4: each query its last 4 keys
             keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 4)
             y = F.scaled_dot_product_attention(x, x, x, attn_mask=keep)
         elif self.mask == "prefix":       # a prefix LM: the first 4 positions see each other
@@ -57,20 +57,21 @@ def _program(mask: str, seq: int = 32):
     return program
 
 
-@pytest.mark.parametrize("mask, causal", [("is_causal", True), ("compare", True),
-                                          ("hand", True)])
-def test_cores_are_found_and_their_masks_proved_by_value(mask, causal):
+@pytest.mark.parametrize("mask, causal, window", [("is_causal", True, None),
+                                                  ("compare", True, None), ("hand", True, None),
+                                                  ("window", True, 4)])
+def test_cores_are_found_and_their_masks_proved_by_value(mask, causal, window):
     program = _program(mask)
     cores = find_cores(program)
     assert len(cores) == 1
     assert decide_causal(cores[0], program.gm, set(program.inputs), 32) is causal
+    assert cores[0].window == window
 
 
 @pytest.mark.parametrize("mask, says", [
-    ("window", "a sliding window of 4 keys(.|\n)*sliding-window attention under cp is not built"),
-    ("prefix", "neither causal nor absent"),
+    ("prefix", "neither causal, nor absent, nor a causal sliding window"),
 ])
-def test_a_sliding_window_or_a_prefix_is_refused_naming_the_core(mask, says):
+def test_a_prefix_is_refused_naming_the_core(mask, says):
     program = _program(mask)
     core = find_cores(program)[0]
     with pytest.raises(AutopartError, match=f"{says}(.|\n)*node:(.|\n)*remedy"):
@@ -79,12 +80,14 @@ def test_a_sliding_window_or_a_prefix_is_refused_naming_the_core(mask, says):
 
 class DocAttn(nn.Module):
     """A hand-written core masked by packed documents, written unlike PackedLM's SDPA mask:
-    unsqueezes compared, and the causal part as a separate masked_fill of a tril buffer."""
+    unsqueezes compared, and the causal part as a separate masked_fill of a tril buffer (a
+    band of `window` keys when given: a sliding window within each document)."""
 
-    def __init__(self):
+    def __init__(self, window: int | None = None):
         super().__init__()
         self.emb, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
-        self.register_buffer("tril", torch.ones(64, 64).tril())
+        tril = torch.ones(64, 64).tril()
+        self.register_buffer("tril", tril.triu(-(window - 1)) if window else tril)
 
     def forward(self, idx, doc):
         b, t = idx.shape
@@ -96,14 +99,19 @@ class DocAttn(nn.Module):
         return self.head((s.softmax(-1) @ x).transpose(1, 2).reshape(b, t, 16))
 
 
-def test_a_document_mask_is_proved_by_value_and_handed_to_the_kernel():
+@pytest.mark.parametrize("window, mask, call", [
+    (None, "causal", "cp_comm, True, 0.5, None, doc)"),
+    # a window composes with documents: both masks, per block
+    (5, "window 5", "cp_comm, True, 0.5, None, doc, window = 5)"),
+])
+def test_a_document_mask_is_proved_by_value_and_handed_to_the_kernel(window, mask, call):
     x = torch.randint(0, 64, (2, 32))
     doc = torch.arange(32).div(8, rounding_mode="floor").expand(2, 32).contiguous()
-    program = capture(DocAttn(), (x, doc), loss_fn=_loss, target=x)
+    program = capture(DocAttn(window), (x, doc), loss_fn=_loss, target=x)
     program, _ = weigh_loss_by_tokens(program, splits=2)
     out, report = split_context_parallel(program, cp=2)
-    assert report["cores"] == [["matmul_1", "causal"]] and report["documents"] == ["doc"]
-    assert "cp_comm, True, 0.5, None, doc)" in out.gm.code, out.gm.code
+    assert report["cores"] == [["matmul_1", mask]] and report["documents"] == ["doc"]
+    assert call in out.gm.code, out.gm.code
 
 
 def test_the_rewrite_replaces_the_core_and_makes_positions_the_ranks():

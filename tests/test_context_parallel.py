@@ -9,7 +9,10 @@ Models: the example GPT (SDPA, learned positions), an unmodified Hugging Face Ll
 mixture-of-experts models (Hugging Face Mixtral and Qwen2-MoE, whose experts sort, gather and
 scatter the batch's tokens) alone, with ep=2 over dp=2 and with tp=2; and packed documents
 (tests/workers/cp.py PackedLM: per-token document ids and per-document positions as inputs, SDPA
-masked within each document), at cp=2 with ring and all-gather, and on tp, pp, dp, cp x dp.
+masked within each document), at cp=2 with ring and all-gather, and on tp, pp, dp, cp x dp;
+and sliding windows (each query sees its last w keys, w shorter than the sequence): the
+hand-written model with a banded buffer, and unmodified Hugging Face Mistral and Gemma 3 from
+configs, at cp=2 with ring and all-gather.
 
 Fast tier: python -m pytest -m "not full" tests/test_context_parallel.py
 """
@@ -44,6 +47,8 @@ FAST_2 = [
     # Hugging Face Mixtral: its experts sort, gather and scatter the batch's tokens (an island
     # proved position-wise by running it)
     Case("mixtral-cp2-ring", model="mixtral", cp=2, optim="adamw", **SEQ),
+    # a sliding window of 5 keys over chunks of 8: blocks hidden by it skipped, the rest masked
+    Case("window-hand-cp2-ring", model="cp-window-hand", cp=2, **SEQ),
 ]
 # packed documents (doc ids and per-document positions as inputs, padding labels -100): the
 # document mask applied per block, empty blocks skipped; their own spawn
@@ -75,6 +80,17 @@ FULL_2 = [
     Case("hand-cp2-ring-ignored", model="cp-hand", cp=2, ignored="empty", **SEQ),
     Case("qwen2-moe-cp2-allgather", model="cp-qwen2-moe", cp=2, cp_attention="allgather",
          **SEQ),
+    Case("window-hand-cp2-allgather", model="cp-window-hand", cp=2, cp_attention="allgather",
+         ignored="uneven", **SEQ),
+    # Hugging Face's own sliding-window masks (window 6 of 32 tokens; Gemma 3 alternates
+    # sliding and full layers)
+    Case("mistral-window-cp2-ring", model="cp-mistral", cp=2, optim="adamw", **SEQ),
+    Case("mistral-window-cp2-allgather", model="cp-mistral", cp=2, cp_attention="allgather",
+         **SEQ),
+    Case("gemma3-window-cp2-ring", model="cp-gemma3", cp=2, **SEQ),
+    Case("gemma3-window-cp2-allgather", model="cp-gemma3", cp=2, cp_attention="allgather",
+         optim="adam", **SEQ),
+    Case("gemma2-window-cp2-ring", model="cp-gemma2", cp=2, **SEQ),
 ]
 FULL_4 = [
     Case("llama-cp4-ring", model="cp-llama", cp=4, ignored="uneven", **SEQ),
@@ -123,8 +139,8 @@ def _compile(model, x, cp=2, loss=None, **kw):
 
 
 class _Masked(torch.nn.Module):
-    """The hand-written model with another mask: `window` (sliding window) or `pad` (a
-    padding mask computed from the inputs), or an op over the whole sequence (`pool`)."""
+    """The hand-written model with another mask: `window` (a sliding window of 4 keys), or an
+    op over the whole sequence (`pool`)."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -142,8 +158,6 @@ class _Masked(torch.nn.Module):
 
 
 @pytest.mark.parametrize("how, says", [
-    ("window", ["mask is a sliding window of 4 keys (causal & i - j < 4)", "blocks.0.att",
-                "sliding-window attention under cp is not built"]),
     ("pool", ["mixes positions along the sequence", "mean", "test_context_parallel.py"]),
 ])
 def test_refuses_what_it_cannot_split(how, says):
@@ -151,6 +165,75 @@ def test_refuses_what_it_cannot_split(how, says):
         _compile(_Masked(how), torch.randint(0, 96, (2, 32)))
     text = str(err.value)
     for s in says + ["remedy:"]:
+        assert s in text, text
+
+
+@pytest.mark.parametrize("attention", ["ring", "allgather"])
+def test_a_sliding_window_is_proved_and_handed_to_the_kernel(attention):
+    """The banded buffer (causal & i - j < 4), refused by name before ("sliding-window
+    attention under cp is not built"), is proved a window of 4 keys: the kernel gets window=4,
+    and the plan, explain() and --json name it."""
+    c = _compile(_Masked("window"), torch.randint(0, 96, (2, 32)), cp_attention=attention)
+    assert c.program.cp.cores == (("matmul_1", "window 4"),)
+    op = "ring_attention" if attention == "ring" else "allgather_kv_attention"
+    assert f"autopart_cp_ops_{op}(" in c.programs[0].code
+    assert "window = 4)" in c.programs[0].code, c.programs[0].code
+    assert [core["mask"] for core in c.to_json()["context_parallel"]["cores"]] == ["window 4"]
+    assert "attention core(s) (window 4)" in c.explain()
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family, extra, says", [
+    ("gemma2", {}, ["soft-caps them (tanh: logit soft-capping)",
+                    "its mask a causal sliding window of 6 keys", "modeling_gemma2.py"]),
+    ("gpt-oss", {},
+     ["joins other logits to them (attention sinks)", "its mask a causal sliding window of 6 "
+      "keys", "modeling_gpt_oss.py"]),
+])
+def test_refuses_hf_sliding_window_attention_the_kernels_do_not_compute(family, extra, says):
+    """Gemma 2 (scores soft-capped by a tanh) and GPT-OSS (a sink logit joined to the scores)
+    have sliding windows but are not softmax(q @ k^T * scale + mask) @ v: refused as attention,
+    naming the softmax's node and source line, what stands in the way, the window proved by
+    value, and a remedy (before: a generic 'mixes positions' or island error)."""
+    from tests.workers.cp import _Logits, sliding_model
+    torch.manual_seed(0)
+    with pytest.raises(AutopartError) as err:
+        _compile(_Logits(sliding_model(family, **extra)), torch.randint(0, 128, (2, 32)))
+    text = str(err.value)
+    for s in says + ["this attention (scores", "softmax", "node:", "remedy:"]:
+        assert s in text, text
+
+
+class _Banded(torch.nn.Module):
+    """SDPA under a band that is no causal sliding window of a fixed width: `length` (i - j <
+    t // 4: the width follows the sequence length) or `two-sided` (|i - j| < 4)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.emb, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 96)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.emb(idx).view(idx.shape[0], t, 2, 8).transpose(1, 2)
+        pos = torch.arange(t, device=idx.device)
+        dist = pos[:, None] - pos[None, :]
+        mask = (dist >= 0) & (dist < t // 4) if self.how == "length" else dist.abs() < 4
+        y = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(y.transpose(1, 2).reshape(idx.shape[0], t, 16))
+
+
+@pytest.mark.parametrize("how, says", [
+    ("length", ["a sliding window of 8 keys at the captured sequence length 32, but not a "
+                "window of 8 keys at length 31: its width depends on the sequence length"]),
+    ("two-sided", ["neither causal, nor absent, nor a causal sliding window at the captured "
+                   "sequence length 32", "a window that is not causal"]),
+])
+def test_refuses_a_window_it_cannot_compute(how, says):
+    with pytest.raises(AutopartError) as err:
+        _compile(_Banded(how), torch.randint(0, 96, (2, 32)))
+    text = str(err.value)
+    for s in says + ["scaled_dot_product_attention", "remedy:"]:
         assert s in text, text
 
 

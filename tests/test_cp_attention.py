@@ -5,7 +5,8 @@ Every multi-rank case shards the same whole-sequence q, k, v and output gradient
 and the test process puts the ranks' outputs and gradients back in global order and compares
 them with torch.nn.functional.scaled_dot_product_attention over the whole sequence. The cases of
 one world size share one spawn (rank start-up is most of their time). assert_close keeps its
-default equal_nan=False: a NaN anywhere fails.
+default equal_nan=False: a NaN anywhere fails. Sliding-window cases also count the blocks each
+rank computed, against the blocks the dense mask leaves any key visible in.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class Case:
     groups: tuple = ()             # context-parallel groups (sorted global ranks); (): the world
     padded: bool = False           # a key padding mask (_keep): whole chunks, a rank's block
     docs: bool = False             # packed documents (_docs): one across chunks, padding chunks
+    window: int | None = None      # a causal sliding window of this many keys
 
 
 def _grid(world: int, seq: int) -> list[Case]:
@@ -61,6 +63,18 @@ TWO = _grid(2, 16) + [
     Case("allgather-causal-gqa-docs", "allgather", True, kv_heads=2, docs=True),
     Case("ring-full-mha-docs-fp32", "ring", False, docs=True, dtype=torch.float32),
     Case("allgather-full-mha-docs", "allgather", False, docs=True),
+    # sliding windows over chunks of 4: shorter than a chunk (chunk 3's blocks against chunks
+    # 0 and 1 hidden, skipped), across chunks, and longer than the sequence (the causal mask)
+    Case("ring-window3-gqa", "ring", True, kv_heads=2, window=3),
+    Case("allgather-window3-gqa", "allgather", True, kv_heads=2, window=3),
+    Case("ring-window6-mha-fp32", "ring", True, dtype=torch.float32, window=6),
+    Case("allgather-window6-mqa", "allgather", True, kv_heads=1, window=6),
+    Case("ring-window40-gqa", "ring", True, kv_heads=2, window=40),
+    Case("allgather-window40-mha", "allgather", True, window=40),
+    # (7: every query still sees a kept key; with less some rows would see none, NaN in SDPA)
+    Case("ring-window7-gqa-padded", "ring", True, kv_heads=2, padded=True, window=7),
+    Case("allgather-window5-gqa-docs", "allgather", True, kv_heads=2, docs=True, window=5),
+    Case("ring-window7-mha-docs", "ring", True, docs=True, window=7),
 ]
 # four ranks: the whole world as one ring of 4, and two rings of 2 whose group ranks are not
 # their global ranks ({0, 2} and {1, 3}); NCCL's batch_isend_irecv contract kept over Gloo
@@ -75,6 +89,8 @@ FOUR = [
     Case("allgather-causal-mha-padded-cp4", "allgather", True, 4, seq=32, padded=True),
     Case("ring-causal-gqa-docs-cp4", "ring", True, 4, kv_heads=2, seq=32, docs=True),
     Case("allgather-causal-mha-docs-cp4", "allgather", True, 4, seq=32, docs=True),
+    Case("ring-window5-gqa-cp4", "ring", True, 4, kv_heads=2, seq=32, window=5),
+    Case("allgather-window9-mha-cp4", "allgather", True, 4, seq=32, window=9),
 ]
 
 
@@ -108,6 +124,25 @@ def _doc_mask(doc: torch.Tensor, causal: bool) -> torch.Tensor:
     return same & torch.ones(n, n, dtype=torch.bool).tril() if causal else same
 
 
+def _window_mask(n: int, causal: bool, window: int | None) -> torch.Tensor:
+    """(n, n) True where query i may see key j: causal or all, and i - j < window."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = (j <= i) if causal else torch.ones(n, n, dtype=torch.bool)
+    return visible & (i - j < window) if window is not None else visible
+
+
+def _dense_mask(case: Case) -> torch.Tensor | None:
+    """The whole (batch, 1, seq, seq) boolean mask SDPA gets, or None (is_causal alone)."""
+    if not (case.padded or case.docs or case.window):
+        return None
+    mask = _window_mask(case.seq, case.causal, case.window)[None, None]
+    if _keep(case) is not None:
+        mask = mask & _keep(case)[:, None, None, :]
+    if _docs(case) is not None:
+        mask = mask & (_docs(case)[:, :, None] == _docs(case)[:, None, :])[:, None]
+    return mask
+
+
 def _inputs(case: Case):
     """The whole-sequence q, k, v and output gradient: the same on every rank and here."""
     g = torch.Generator().manual_seed(1234)
@@ -132,12 +167,27 @@ def _my_group(case: Case, rank: int, world: int, made: dict):
     return made[case.groups][i], case.groups[i], dist.get_rank(made[case.groups][i])
 
 
+def _counting(blocks: dict) -> None:
+    """Record the (queries, keys) of every block this process computes, forward and backward,
+    in blocks["forward"] / blocks["backward"] (wrapping the kernels' block functions)."""
+    from autopart.ops import cp
+    for what, name in (("forward", "_block_forward"), ("backward", "_block_backward")):
+        real = getattr(cp, name)
+
+        def counted(q, k, *a, real=real, what=what, **kw):
+            blocks[what].append((q.shape[2], k.shape[2]))
+            return real(q, k, *a, **kw)
+        setattr(cp, name, counted)
+
+
 def _run_cases(rank: int, world: int, cases: list, nccl_contract: bool) -> dict:
-    """Rank function: each case's local output and gradients, keyed by case name."""
+    """Rank function: each case's local output and gradients, keyed by case name, and the
+    blocks it computed."""
     if nccl_contract:
         from tests.nccl_contract import install
         install()
-    made, results = {}, {}
+    made, results, blocks = {}, {}, {"forward": [], "backward": []}
+    _counting(blocks)
     for case in cases:
         group, members, cp_rank = _my_group(case, rank, world, made)
         cp = len(members)
@@ -148,11 +198,14 @@ def _run_cases(rank: int, world: int, cases: list, nccl_contract: bool) -> dict:
         keep = shard_sequence(keep, 1, cp, cp_rank) if keep is not None else None
         doc = _docs(case)
         doc = shard_sequence(doc, 1, cp, cp_rank) if doc is not None else None
+        blocks["forward"].clear()
+        blocks["backward"].clear()
         out = OPS[case.op](q, k, v, comm, case.causal, scale=case.scale, key_mask=keep,
-                           doc_ids=doc)
+                           doc_ids=doc, window=case.window)
         out.backward(dout)
         results[case.name] = dict(members=members, cp_rank=cp_rank, out=out.detach(),
-                                  dq=q.grad, dk=k.grad, dv=v.grad)
+                                  dq=q.grad, dk=k.grad, dv=v.grad,
+                                  blocks={w: list(b) for w, b in blocks.items()})
     return results
 
 
@@ -176,13 +229,7 @@ def _spawned(cache: dict, cases: list[Case], nccl_contract: bool) -> list[dict]:
 def _reference(case: Case) -> dict:
     """Plain SDPA over the whole sequence, in float64, and its gradients."""
     q, k, v, dout = (t.double().requires_grad_() for t in _inputs(case))
-    mask, keep = None, _keep(case)
-    if keep is not None:
-        n = case.seq
-        mask = keep[:, None, None, :] & (torch.ones(n, n, dtype=torch.bool).tril()
-                                         if case.causal else torch.ones(n, n, dtype=torch.bool))
-    if _docs(case) is not None:
-        mask = _doc_mask(_docs(case), case.causal)
+    mask = _dense_mask(case)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                          is_causal=case.causal and mask is None, scale=case.scale,
                                          enable_gqa=case.kv_heads != case.heads)
@@ -206,6 +253,31 @@ def _assert_matches_sdpa(case: Case, per_rank: list[dict]) -> None:
             assert got.dtype == case.dtype, (what, got.dtype)
             torch.testing.assert_close(got.double(), ref[what], **_tolerance(case.dtype),
                                        msg=lambda m: f"{case.name} ranks {ring} {what}: {m}")
+        if case.window is not None and not case.docs:   # documents skip blocks of their own
+            for r in mine:
+                assert r["blocks"] == _expected_blocks(case, len(ring), r["cp_rank"]), \
+                    (case.name, r["cp_rank"], r["blocks"])
+
+
+def _expected_blocks(case: Case, cp: int, rank: int) -> dict:
+    """The (queries, keys) of the blocks rank `rank` must compute, from the dense causal-window
+    mask (padding hides keys but skips nothing): ring, each (own query chunk, key chunk) pair
+    with a visible key, in the ring's order; all-gather, per own query chunk, the keys from its
+    first visible one to its last."""
+    from autopart.ops.cp import load_balanced_indices
+    n, c = case.seq, case.seq // (2 * cp)
+    seen = _window_mask(n, case.causal, case.window)
+    mine = load_balanced_indices(n, cp, rank).view(2, c)
+    if case.op == "allgather":
+        spans = []
+        for rows in mine:
+            cols = seen[rows].any(0).nonzero().flatten()
+            spans.append((c, int(cols[-1]) - int(cols[0]) + 1))
+        return {"forward": spans, "backward": spans}
+    pairs = [(c, c) for step in range(cp) for rows in mine
+             for cols in load_balanced_indices(n, cp, (rank - step) % cp).view(2, c)
+             if seen[rows][:, cols].any()]
+    return {"forward": pairs, "backward": pairs}
 
 
 @pytest.mark.timeout(180)
@@ -281,6 +353,9 @@ def test_every_position_held_once_and_round_trip(seq, cp):
      "must divide the query heads"),
     (lambda: ring_attention(torch.zeros(4, 4, 8), *_qkv(4)[1:], CPComm(1), True), "shape"),
     (lambda: ring_attention(_qkv(4)[0].float(), *_qkv(4)[1:], CPComm(1), True), "dtype"),
+    (lambda: ring_attention(*_qkv(4), CPComm(1), False, window=3), "causal attention only"),
+    (lambda: allgather_kv_attention(*_qkv(4), CPComm(1), True, window=0),
+     "positive number of keys, got 0"),
 ])
 def test_refusals_say_why(call, says):
     with pytest.raises(ValueError, match=says):
@@ -369,3 +444,37 @@ def test_document_blocks_match_masked_sdpa_and_skip_empty_ones(op, docs, blocks,
     # ring: one call per block; all-gather: one per query chunk over the keys it can see
     keys = 8 * blocks if op == "ring" else 8 + (16 if blocks == 3 else 8)
     assert sum(calls) == keys, calls
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matmuls"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("window", [1, 3, 12, 40])
+def test_window_blocks_match_masked_sdpa_and_skip_hidden_ones(op, window, fused, monkeypatch):
+    """One rank (no spawn) holds both chunks (8 positions each) of a 16-token sequence: the
+    per-block sliding-window mask against plain SDPA with the dense mask causal & i - j < w,
+    forward and backward, by the fused CPU kernel and by the matmuls other devices run. Window
+    1: each query sees itself (the block of chunk 1 against chunk 0 skipped); 3: shorter than a
+    chunk (rows of that block see no key: no NaN); 12: across the chunks; 40: longer than the
+    sequence, the causal mask. The blocks computed, forward and backward, are the dense mask's
+    (all-gather narrows chunk 1's keys to the ones its window reaches)."""
+    from autopart.ops import cp
+    if not fused:
+        monkeypatch.setattr(cp, "_fused", lambda *a: False)
+    blocks = {"forward": [], "backward": []}
+    for what, name in (("forward", "_block_forward"), ("backward", "_block_backward")):
+        real = getattr(cp, name)
+        monkeypatch.setattr(cp, name, lambda q, k, *a, real=real, what=what:
+                            blocks[what].append((q.shape[2], k.shape[2])) or real(q, k, *a))
+    case = Case("window", op, True, 1, kv_heads=2, seq=16, window=window)
+    q, k, v, dout = _inputs(case)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = OPS[op](q, k, v, CPComm(1), True, window=window)
+    out.backward(dout)
+    ref = _reference(case)
+    for what, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.isfinite(got).all(), what
+        torch.testing.assert_close(got, ref[what], rtol=1e-9, atol=1e-9, msg=what)
+    assert blocks == _expected_blocks(case, 1, 0), blocks
+    skipped = {1: 1, 3: 0, 12: 0, 40: 0}[window] if op == "ring" else None
+    if skipped is not None:          # the count the dense mask gives, written out
+        assert len(blocks["forward"]) == 3 - skipped

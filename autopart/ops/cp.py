@@ -20,8 +20,9 @@ layout (pure tensor functions, no communication).
 Both take k, v with fewer heads than q (GQA/MQA: head h of q reads kv head h // (heads/kv_heads),
 as SDPA's enable_gqa), compute scores and softmax in fp32 (fp64 for fp64 inputs), and return the
 output in the inputs' dtype. Masks: causal or none, each with padded keys (`key_mask`) and/or
-packed documents (`doc_ids`, cp_documents.py). Not supported (refused): other masks, dropout,
-a sequence not divisible by 2*cp.
+packed documents (`doc_ids`, cp_documents.py); a causal sliding window of `window` keys on top
+(cp_window.py: blocks it hides entirely are skipped). Not supported (refused): other masks,
+dropout, a sequence not divisible by 2*cp.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from autopart.mesh import sequence_chunks
 from autopart.ops.comm import GroupComm
 from autopart.ops.cp_documents import block_bias, check_doc, doc_bits, doc_from_bits, key_span
+from autopart.ops.cp_window import add_bias, check_window, first_key, window_block
 from autopart.ops.registry import register
 from autopart.ops.tp import _all_gather, _reduce_scatter
 
@@ -224,6 +226,22 @@ def _visibility(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
     return "causal" if k_chunk == q_chunk else None
 
 
+def _ring_block(qa: int, kb: int, c: int, causal: bool, window, key_bias, q_doc, k_doc, dtype,
+                concrete: bool, device):
+    """(seen, bias) of the ring block of query chunk qa against key chunk kb (global indices,
+    chunks of c): seen None when the block is skipped (after the queries, hidden by the window,
+    or disjoint documents), else "full" or "causal"; bias the padding's, documents' and
+    window's additive masks together (None: none masks anything)."""
+    seen = _visibility(qa, kb, causal)
+    if seen is None:
+        return None, None
+    hidden, wbias = window_block(qa * c, c, kb * c, c, window, device, dtype)
+    if hidden:
+        return None, None
+    skip, bias = block_bias(key_bias, q_doc, k_doc, dtype, concrete)
+    return (None, None) if skip else (seen, add_bias(bias, wbias))
+
+
 def _check_inputs(q, k, v, comm, scale, key_mask=None, doc_ids=None) -> float:
     """The softmax scale; ValueError for what these ops do not support."""
     check_doc(doc_ids, q)
@@ -320,7 +338,8 @@ def _q_docs(doc):
     return doc.chunk(2, 1) if doc is not None else (None, None)
 
 
-def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float, keep=None, doc=None):
+def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float, keep=None, doc=None,
+                  window=None):
     cp, rank, heads = comm.size, comm.rank, q.shape[1]
     dtype = _compute_dtype(q.dtype)
     qs, qds = q.to(dtype).chunk(2, 2), _q_docs(doc)
@@ -334,11 +353,9 @@ def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float, keep=None, 
         src = (rank - step) % cp               # whose K/V this rank holds at this step
         for i, qa in enumerate(_chunk_ids(rank, cp)):
             for j, kb in enumerate(_chunk_ids(src, cp)):
-                seen = _visibility(qa, kb, causal)
-                if seen is None:
-                    continue
-                skip, bias = block_bias(bs[j], qds[i], kds[j], dtype, comm.moves_data)
-                if not skip:
+                seen, bias = _ring_block(qa, kb, qs[i].shape[2], causal, window, bs[j], qds[i],
+                                         kds[j], dtype, comm.moves_data, q.device)
+                if seen is not None:
                     blk = _block_forward(qs[i], ks[j], vs[j], scale, seen == "causal", bias)
                     state[i] = _merge(state[i], blk)
         if hop is not None:
@@ -348,7 +365,7 @@ def _ring_forward(q, k, v, comm: CPComm, causal: bool, scale: float, keep=None, 
 
 
 def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, comm, causal, scale, outs, bs,
-                      qds, kds):
+                      qds, kds, window=None):
     """One step of the backward ring: this step's dq (per local query chunk), and the dk, dv
     that this rank's queries give the K/V it holds (rank src's)."""
     cp = comm.size
@@ -358,11 +375,9 @@ def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, comm, causal, sc
     for i, qa in enumerate(_chunk_ids(rank, cp)):
         dq_i = torch.zeros_like(qs[i])
         for j, kb in enumerate(_chunk_ids(src, cp)):
-            seen = _visibility(qa, kb, causal)
-            if seen is None:
-                continue
-            skip, bias = block_bias(bs[j], qds[i], kds[j], qs[i].dtype, comm.moves_data)
-            if not skip:
+            seen, bias = _ring_block(qa, kb, qs[i].shape[2], causal, window, bs[j], qds[i],
+                                     kds[j], qs[i].dtype, comm.moves_data, qs[i].device)
+            if seen is not None:
                 g = _block_backward(qs[i], ks[j], vs[j], dos[i], lses[i], deltas[i], scale,
                                     seen == "causal", outs[i], bias)
                 dq_i, dk[j], dv[j] = dq_i + g[0], dk[j] + g[1], dv[j] + g[2]
@@ -371,7 +386,7 @@ def _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, comm, causal, sc
 
 
 def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: float,
-                   keep=None, doc=None):
+                   keep=None, doc=None, window=None):
     cp, rank, heads = comm.size, comm.rank, q.shape[1]
     dtype = _compute_dtype(q.dtype)
     dout = dout.to(dtype)
@@ -385,7 +400,7 @@ def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: f
         ks, vs, bs, kds = _held_kv(kv, k, v, heads, dtype, keep, doc)
         src = (rank - step) % cp
         dq_s, dk, dv = _ring_block_grads(qs, dos, lses, deltas, ks, vs, rank, src, comm,
-                                         causal, scale, outs, bs, qds, kds)
+                                         causal, scale, outs, bs, qds, kds, window)
         dq = [a + b for a, b in zip(dq, dq_s)]
         grads = _pack(_fold_heads(dk, k.shape[1]), _fold_heads(dv, v.shape[1]))
         if sums is not None:                   # the sums of the ranks this K/V passed before
@@ -401,11 +416,12 @@ def _ring_backward(q, k, v, out, lse, dout, comm: CPComm, causal: bool, scale: f
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale, keep, doc):
+    def forward(ctx, q, k, v, comm, causal, scale, keep, doc, window):
         comm._check()
-        out, lse = _ring_forward(q, k, v, comm, causal, scale, keep, doc)
+        out, lse = _ring_forward(q, k, v, comm, causal, scale, keep, doc, window)
         out = out.to(q.dtype)
         ctx.comm, ctx.causal, ctx.scale, ctx.keep, ctx.doc = comm, causal, scale, keep, doc
+        ctx.window = window
         ctx.save_for_backward(q, k, v, out, lse)   # lse: (batch, heads, local_seq), fp32
         return out
 
@@ -413,8 +429,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.comm, ctx.causal, ctx.scale,
-                                    ctx.keep, ctx.doc)
-        return dq, dk, dv, None, None, None, None, None
+                                    ctx.keep, ctx.doc, ctx.window)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # -- the all-gather form ------------------------------------------------------------------------
@@ -451,10 +467,11 @@ def _visible_keys(chunk: int, c: int, seq: int, causal: bool) -> int:
     return (chunk + 1) * c if causal else seq
 
 
-def _gathered_blocks(q, comm, causal, keep, doc, dtype):
+def _gathered_blocks(q, comm, causal, keep, doc, dtype, window=None):
     """Per local query chunk: (its global index, keys [lo, hi) it attends, their bias): the
-    causal prefix, narrowed to the key chunks that hold its documents (the rest are empty
-    blocks, skipped), and the key padding's and documents' additive mask over those keys."""
+    causal prefix, narrowed to the key chunks that hold its documents and to the keys its
+    window reaches (the rest are hidden blocks, skipped), and the key padding's, documents' and
+    window's additive mask over those keys."""
     c, seq = q.shape[2] // 2, q.shape[2] * comm.size
     keep, kdoc = _gather_keep(keep, comm), _gather_keep(doc, comm, torch.int64)
     bias = _key_bias(keep, dtype) if keep is not None else None
@@ -463,19 +480,21 @@ def _gathered_blocks(q, comm, causal, keep, doc, dtype):
         n = _visible_keys(qa, c, seq, causal)
         lo, hi = key_span(qd, kdoc, c, n, comm.moves_data)
         lo, hi = (0, n) if hi <= lo else (lo, n if causal else hi)  # causal: the last is its own
+        lo = max(lo, first_key(qa * c, window))
         kb = None if bias is None else bias[..., lo:hi]
         _, b = block_bias(kb, qd, None if kdoc is None else kdoc[:, lo:hi], dtype, False)
-        out.append((qa, lo, hi, b))
+        _, wb = window_block(qa * c, c, lo, hi - lo, window, q.device, dtype)
+        out.append((qa, lo, hi, add_bias(b, wb)))
     return out
 
 
 class _AllGatherKVAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, scale, keep, doc):
+    def forward(ctx, q, k, v, comm, causal, scale, keep, doc, window):
         comm._check()
         dtype, heads = _compute_dtype(q.dtype), q.shape[1]
         kf, vf = (_expand_heads(t.to(dtype), heads) for t in _gather_kv(k, v, comm))
-        blocks = _gathered_blocks(q, comm, causal, keep, doc, dtype)
+        blocks = _gathered_blocks(q, comm, causal, keep, doc, dtype, window)
         outs, lses = [], []
         for (_, lo, hi, bias), q_chunk in zip(blocks, q.to(dtype).chunk(2, 2)):
             out, lse = _block_forward(q_chunk, kf[:, :, lo:hi], vf[:, :, lo:hi], scale, causal,
@@ -507,12 +526,13 @@ class _AllGatherKVAttention(torch.autograd.Function):
         dk, dv = _scatter_kv_grads(_fold_heads(dkf, k.shape[1]), _fold_heads(dvf, v.shape[1]),
                                    comm)
         return (torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None,
-                None, None)
+                None, None, None)
 
 
 # -- the ops ------------------------------------------------------------------------------------
 
-def ring_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None, doc_ids=None):
+def ring_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None, doc_ids=None,
+                   window=None):
     """Attention of this rank's query chunks against the whole sequence, K/V passed around the
     ring of `comm`'s ranks; q, k, v: (batch, heads, local_seq, head_dim) in the load-balanced
     layout. The same result as SDPA over the whole sequence, in this rank's chunks.
@@ -520,21 +540,27 @@ def ring_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None, doc_i
     may be attended to), travels with the K/V: SDPA's mask causal & key_mask[:, None, None, :].
     `doc_ids` (batch, local_seq), this rank's chunks of packed documents' ids, travel with the
     K/V too: SDPA's mask causal & (doc[:, :, None] == doc[:, None, :])[:, None], applied per
-    block, a block of disjoint documents skipped (cp_documents.py)."""
+    block, a block of disjoint documents skipped (cp_documents.py).
+    `window` (causal only): each query sees its last `window` keys, SDPA's mask causal &
+    (i - j < window), applied per block from the chunks' global positions, a block the window
+    hides skipped (cp_window.py)."""
     q, k, v = _autocast(q, k, v)
     scale = _check_inputs(q, k, v, comm, scale, key_mask, doc_ids)
+    window = check_window(window, bool(causal))
     return _sdpa_layout(_RingAttention.apply(q, k, v, comm, bool(causal), scale, key_mask,
-                                             doc_ids))
+                                             doc_ids, window))
 
 
 def allgather_kv_attention(q, k, v, comm, causal: bool, scale=None, key_mask=None,
-                           doc_ids=None):
+                           doc_ids=None, window=None):
     """ring_attention's result by one all-gather of K/V (and one reduce-scatter of dK/dV):
-    fewer, larger messages, and the whole sequence's K/V held at once."""
+    fewer, larger messages, and the whole sequence's K/V held at once (under a `window` each
+    query chunk attends only to the keys its window reaches)."""
     q, k, v = _autocast(q, k, v)
     scale = _check_inputs(q, k, v, comm, scale, key_mask, doc_ids)
+    window = check_window(window, bool(causal))
     return _sdpa_layout(_AllGatherKVAttention.apply(q, k, v, comm, bool(causal), scale,
-                                                    key_mask, doc_ids))
+                                                    key_mask, doc_ids, window))
 
 
 def _autocast(q, k, v):

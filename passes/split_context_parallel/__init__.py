@@ -8,9 +8,9 @@ dataflow:
   attention cores   (SDPA, or matmul-softmax-matmul written by hand, GQA/MQA included) become
                     ring attention (K/V passed peer to peer, partial results merged by their
                     log-sum-exp) or all-gather-K/V attention, `attention=`; a core's mask is
-                    proved causal or absent by computing it (masks.py), optionally with padded
-                    keys or packed documents from a (batch, sequence) input, anything else
-                    refused
+                    proved causal, absent or a causal sliding window of w keys by computing it
+                    (masks.py), optionally with padded keys or packed documents from a (batch,
+                    sequence) input, anything else refused
   positions         aranges over the sequence become the global positions of the rank's chunks,
                     and tables sliced to the sequence length (RoPE caches) are indexed at them
   everything else   must work position by position: an op that mixes positions outside the
@@ -38,6 +38,7 @@ from .find import find_cores, position_sources, upstream
 from .islands import prove_islands
 from .masks import decide_causal
 from .rewrite import KERNELS, rewrite
+from .unrecognised import refuse_unrecognised_attention
 
 ATTENTIONS = tuple(KERNELS)
 
@@ -48,9 +49,10 @@ def prove_token_islands(program: Program, *, cp: int, tp: int = 1,
     the attention cores, each proved position-wise by running it (islands.py)."""
     if cp == 1:
         return program.replace(cp_islands=()), {"islands": []}
-    check_sequence_length(program, cp, tp, sequence_parallel)
+    seq = check_sequence_length(program, cp, tp, sequence_parallel)
     check_loss(program, cp)         # before the islands: a loss's reductions are no island
     cores = find_cores(program)
+    refuse_unrecognised_attention(program, cores, seq)    # before the islands: no island either
     islands = prove_islands(program, _outside_checks(program, cores), cp)
     names = tuple(sorted(n.name for island in islands for n in island.body))
     report = {"islands": [{"first": i.first.name, "entries": [n.name for n in i.entries],
@@ -67,6 +69,7 @@ def split_context_parallel(program: Program, *, cp: int, attention: str = "ring"
     seq = check_sequence_length(program, cp, tp, sequence_parallel)
     check_loss(program, cp)
     cores = find_cores(program)
+    refuse_unrecognised_attention(program, cores, seq)
     if not cores:
         raise AutopartError(
             f"context parallelism (cp={cp}) shards the sequence, but no attention core was "
@@ -82,14 +85,20 @@ def split_context_parallel(program: Program, *, cp: int, attention: str = "ring"
     gm = rewrite(program, cores, aranges, slices, cp, attention)
     islands = _first_ops(program, proved)
     plan = ContextParallelPlan(cp, attention,
-                               tuple((c.last.name, "causal" if c.causal else "full")
-                                     for c in cores),
+                               tuple((c.last.name, _mask_name(c)) for c in cores),
                                tuple(n.name for n in aranges + slices), seq, seq // cp, islands,
                                tuple(sorted({c.doc_ids.name for c in cores if c.doc_ids})))
     report = {"cp": cp, "attention": attention, "cores": [list(c) for c in plan.cores],
               "positions": list(plan.positions), "local_seq_len": seq // cp,
               "islands": list(islands), "documents": list(plan.documents)}
     return program.replace(gm=gm, cp=plan, seq_len=seq // cp), report
+
+
+def _mask_name(core) -> str:
+    """How the plan, explain() and --json name a core's mask."""
+    if core.window is not None:
+        return f"window {core.window}"
+    return "causal" if core.causal else "full"
 
 
 def _outside_checks(program: Program, cores) -> set[fx.Node]:

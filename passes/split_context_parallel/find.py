@@ -48,6 +48,7 @@ class Core:
     causal: bool = False            # decided by masks.py
     key_mask: fx.Node | None = None   # a (batch, seq) input of padded keys (masks.py)
     doc_ids: fx.Node | None = None    # a (batch, seq) input of packed documents' ids (masks.py)
+    window: int | None = None         # a causal sliding window of this many keys (masks.py)
 
 
 def find_cores(program: Program) -> list[Core]:

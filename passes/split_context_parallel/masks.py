@@ -3,12 +3,14 @@
 A mask is built from positions and sizes (`arange(s)[:, None] >= arange(s)`, a `tril` buffer
 sliced to s, HF's mask functions): the ops that make it are copied into a small graph, the
 sequence size set to the captured length S and the batch to 1, and run. The values then say
-what the mask is: every key visible (no mask), exactly the lower triangle (causal), or something
-the context-parallel kernels do not compute (a sliding window, a prefix, a bias such as ALiBi),
-which the caller refuses. A mask read from one (batch, sequence) input is fed patterns of that
-input: it must then hide exactly the keys the input marks as padding (a key mask), or exactly
-the keys of other documents, `doc[b, i] != doc[b, j]` (packed documents' ids). Proving by value, not by matching how the mask
-was written, accepts every way of writing a causal mask and nothing else.
+what the mask is: every key visible (no mask), exactly the lower triangle (causal), exactly a
+causal band of w keys (a sliding window: causal & i - j < w, checked again at length S - 1 so
+that w does not depend on the length), or something the context-parallel kernels do not compute
+(a prefix, a block mask, a bias such as ALiBi), which the caller refuses. A mask read from one
+(batch, sequence) input is fed patterns of that input: it must then hide exactly the keys the
+input marks as padding (a key mask), or exactly the keys of other documents, `doc[b, i] !=
+doc[b, j]` (packed documents' ids). Proving by value, not by matching how the mask was
+written, accepts every way of writing a causal mask (or window) and nothing else.
 """
 from __future__ import annotations
 
@@ -108,9 +110,34 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
-    """Whether `core` is causal, setting core.key_mask when a mask also hides padded keys (or
-    core.doc_ids when it hides other documents' keys); an error naming the core when its mask
-    is neither (or cannot be proved either)."""
+    """Whether `core` is causal, setting core.window when its mask is a causal sliding window,
+    core.key_mask when a mask also hides padded keys (or core.doc_ids when it hides other
+    documents' keys); an error naming the core when its mask is none of these (or cannot be
+    proved one)."""
+    try:
+        visible = _visible(core, gm, inputs, seq)
+    except NotProvable as e:
+        raise node_error(core.last, f"context parallelism replaces this attention, but {e}",
+                         _REMEDY) from None
+    if bool(visible.all()):
+        return False
+    if bool((visible == torch.ones_like(visible).tril()).all()):
+        return True
+    w = _window(visible, seq)
+    if w is not None:
+        core.window = _same_window_shorter(core, gm, inputs, seq, w)
+        return True
+    rows = [i for i in range(seq) if not bool((visible[i] == (torch.arange(seq) <= i)).all())]
+    raise node_error(core.last, f"context parallelism replaces this attention, but its mask is "
+                     f"neither causal, nor absent, nor a causal sliding window at the captured "
+                     f"sequence length {seq} (query rows {rows[:4]}"
+                     f"{'...' if len(rows) > 4 else ''} differ from causal: a prefix, a block "
+                     "mask or a window that is not causal)", _REMEDY)
+
+
+def _visible(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> torch.Tensor:
+    """The (S, S) visibility of `core`'s masks together (apart from padding and documents,
+    which set core.key_mask / core.doc_ids); NotProvable naming the mask that is not."""
     visible = torch.ones(seq, seq, dtype=torch.bool)
     if core.is_causal_flag:
         visible = visible.tril()
@@ -122,32 +149,38 @@ def decide_causal(core, gm: fx.GraphModule, inputs: set[str], seq: int) -> bool:
                 continue
             visible = visible & _from_input(core, mask, how, reads, gm, inputs, seq)
         except NotProvable as e:
-            raise node_error(core.last, f"context parallelism replaces this attention, but its "
-                             f"mask ({mask.name}) cannot be proved causal or absent: {e}",
-                             _REMEDY) from None
-    if bool(visible.all()):
-        return False
-    if bool((visible == torch.ones_like(visible).tril()).all()):
-        return True
-    _refuse_a_window(core, visible, seq)
-    rows = [i for i in range(seq) if not bool((visible[i] == (torch.arange(seq) <= i)).all())]
-    raise node_error(core.last, f"context parallelism replaces this attention, but its mask is "
-                     f"neither causal nor absent at the captured sequence length {seq} (query "
-                     f"rows {rows[:4]}{'...' if len(rows) > 4 else ''} differ from causal: a "
-                     "sliding window, a prefix or a block mask)", _REMEDY)
+            raise NotProvable(f"its mask ({mask.name}) cannot be proved causal, absent or a "
+                              f"causal sliding window: {e}") from None
+    return visible
 
 
-def _refuse_a_window(core, visible: torch.Tensor, seq: int) -> None:
-    """A causal sliding window (each query sees its last w keys: Gemma 2/3, Mistral, GPT-OSS),
-    refused by name."""
+def _band(seq: int, w: int) -> torch.Tensor:
+    """Causal & i - j < w: each query sees its last w keys."""
+    return torch.ones(seq, seq, dtype=torch.bool).tril().triu(-(w - 1))
+
+
+def _window(visible: torch.Tensor, seq: int) -> int | None:
+    """w when `visible` is a causal sliding window of w keys (0 < w < seq), else None."""
     w = int(visible[-1].sum())
-    band = torch.ones(seq, seq, dtype=torch.bool).tril().triu(-(w - 1))
-    if 0 < w < seq and bool((visible == band).all()):
-        raise node_error(core.last, f"context parallelism replaces this attention, but its mask "
-                         f"is a sliding window of {w} keys (causal & i - j < {w}) at the captured "
-                         f"sequence length {seq}: sliding-window attention under cp is not built",
-                         "drop the cp axis for this model (tp, pp and dp split it), or use "
-                         f"sequences of at most {w} tokens, where the window is the causal mask")
+    return w if 0 < w < seq and bool((visible == _band(seq, w)).all()) else None
+
+
+def _same_window_shorter(core, gm, inputs: set[str], seq: int, w: int) -> int:
+    """w, once the mask is the same window at length seq - 1 too (a window computed from the
+    length, such as seq // 4, would be another at the lengths train_step may be given)."""
+    shorter = seq - 1
+    try:
+        again = _visible(core, gm, inputs, shorter)
+    except NotProvable as e:
+        raise node_error(core.last, f"context parallelism replaces this attention, whose mask is "
+                         f"a sliding window of {w} keys at the captured sequence length {seq}, "
+                         f"but at length {shorter} {e}", _REMEDY) from None
+    if not bool((again == _band(shorter, w)).all()):
+        raise node_error(core.last, f"context parallelism replaces this attention, whose mask is "
+                         f"a sliding window of {w} keys at the captured sequence length {seq}, "
+                         f"but not a window of {w} keys at length {shorter}: its width depends "
+                         "on the sequence length", _REMEDY)
+    return w
 
 
 def _sequence_input(reads: list):
@@ -232,8 +265,9 @@ def _padding_patterns(seq: int) -> list[torch.Tensor]:
     return [torch.stack([right, right.flip(0)]), torch.stack([run, ~run]), rand]
 
 
-_REMEDY = ("context parallelism computes causal or unmasked attention, each optionally with "
-           "padded keys (a (batch, sequence) input, 0 = padding) or packed documents (a (batch, "
+_REMEDY = ("context parallelism computes causal or unmasked attention, or a causal sliding "
+           "window of a fixed number of keys (causal & i - j < w), each optionally with padded "
+           "keys (a (batch, sequence) input, 0 = padding) or packed documents (a (batch, "
            "sequence) input of document ids, mask doc[:, :, None] == doc[:, None, :]): write the "
-           "mask as one of those, or drop the cp axis for this model (tp/sp and recompute also cut activation "
-           "memory)")
+           "mask as one of those, or drop the cp axis for this model (tp/sp and recompute also "
+           "cut activation memory)")

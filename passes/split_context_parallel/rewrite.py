@@ -2,7 +2,8 @@
 
 Each core's output node is replaced by one call of `autopart.cp_ops.ring_attention` (or
 `allgather_kv_attention`) on the core's q, k, v (k transposed back when the core read k^T; a
-batch of (batch*heads, s, d) matrices gets a heads dim of one); the ops that only built the
+batch of (batch*heads, s, d) matrices gets a heads dim of one; a sliding window proved by
+masks.py as `window=w`); the ops that only built the
 core and its mask are then dead and removed. Aranges over the sequence become
 `sequence_positions` (the global positions of the rank's chunks), and a table sliced to the
 sequence length (a RoPE cache, a position table) is indexed at those positions instead.
@@ -81,7 +82,8 @@ def _core(g: fx.Graph, core, env: dict, comm: fx.Node, attention: str, old: fx.N
         args += (env[core.key_mask] if core.key_mask is not None else None,)
     if core.doc_ids is not None:
         args += (env[core.doc_ids],)
-    out = g.call_function(KERNELS[attention], args)
+    kwargs = {"window": core.window} if core.window is not None else {}
+    out = g.call_function(KERNELS[attention], args, kwargs)
     if flat:
         out = g.call_function(aten.squeeze.dim, (out, 1))
     return _meta(out, old)

@@ -15,12 +15,15 @@ from tests.workers.equivalence import run_cases
 
 class HandAttention(nn.Module):
     """Attention as older code bases write it: a tril buffer sliced to the sequence, masked_fill,
-    softmax in fp32, dropout(0), a learned position table sliced to the sequence length."""
+    softmax in fp32, dropout(0), a learned position table sliced to the sequence length;
+    `window`: the buffer a band, each query seeing its last `window` keys (a sliding window)."""
 
-    def __init__(self, d: int = 32, heads: int = 4, block: int = 64):
+    def __init__(self, d: int = 32, heads: int = 4, block: int = 64, window: int | None = None):
         super().__init__()
         self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+        band = torch.ones(block, block).tril()
+        band = band.triu(-(window - 1)) if window is not None else band
+        self.register_buffer("bias", band.view(1, 1, block, block))
         self.drop = nn.Dropout(0.0)
 
     def forward(self, x):
@@ -35,11 +38,13 @@ class HandAttention(nn.Module):
 
 
 class HandLM(nn.Module):
-    def __init__(self, vocab: int = 96, d: int = 32, layers: int = 2, block: int = 64):
+    def __init__(self, vocab: int = 96, d: int = 32, layers: int = 2, block: int = 64,
+                 window: int | None = None):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(block, d) * 0.02)
-        self.blocks = nn.ModuleList(nn.ModuleDict(dict(ln=nn.LayerNorm(d), att=HandAttention(d),
-                                                       mlp=nn.Linear(d, d))) for _ in range(layers))
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ln=nn.LayerNorm(d), att=HandAttention(d, window=window), mlp=nn.Linear(d, d)))
+            for _ in range(layers))
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):
@@ -54,12 +59,12 @@ def _lm_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
 
 
-def _hand(case, seed, device):
+def _hand(case, seed, device, window: int | None = None):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, 96, (case.batch, case.seq), generator=g)
     y = torch.randint(0, 96, (case.batch, case.seq), generator=g)
-    return HandLM().to(device), _lm_loss, (x.to(device),), y.to(device)
+    return HandLM(window=window).to(device), _lm_loss, (x.to(device),), y.to(device)
 
 
 class _Logits(nn.Module):
@@ -97,7 +102,54 @@ def _qwen2_moe(case, seed, device):
     return _Logits(hf_moe("hf-qwen2-moe")).to(device), _lm_loss, (x.to(device),), y.to(device)
 
 
+def _sliding(family: str, **extra):
+    """Unmodified Hugging Face models with a sliding window of 6 keys (shorter than the test's
+    32 tokens, so it hides keys), random weights from a small config: Mistral (every layer),
+    Gemma 2 and 3 (a sliding layer, then a full one)."""
+    def build(case, seed, device):
+        import transformers
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randint(0, 128, (case.batch, case.seq), generator=g)
+        y = torch.randint(0, 128, (case.batch, case.seq), generator=g)
+        return _Logits(sliding_model(family, **extra)).to(device), _lm_loss, (x.to(device),), \
+            y.to(device)
+    return build
+
+
+def sliding_model(family: str, **extra):
+    """The `family`'s causal LM from a small config with sliding_window=6 (`extra` overrides)."""
+    import transformers
+    # Gemma 2 (score soft-capping) and GPT-OSS (sinks) have no SDPA path: their eager one
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=128, sliding_window=6,
+                  attn_implementation="eager" if family in ("gemma2", "gpt-oss") else "sdpa")
+    common.update(extra)
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    if family == "gemma3":
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            layer_types=["sliding_attention", "full_attention"], **common))
+    if family == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            layer_types=["sliding_attention", "full_attention"], **common))
+    if family == "gpt-oss":
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+            num_experts_per_tok=2, **common))
+    raise ValueError(family)
+
+
 FAMILIES.setdefault("cp-hand", _hand)
+FAMILIES.setdefault("cp-mistral", _sliding("mistral"))
+FAMILIES.setdefault("cp-gemma3", _sliding("gemma3"))
+# Gemma 2 without its score soft-capping (a tanh the cp kernels do not compute; refused)
+FAMILIES.setdefault("cp-gemma2", _sliding("gemma2", attn_logit_softcapping=None))
+# a sliding window of 5 keys, shorter than a chunk at seq 32, cp=2 (chunks of 8): some blocks
+# are hidden by it entirely, the rest masked in part
+FAMILIES.setdefault("cp-window-hand", lambda case, seed, device: _hand(case, seed, device, 5))
 FAMILIES.setdefault("cp-qwen2-moe", _qwen2_moe)
 FAMILIES.setdefault("cp-llama", _llama)
 # attention written out (matmul, HF's additive causal mask, softmax, matmul): its mask is causal
