@@ -21,8 +21,8 @@ import torch
 from autopart.data import HEADER_BYTES, TokenFile, TokenLoader, write_tokens
 from autopart.errors import AutopartError
 from autopart.runtime.batches import BatchShard
-from tests.workers.data import (expected_global, local_cut, plain_training, run_ranks, same,
-                                shards_of)
+from tests.workers.data import (assembled, expected_global, local_cut, plain_training, run_ranks,
+                                same, shards_of)
 
 SEQ, BATCH, SEED = 16, 8, 3
 
@@ -163,6 +163,39 @@ def test_resume_on_another_mesh_keeps_the_global_stream(corpus, tmp_path):
         for r in runs:
             assert r.first_step == 2
             r.check_against(plain, tokens)
+
+
+@pytest.mark.full     # three spawns of 4, 2 and 4 ranks
+def test_a_dp4_checkpoint_resumes_exactly_on_dp2_and_pp2_x_dp2(corpus, tmp_path):
+    """dp=4 (each rank 2 of the 8 rows) trains 4 steps, saving after step 2 (loader included);
+    resumed from that save at dp=2 and at pp=2 x dp=2, steps 2 and 3 have the uninterrupted
+    run's global batches (put back together from the ranks' shares), which are the documented
+    stream's, and the same losses and weights as the uninterrupted run and as the plain model
+    trained on those global batches."""
+    path, tokens = corpus
+    ckpt, steps = str(tmp_path / "ckpt"), STEPS + 1
+    spec = dict(corpus=str(path), steps=steps)
+    whole = run_ranks(4, dict(spec, mesh={"dp": 4}, save_at=2, ckpt=ckpt), timeout=300)
+    plain = plain_training(tokens, steps)
+    uninterrupted = assembled(whole)
+    assert sorted(uninterrupted) == list(range(steps))
+    for step, (x, y) in uninterrupted.items():
+        want = expected_global(tokens, SEQ, BATCH, SEED, step)
+        assert torch.equal(x, want[0]) and torch.equal(y, want[1]), step
+    for r in whole:
+        assert len(r.shard.rows) == 2
+        r.check_against(plain, tokens)
+    for mesh, world in (({"dp": 2}, 2), ({"pp": 2, "dp": 2}, 4)):
+        runs = run_ranks(world, dict(spec, mesh=mesh, load=ckpt), timeout=300)
+        resumed = assembled(runs)
+        assert sorted(resumed) == [2, 3], (mesh, sorted(resumed))
+        for step, (x, y) in resumed.items():
+            assert torch.equal(x, uninterrupted[step][0]), (mesh, step, "inputs")
+            assert torch.equal(y, uninterrupted[step][1]), (mesh, step, "targets")
+        for r in runs:
+            assert r.first_step == 2, (mesh, r.rank)
+            r.check_against(plain, tokens)
+            r.check_same_as(whole[0])
 
 
 @pytest.mark.full     # two runs of the example, ~80 s

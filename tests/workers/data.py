@@ -98,6 +98,8 @@ class RankRun:
     params: dict
     bytes_read: int
     problems: list = field(default_factory=list)
+    shard: object = None        # its pm.batch_shard
+    seen: list = field(default_factory=list)    # (step, inputs, targets) the loader gave it
 
     def check_against(self, plain: dict, tokens) -> None:
         """This rank's losses and parameters are the plain model's; its shares were right."""
@@ -110,6 +112,33 @@ class RankRun:
         for name, p in self.params.items():
             _compare(f"rank {self.rank} {name}", p, plain["params"][name], RTOL, ATOL, problems)
         assert not problems, "\n".join(problems)
+
+    def check_same_as(self, other: "RankRun") -> None:
+        """The losses of the steps both ran, and the parameters this rank holds, are another
+        run's (another mesh: the same up to fp32 round-off)."""
+        problems = []
+        for i, loss in enumerate(self.losses):
+            step = self.first_step + i
+            _compare(f"rank {self.rank} loss of step {step}", torch.tensor(loss),
+                     torch.tensor(other.losses[step - other.first_step]), RTOL, ATOL, problems)
+        for name, p in self.params.items():
+            _compare(f"rank {self.rank} {name}", p, other.params[name], RTOL, ATOL, problems)
+        assert not problems, "\n".join(problems)
+
+
+def assembled(runs: list[RankRun], batch: int = BATCH, seq: int = SEQ) -> dict:
+    """step -> the global (inputs, targets) put back together from what the loader gave each
+    rank, placed by its BatchShard's rows and sequence positions; -1 where no rank read it."""
+    out: dict = {}
+    for r in runs:
+        rows = torch.tensor(r.shard.rows)[:, None]
+        positions = torch.tensor(r.shard.positions(seq))[None, :]
+        for step, x, y in r.seen:
+            whole = out.setdefault(step, tuple(torch.full((batch, seq), -1) for _ in "xy"))
+            for into, part in zip(whole, (x, y)):
+                if part is not None:
+                    into[rows, positions] = part
+    return out
 
 
 def train_ranks(rank: int, world: int, spec: dict) -> RankRun:
@@ -127,11 +156,12 @@ def train_ranks(rank: int, world: int, spec: dict) -> RankRun:
     loader = TokenLoader(spec["corpus"], SEQ, BATCH, shard=pm.batch_shard, seed=SEED)
     if spec.get("load"):
         pm.load(spec["load"], optimizer=opt, loader=loader)
-    first, losses, problems = loader.step, [], []
+    first, losses, problems, seen = loader.step, [], [], []
     while loader.step < spec["steps"]:
         b = next(loader)
         x, y = expected_global(tokens, SEQ, BATCH, SEED, b.step)
         problems += _share_problems(pm, b, x, y)
+        seen.append((b.step, b.inputs[0], b.target))
         losses.append(pm.train_step(*b.inputs, target=b.target, local=True).item())
         opt.step()
         opt.zero_grad()
@@ -143,7 +173,7 @@ def train_ranks(rank: int, world: int, spec: dict) -> RankRun:
     bytes_read = loader.bytes_read
     if spec.get("bad_saves"):
         problems += _bad_saves(pm, opt, loader, spec["bad_saves"])
-    return RankRun(rank, first, losses, params, bytes_read, problems)
+    return RankRun(rank, first, losses, params, bytes_read, problems, pm.batch_shard, seen)
 
 
 def _bad_saves(pm, opt, loader, where: str) -> list[str]:
