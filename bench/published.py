@@ -4,10 +4,13 @@ the other half predicted) and the A100 Table 1 check.
 
     python -m bench.published              # the three tables (a few seconds with the layer cache)
     python -m bench.published --fit        # refit h100-sxm on all rows and on the fit half (minutes)
+    python -m bench.published --fit-fp8    # refit fp8_gemm_efficiency on the FP8 fit half
 
 Rows: autopart/planner/data/published_h100_runs_given.json (a copy of the given file). The
 prediction and its units are autopart/planner/published.py's: the row's FLOPs by Megatron-LM's
 count over the predicted step time, with Megatron-LM's overlaps (cost.RUNTIMES).
+Last, the FP8 runs (autopart/planner/data/published_h100_fp8_runs.json, NeMo 24.07 on DGX-H100): the
+fit half and the held-out half, in tokens a second per GPU, predicted / published.
 """
 from __future__ import annotations
 
@@ -59,11 +62,33 @@ def table1() -> tuple[str, float]:
     return "\n".join(lines), worst
 
 
+def fp8_table(cluster, rows, title: str) -> tuple[str, list[float]]:
+    """The FP8 rows: published tokens/s/GPU against predicted (precision="fp8"), their ratio, and
+    the bf16 prediction of the same layout beside (what FP8 is predicted to gain)."""
+    from autopart.planner import published as P
+    lines = [title, "| published run (H100, FP8) | GPUs | tp | pp | cp | vp | mbs | measured tokens/s/GPU "
+                    "(TFLOP/s) | predicted fp8 | predicted / published | predicted bf16 | recompute, zero |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for r in rows:
+        e = P.predict(r, cluster, precision="fp8")
+        tok, bf16 = P.predicted_tokens(r, e), P.predicted_tokens(r, P.predict(r, cluster, precision="bf16"))
+        ratios.append(tok / r["tokens_per_s_per_gpu"])
+        how = f"{e.layout.recompute}, zero={e.layout.zero}" if e is not None else "does not fit"
+        lines.append(f"| {r['model'].split(' (')[0]}, seq {r['seq']} | {r['gpus']} | {r['tp']} | {r['pp']} | {r['cp']} | "
+                     f"{r['vp']} | {r['mbs']} | {r['tokens_per_s_per_gpu']:g} ({r['tflops_per_gpu']:g}) | {tok:.0f} | "
+                     f"{ratios[-1]:.3f} | {bf16:.0f} | {how} |")
+    lines.append(f"largest error {max(abs(x - 1) for x in ratios):.1%}")
+    return "\n".join(lines), ratios
+
+
 def main() -> None:
     from autopart.planner import published as P
     from autopart.planner.cluster import H100_HALF_FIT, PRESETS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="refit the constants (prints them; paste into cluster.py)")
+    ap.add_argument("--fit-fp8", action="store_true",
+                    help="refit fp8_gemm_efficiency on the FP8 fit half (prints it; cluster.py's FP8_FITTED)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")          # tp=16 replication warnings of the analysed shapes
     rows = P.rows()
@@ -75,12 +100,23 @@ def main() -> None:
             c = P.fit(h100, some)
             print(name, json.dumps({k: round(getattr(c, k), 4) for k in P.FREE}))
         return
+    fp8_fit, fp8_held = P.half_split(P.fp8_rows())
+    if args.fit_fp8:
+        print("fp8_gemm_efficiency", P.fit_fp8(h100, fp8_fit))
+        return
     print(table(h100, rows, "h100-sxm (fitted on all ten rows), each row's own layout:")[0], "\n")
     print(f"half-fit: constants fitted on {', '.join(r['model'].split(' (')[0] for r in fit_half)} "
           "(sorted by GPUs, every other row from the first)")
     print(table(half, fit_half, "the fitted half:")[0], "\n")
     print(table(half, held, "the held-out half, predicted:")[0], "\n")
     print(table1()[0])
+    names = ", ".join(f"{r['model'].split(' (')[0]} ({r['gpus']})" for r in fp8_fit)
+    print(f"\nFP8 (h100-sxm, fp8_gemm_efficiency {h100.fp8_gemm_efficiency:g} fitted on {names}; "
+          "Megatron-LM's runtime and FP8 recipe):")
+    print(fp8_table(h100, fp8_fit, "the fitted half:")[0], "\n")
+    print(fp8_table(h100, fp8_held, "the held-out half, predicted:")[0])
+    skipped = [r["model"].split(" (")[0] for r in P.fp8_rows(all_rows=True) if r["layers"] is None]
+    print(f"recorded, not predicted (model shape not in the source): {', '.join(skipped)}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,10 @@ class Cluster:
     fused_attention_efficiency: float = 0.0   # > 0: SDPA runs as one fused kernel (flash/cuDNN) at
                                               # this fraction of peak on its unmasked FLOPs; 0:
                                               # scores materialized (attention_score_bytes)
+    fp8_peak_flops: float = 0.0       # dense FP8 matmul peak per device; 0: no FP8 tensor cores
+                                      # (precision="fp8" is refused)
+    fp8_gemm_efficiency: float = 0.0  # as gemm_efficiency, for the GEMMs precision="fp8" runs in FP8
+                                      # (the same gemm_half_dim shapes them)
 
     def __post_init__(self):
         problems = [f"{k} = {v!r}: {need}" for k, v, need in self._checks() if need]
@@ -74,9 +78,9 @@ class Cluster:
             yield k, getattr(self, k), number(getattr(self, k), 0)
         for k in ("gemm_efficiency", "intra_efficiency", "inter_efficiency", "memory_efficiency"):
             yield k, getattr(self, k), number(getattr(self, k), 0, 1)
-        for k in ("gemm_half_dim", "attention_score_bytes", "latency_s", "op_overhead_s"):
+        for k in ("gemm_half_dim", "attention_score_bytes", "latency_s", "op_overhead_s", "fp8_peak_flops"):
             yield k, getattr(self, k), number(getattr(self, k), 0, lo_open=False)
-        for k in ("fused_attention_efficiency",):
+        for k in ("fused_attention_efficiency", "fp8_gemm_efficiency"):
             yield k, getattr(self, k), number(getattr(self, k), 0, 1, lo_open=False)
 
     CONSTANTS = ("gemm_efficiency", "gemm_half_dim", "attention_score_bytes", "fused_attention_efficiency",
@@ -124,6 +128,9 @@ class Cluster:
                  f"{self.intra_bw / 1e9:g} GB/s, inter-node {self.inter_bw / 1e9:g} GB/s per device (one direction)",
                  "calibration constants (global to the cluster; " + _source(self.name) + "):"]
         lines += [f"  {k} = {getattr(self, k):g}" for k in self.CONSTANTS]
+        if self.fp8_peak_flops > 0:
+            lines.append(f"  fp8_gemm_efficiency = {self.fp8_gemm_efficiency:g} (of the {self.fp8_peak_flops / 1e12:g} "
+                         f"TFLOP/s dense FP8 peak; " + _FP8_SOURCE.get(self.name, "from the cluster file") + ")")
         return "\n".join(lines)
 
 
@@ -160,18 +167,27 @@ _FITTED = dict(gemm_efficiency=0.6649, gemm_half_dim=31.19, attention_score_byte
 _H100 = dict(gemm_efficiency=0.5852, gemm_half_dim=113.1, fused_attention_efficiency=0.1743, intra_efficiency=0.8582,
              inter_efficiency=0.9718, memory_efficiency=0.8106, op_overhead_s=2.419e-06, latency_s=1e-5,
              attention_score_bytes=0.0)
+FP8_FITTED = 0.7446   # `python -m bench.published --fit-fp8` (the fit half only)
 H100_HALF_FIT = dict(gemm_efficiency=0.5578, gemm_half_dim=101.0, fused_attention_efficiency=0.2358,
                      intra_efficiency=0.9926, inter_efficiency=0.8629, memory_efficiency=0.6941, op_overhead_s=2.429e-06)
+
+# precision="fp8" on H100 and H200: dense FP8 peak 1979 TFLOP/s (twice bf16's); the FP8 GEMMs'
+# efficiency fitted by autopart/planner/published.py (`python -m bench.published --fit-fp8`) on the
+# fit half of autopart/planner/data/published_h100_fp8_runs.json (published.half_split), h100-sxm's
+# other constants held; the other half is predicted with it (tests/test_planner_fp8.py).
+_H100_FP8 = dict(fp8_peak_flops=1979e12, fp8_gemm_efficiency=FP8_FITTED)
+_FP8_SOURCE = {"h100-sxm": "fitted on half of published_h100_fp8_runs.json, H100",
+               "h200": "the H100's, fitted on half of published_h100_fp8_runs.json"}
 
 PRESETS: dict[str, Cluster] = {
     # Selene (Narayanan et al. 2021): DGX A100 80GB, NVSwitch 600 GB/s bidirectional per GPU,
     # 8 x 200 Gb/s HDR InfiniBand per node (one HCA per GPU).
     "a100-80gb-selene": Cluster("a100-80gb-selene", 8, 312e12, 2.039e12, 80e9, 300e9, 25e9, **_FITTED),
     # DGX H100: 989 TFLOP/s dense bf16, NVLink 4 900 GB/s bidirectional, 8 x 400 Gb/s NDR.
-    "h100-sxm": Cluster("h100-sxm", 8, 989e12, 3.35e12, 80e9, 450e9, 50e9, **_H100),
+    "h100-sxm": Cluster("h100-sxm", 8, 989e12, 3.35e12, 80e9, 450e9, 50e9, **_H100, **_H100_FP8),
     # H200: the H100's compute, links and kernels (the same constants: no H200 rows to fit), 141 GB
     # of HBM3e at 4.8 TB/s.
-    "h200": Cluster("h200", 8, 989e12, 4.8e12, 141e9, 450e9, 50e9, **_H100),
+    "h200": Cluster("h200", 8, 989e12, 4.8e12, 141e9, 450e9, 50e9, **_H100, **_H100_FP8),
 }
 
 

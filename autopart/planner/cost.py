@@ -19,7 +19,10 @@ messages, divides by cp, and each attention core passes its K and V around the r
 over dp * cp ranks. The efficiency of a GEMM is a smooth function of its dimensions,
 ``gemm_efficiency * prod(d / (d + gemm_half_dim))``: small dimensions (a head's 64-160, a thin
 tp shard) run further from peak. Its two constants and the memory and link efficiencies are the
-cluster's, global; nothing here is per model.
+cluster's, global; nothing here is per model. Under precision="fp8" the linears the FP8 rule picks
+(`fp8_mask`: autopart's rule under autopart's runtime, Transformer Engine's under Megatron-LM's)
+run at the cluster's FP8 peak and fp8_gemm_efficiency (the same shape factor), and pay their casts
+at HBM speed and, under autopart's runtime, their amax all-reduces over tp (`fp8_costs`).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from autopart.errors import AutopartError
 from autopart.memory.state import Held, state
 from autopart.planner.cluster import Cluster
 from autopart.planner.profile import Part, Profile
@@ -55,8 +59,17 @@ FLASH_BACKWARD = 2.5      # a fused attention's backward runs 5 matmuls to the f
                           # recomputes Q K^T from the saved log-sum-exp instead of keeping scores)
 # precision -> (param bytes, grad bytes, master bytes, activation bytes, gradient all-reduce bytes).
 # Megatron keeps fp32 main gradients; with fp16 (the paper) it all-reduces them in fp16, with bf16
-# in fp32 (accumulate_allreduce_grads_in_fp32), so bf16 moves twice the bytes.
-PRECISIONS = {"bf16": (2, 4, 4, 2, 4), "fp16": (2, 2, 4, 2, 2), "fp32": (4, 4, 0, 4, 4)}
+# in fp32 (accumulate_allreduce_grads_in_fp32), so bf16 moves twice the bytes. fp8 holds what bf16
+# does (the FP8 copies are made per microbatch and dropped; activations counted in bf16, a bound).
+PRECISIONS = {"bf16": (2, 4, 4, 2, 4), "fp16": (2, 2, 4, 2, 2), "fp32": (4, 4, 0, 4, 4), "fp8": (2, 4, 4, 2, 4)}
+# precision="fp8": bytes per element a cast to FP8 moves, reading bf16 and writing one byte (an FP8
+# linear's input in forward, its output gradient in backward); the weight's is read in fp32 under
+# autopart's runtime (its master weights, cast each microbatch), in bf16 under Megatron-LM's
+# (Transformer Engine casts the bf16 parameter on a step's first microbatch and keeps the FP8 copy
+# for the others: is_first_microbatch)
+FP8_CAST_BYTES = 3
+FP8_WEIGHT_BYTES = {"autopart": 5, "megatron": 3, "megatron-2021": 3}
+FP8_TERMS = ("fp8_gemms_rank0", "fp8_casts_rank0", "fp8_amax_rank0")
 # bytes an optimizer step reads and writes per parameter: grad, master, states (read + write), param
 STEP_BYTES = {"adam": 4 + 8 + 16 + 2, "sgd-momentum": 4 + 8 + 8 + 2, "sgd": 4 + 8 + 2}
 
@@ -113,7 +126,9 @@ class Estimate:
                 "step_time_s": round(self.step_time, 4),
                 "tflops_per_device": round(self.tflops_per_device, 1),
                 "memory_per_rank_gb": round(self.memory["total"] / 1e9, 2), "fits": self.fits,
-                "rejected_because": self.rejected_because}
+                "rejected_because": self.rejected_because,
+                # precision="fp8" only: seconds a step of the first rank (CostModel.fp8_terms), 4 digits
+                **{k.replace("_rank0", "_s"): float(f"{self.breakdown[k]:.4g}") for k in FP8_TERMS if k in self.breakdown}}
 
 
 class CostModel:
@@ -127,14 +142,63 @@ class CostModel:
         self.precision, self.optimizer, self.runtime = precision, optimizer, runtime
         self.bytes = PRECISIONS[precision]
         self._act_scale = self.bytes[3] / 4          # the profile was captured in fp32
+        if precision == "fp8" and not (cluster.fp8_peak_flops > 0 and cluster.fp8_gemm_efficiency > 0):
+            raise AutopartError(f"precision='fp8': cluster {cluster.name!r} has no FP8 GEMMs (fp8_peak_flops "
+                                f"{cluster.fp8_peak_flops:g}, fp8_gemm_efficiency {cluster.fp8_gemm_efficiency:g})"
+                                "\n  remedy: plan bf16 there, or an FP8 cluster (h100-sxm, h200), or set both "
+                                "fields in the cluster file")
 
     # -- pieces ---------------------------------------------------------------------------------
 
-    def gemm_time(self, flops: float, m: float, n: float, k: float) -> float:
+    def gemm_time(self, flops: float, m: float, n: float, k: float, fp8: bool = False) -> float:
+        """Seconds of one GEMM; `fp8`: at the cluster's FP8 peak and efficiency, the same shape
+        factor (gemm_half_dim)."""
         c = self.cluster
         d0 = c.gemm_half_dim
-        eff = c.gemm_efficiency * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
-        return flops / (c.peak_flops * eff)
+        peak, top = (c.fp8_peak_flops, c.fp8_gemm_efficiency) if fp8 else (c.peak_flops, c.gemm_efficiency)
+        eff = top * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
+        return flops / (peak * eff)
+
+    def fp8_mask(self, part: Part, where: str = "layer") -> tuple:
+        """Per GEMM of `part` (profile.Part.linears), whether it runs in FP8. `where`: first, last,
+        layer, or layer-first / layer-last (the model's first / last layer where the first / last
+        part has no linear). Under autopart's runtime passes/fp8_linears.py's rule ("auto"): every
+        linear but the model's first (no linear before it) and last (none after it) and the small
+        or misaligned ones; under Megatron-LM's, Transformer Engine's: every linear of the
+        transformer layers (embedding and output layer stay bf16), misaligned ones excepted."""
+        tags = part.linears if len(part.linears) == len(part.gemms) else ((),) * len(part.gemms)
+        if self.precision != "fp8":
+            return (False,) * len(tags)
+        if self.runtime != "autopart":
+            return tuple(bool(t) and "misaligned" not in t and where.startswith("layer") for t in tags)
+        first, last = where in ("first", "layer-first"), where in ("last", "layer-last")
+        return tuple(bool(t) and not ({"small", "misaligned"} & set(t)) and not (first and "entry" in t)
+                     and not (last and "exit" in t) for t in tags)
+
+    def fp8_costs(self, part: Part, tp: int, b: int, cp: int, mask: tuple) -> tuple[float, float, float, float]:
+        """(forward casts, backward casts, forward amax all-reduces, backward ones) in seconds, one
+        microbatch of `part`'s FP8 GEMMs (`mask`). Casts at HBM speed: per linear the input
+        (FP8_CAST_BYTES an element) and, under autopart's runtime, the weight (FP8_WEIGHT_BYTES) in
+        forward, the output gradient in backward (Megatron-LM's weights: weight_cast_time).
+        Amaxes (tensorwise, autopart/ops/fp8.py): an input's amax is reduced over tp where its K
+        is split (row-parallel), an output gradient's where N is (column-parallel), one max
+        all-reduce of 4 bytes each (the weights' once per chunk: weight_amax_time). Under
+        Megatron-LM's runtime Transformer Engine reduces amaxes once a step: not priced."""
+        c = self.cluster
+        hbm = c.hbm_bw * c.memory_efficiency
+        cast_f = cast_b = 0.0
+        rows = cols = 0
+        for (_, mm, n, k, _, _), on, tags in zip(part.gemms, mask, part.linears):
+            if on:
+                m = mm(b) / cp
+                weight = FP8_WEIGHT_BYTES["autopart"] * k * n if self.runtime == "autopart" else 0.0
+                cast_f += (FP8_CAST_BYTES * m * k + weight) / hbm
+                cast_b += FP8_CAST_BYTES * m * n / hbm
+                rows, cols = rows + ("row" in tags), cols + ("column" in tags)
+        if tp == 1 or self.runtime != "autopart":
+            return cast_f, cast_b, 0.0, 0.0
+        one = self.allreduce_time(4.0, tp, True)
+        return cast_f, cast_b, rows * one, cols * one
 
     def allreduce_time(self, nbytes: float, ranks: int, intra: bool) -> float:
         """Ring all-reduce: 2(n-1)/n of the bytes over each link, 2(n-1) steps of latency."""
@@ -188,18 +252,22 @@ class CostModel:
         return elementwise / cp * self._act_scale / (c.hbm_bw * c.memory_efficiency) + part.ops * c.op_overhead_s
 
     def part_times(self, part: Part, tp: int, b: int, ep: int = 1, cp: int = 1,
-                   schedule: str = "1f1b") -> tuple[float, float, float]:
+                   schedule: str = "1f1b", fp8: tuple | None = None) -> tuple[float, float, float]:
         """(forward, backward, communication) of one part for one microbatch; with cp > 1 on one
         context-parallel rank: 1/cp of the tokens, plus the ring's exposed time. Under autopart's
         runtime the forward's tp collectives are exposed and the backward's run behind the
         column-parallel linears' weight gradients (passes/overlap_collectives.py; about half the
         part's GEMM time), except under schedules that split the backward (I/W), where the pass
         does not run; under Megatron-LM's (tp-comm-overlap) they run chunked behind the part's
-        GEMMs, exposed only where longer."""
+        GEMMs, exposed only where longer. `fp8`: which GEMMs run in FP8 (fp8_mask; default: the
+        part as a layer), with their casts and amax all-reduces (fp8_costs)."""
         c = self.cluster
+        mask = self.fp8_mask(part) if fp8 is None else fp8
         # a linear's M (tokens) is 1/cp; an attention core runs cp blocks of s/cp queries by
         # s/cp keys, together 1/cp of its FLOPs (the causal load balancing evens them out)
-        gemm = sum(self.gemm_time(f(b) / cp, mm(b) / cp, n, k) for f, mm, n, k, att, _ in part.gemms if not att)
+        gemm = sum(self.gemm_time(f(b) / cp, mm(b) / cp, n, k, on)
+                   for (f, mm, n, k, att, _), on in zip(part.gemms, mask) if not att)
+        cast_f, cast_b, amax_f, amax_b = self.fp8_costs(part, tp, b, cp, mask) if any(mask) else (0.0,) * 4
         att_f = att_b = 0.0
         for f, mm, n, k, att, causal in part.gemms:
             if att:
@@ -215,8 +283,9 @@ class CostModel:
         # expert all-to-alls: ep ranks are dp ranks, tp * cp apart; the backward mirrors the forward's
         a2a = self.alltoall_time(part.alltoall(b) / cp * self._act_scale, ep, tp * cp * ep <= c.gpus_per_node)
         ring_f, ring_b = self.ring_times(part, tp, b, cp)
-        return (gemm + att_f + mem + ar_f + a2a + ring_f, 2 * (gemm + mem) + att_b + ar_b + a2a + ring_b,
-                ar_f + ar_b + 2 * a2a + ring_f + ring_b)
+        return (gemm + att_f + mem + ar_f + a2a + ring_f + cast_f + amax_f,
+                2 * (gemm + mem) + att_b + ar_b + a2a + ring_b + cast_b + amax_b,
+                ar_f + ar_b + 2 * a2a + ring_f + ring_b + amax_f + amax_b)
 
     def ring_transfer(self, part: Part, tp: int, b: int, cp: int) -> float:
         """Seconds one ring step's message takes: a K and V chunk (1/cp of the sequence, this
@@ -256,8 +325,10 @@ class CostModel:
             again = self.part_times(core, lay.tp, b, lay.ep, lay.cp, lay.schedule)[0] + max(
                 0.0, self.elementwise_time(parts["layer"], lay.tp, b, lay.cp)
                 - self.elementwise_time(core, lay.tp, b, lay.cp))     # the core's own counted once
-        ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep, lay.cp, lay.schedule)
-        tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep, lay.cp, lay.schedule)
+        ff, fb, _ = self.part_times(parts["first"], lay.tp, b, lay.ep, lay.cp, lay.schedule,
+                                    self.fp8_mask(parts["first"], "first"))
+        tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep, lay.cp, lay.schedule,
+                                    self.fp8_mask(parts["last"], "last"))
         counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
         fwd = [n * lf for n in counts]
         bwd = [n * lb + self.recomputed(lay, n) * again for n in counts]
@@ -265,7 +336,50 @@ class CostModel:
         bwd[0] += fb
         fwd[-1] += tf
         bwd[-1] += tb
+        if self.precision == "fp8":
+            self._fp8_edges(lay, fwd, bwd, lf, lb)
         return fwd, bwd, counts
+
+    def edge_layers(self, lay: Layout) -> list[tuple[str, int]]:
+        """[(fp8_mask's where, chunk)] of the layers whose linears the FP8 rule keeps in bf16 as
+        the model's first or last (autopart's runtime, where the first / last part has none)."""
+        if self.precision != "fp8" or self.runtime != "autopart":
+            return []
+        parts = self.parts(lay)
+        return [(f"layer-{end}", k) for end, k in (("first", 0), ("last", -1))
+                if not any(parts[end].linears) and any(parts["layer"].linears)]
+
+    def _fp8_edges(self, lay: Layout, fwd: list, bwd: list, lf: float, lb: float) -> None:
+        """Add to the chunk costs what precision="fp8" adds beyond the layer's price: the first
+        and last layer's bf16 linears (edge_layers; rerun in backward under full recomputation),
+        per chunk the one all-reduce of its weights' amaxes (weight_amax_time) and, under
+        Megatron-LM's runtime, its layers' weight casts (weight_cast_time)."""
+        layer, b = self.parts(lay)["layer"], lay.microbatch_size
+        for where, k in self.edge_layers(lay):
+            ef, eb, _ = self.part_times(layer, lay.tp, b, lay.ep, lay.cp, lay.schedule, self.fp8_mask(layer, where))
+            fwd[k] += ef - lf
+            bwd[k] += eb - lb + (ef - lf if lay.recompute == "full" else 0.0)
+        weights = self.weight_amax_time(lay)
+        for k, n in enumerate(chunk_layers(self.profile.layers, len(fwd))):
+            fwd[k] += weights + n * self.weight_cast_time(lay)
+
+    def weight_cast_time(self, lay: Layout) -> float:
+        """Under Megatron-LM's runtime, a layer's FP8 weights cast once a step (bf16 read, FP8
+        written), in seconds per microbatch (the step's cast spread over its microbatches); 0
+        under autopart's, where fp8_costs casts them every microbatch."""
+        if self.runtime == "autopart":
+            return 0.0
+        layer, c = self.parts(lay)["layer"], self.cluster
+        elements = sum(g[2] * g[3] for g, on in zip(layer.gemms, self.fp8_mask(layer)) if on)
+        hbm = c.hbm_bw * c.memory_efficiency
+        return FP8_WEIGHT_BYTES[self.runtime] * elements / hbm / self.microbatches(lay)
+
+    def weight_amax_time(self, lay: Layout) -> float:
+        """Seconds of the one max all-reduce over tp of a chunk's FP8 weights' amaxes, per
+        microbatch (autopart's runtime, where the layer has tp-split FP8 linears), else 0."""
+        layer = self.parts(lay)["layer"]
+        split = any(on and ({"row", "column"} & set(t)) for on, t in zip(self.fp8_mask(layer), layer.linears))
+        return self.allreduce_time(4.0, lay.tp, True) if split and self.runtime == "autopart" else 0.0
 
     @staticmethod
     def recomputed(lay: Layout, layers: int) -> int:
@@ -468,7 +582,28 @@ class CostModel:
                             "schedule has some (the simulator's delay)"}
         if lay.cp > 1:
             notes["cp_ring_exposed"] = "each K/V chunk's transfer behind one attention block, max(0, transfer - block)"
+        if self.precision == "fp8":
+            notes.update(self.fp8_notes(lay))
         return {**notes, **self._after(lay)[1]}
+
+    def fp8_notes(self, lay: Layout) -> dict:
+        """{FP8 term: what it assumes}, for assumptions()."""
+        c, layer = self.cluster, self.parts(lay)["layer"]
+        on, found = sum(self.fp8_mask(layer)), sum(map(bool, layer.linears))
+        ours = self.runtime == "autopart"
+        rule = ("autopart's rule (passes/fp8_linears.py): the model's first and last linears and small ones "
+                "stay bf16" if ours else "Megatron-LM's (Transformer Engine): the transformer layers' linears; "
+                "embedding and output layer bf16")
+        return {"fp8_gemms_rank0": (f"{on} of a layer's {found} linears in FP8, {rule}; at {c.fp8_peak_flops / 1e12:g} "
+                                    f"TFLOP/s * fp8_gemm_efficiency {c.fp8_gemm_efficiency:g} * the shape factor; "
+                                    "attention cores bf16; part of compute_rank0"),
+                "fp8_casts_rank0": (f"per FP8 linear and microbatch, at HBM speed: input {FP8_CAST_BYTES} B/element "
+                                    f"and weight {FP8_WEIGHT_BYTES[self.runtime]} in forward, output gradient "
+                                    f"{FP8_CAST_BYTES} in backward; part of compute_rank0"),
+                "fp8_amax_rank0": ("tensorwise amaxes max-all-reduced over tp, exposed: per linear the input's "
+                                   "(row-parallel) and the output gradient's (column-parallel), the weights' once "
+                                   "a chunk; part of compute_rank0" if ours else
+                                   "Transformer Engine reduces amaxes once a step: not priced")}
 
     def counted_flops(self) -> float:
         """The model's FLOPs a step as Megatron-LM counts them (num_floating_point_operations):
@@ -538,7 +673,34 @@ class CostModel:
                      "message": msg, **after}
         if lay.cp > 1:
             breakdown["cp_ring_exposed"] = self.ring_exposed(lay)
+        if self.precision == "fp8":
+            breakdown.update(self.fp8_terms(lay))
         return Estimate(lay, step, tflops, mem, fits, why, breakdown, simulate)
+
+    def fp8_terms(self, lay: Layout) -> dict:
+        """Seconds a step of the first pipeline rank spends in FP8 GEMMs (forward and backward),
+        FP8 casts and amax all-reduces (FP8_TERMS), part of its compute_rank0 (recomputation's
+        reruns not counted)."""
+        parts, b = self.parts(lay), lay.microbatch_size
+        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        mine = [(parts["layer"], "layer", sum(n for k, n in enumerate(counts) if k % lay.pp == 0)),
+                (parts["first"], "first", 1)]
+        if lay.pp == 1:
+            mine.append((parts["last"], "last", 1))
+        for where, k in self.edge_layers(lay):       # one of rank 0's layers priced apart
+            if k == 0 or lay.pp == 1:
+                mine += [(parts["layer"], "layer", -1), (parts["layer"], where, 1)]
+        gemms = casts = amax = 0.0
+        for part, where, n in mine:
+            mask = self.fp8_mask(part, where)
+            g = sum(self.gemm_time(f(b) / lay.cp, mm(b) / lay.cp, nn, k, True)
+                    for (f, mm, nn, k, att, _), on in zip(part.gemms, mask) if on and not att)
+            cf, cb, af, ab = self.fp8_costs(part, lay.tp, b, lay.cp, mask)
+            gemms, casts, amax = gemms + n * 3 * g, casts + n * (cf + cb), amax + n * (af + ab)
+        m = self.microbatches(lay)
+        amax += len(range(0, len(counts), lay.pp)) * self.weight_amax_time(lay)   # rank 0's chunks
+        casts += mine[0][2] * self.weight_cast_time(lay)
+        return dict(zip(FP8_TERMS, (m * gemms, m * casts, m * amax)))
 
 
 def chunk_layers(layers: int, chunks: int) -> list[int]:

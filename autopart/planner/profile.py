@@ -81,6 +81,11 @@ class Part:
                                             # GEMM outputs outside attention cores, the cores'
                                             # outputs, the part's inputs (saves.py)
     replicated_selective: Lin = Lin(0.0, 0.0)   # of selective_kept, values not split over tp
+    linears: tuple = ()     # per GEMM (as `gemms`), what precision="fp8" decides by (linear_tags):
+                            # () for a matmul that is no linear, else tags of "linear", "column" /
+                            # "row" (its N / K split over tp), "entry" / "exit" (no linear before /
+                            # after it in the part), "small", "misaligned" (the FP8 rule's, on the
+                            # whole weight)
 
     def flops(self, b: float) -> float:
         return sum(g[0](b) for g in self.gemms)
@@ -373,6 +378,7 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep, core=froze
         return _numel_expr(v, program) * (v.element_size() if hasattr(v, "element_size") else 4)
 
     gemms, elt, ar_f, ar_b, saved, ops = [], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], 0
+    gemm_nodes = []
     a2a, rep_saved, rep_bytes = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
     for n in nodes:
         info = op_info(n.target)
@@ -394,6 +400,7 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep, core=froze
         replicated = tp > 1 and not _is_split(n)
         if g is not None:
             gemms.append(g)
+            gemm_nodes.append(n)
         else:
             elt = _add(elt, lin(c.bytes_moved))
             if replicated:
@@ -413,7 +420,39 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep, core=froze
             "ops": ops, "alltoall": a2a, "kv_bytes": _kv_bytes(nodes, costs, lin, nbytes),
             "replicated_saved": rep_saved, "replicated_bytes": rep_bytes, "kept_bytes": kept,
             "replicated_kept": rep_kept, "selective_kept": sel, "replicated_selective": rep_sel,
+            "linears": linear_tags(nodes, gemm_nodes, program),
             "expert_params": _params(nodes, program, shards, tp, experts, ep, only=set(experts))}
+
+def linear_tags(nodes, gemm_nodes, program) -> list[list[str]]:
+    """Per GEMM of a part (`gemm_nodes`, in `gemms` order), what precision="fp8" decides by
+    (Part.linears): the linears as passes/fp8_linears.py finds them (an activation times a 2-D
+    trainable parameter), which of their dims tp splits, whether another linear of the part comes
+    before or after them in its dataflow, and the rule's size checks on the whole weight."""
+    from autopart.passes.fp8_linears import ALIGN, MIN_FEATURES, _without_linear, operands
+    found = {n.name: operands(n, program.params) for n in gemm_nodes}
+    found = {k: v for k, v in found.items() if v is not None}
+    entry = _without_linear(list(nodes), found, lambda n: n.all_input_nodes)
+    exit_ = _without_linear(list(reversed(nodes)), found, lambda n: n.users)
+    tp = program.tp
+    out = []
+    for n in gemm_nodes:
+        if n.name not in found:
+            out.append([])
+            continue
+        _, w, _, out_dim = found[n.name]
+        shape = [int(d) for d in program.params[w.target].shape]
+        n_out, k_in = shape[out_dim], shape[1 - out_dim]
+        tags = ["linear"]
+        if tp is not None and n.name in tp.column:
+            tags.append("column")
+        elif tp is not None and n.name in tp.row:
+            tags.append("row")
+        tags += [t for t, on in (("entry", n.name in entry), ("exit", n.name in exit_),
+                                 ("small", min(n_out, k_in) < MIN_FEATURES),
+                                 ("misaligned", bool(n_out % ALIGN or k_in % ALIGN))) if on]
+        out.append(tags)
+    return out
+
 
 
 def _kept(nodes, costs, lin, tp, core) -> tuple[list, list, list, list]:
@@ -587,7 +626,8 @@ def _from_json(data: dict, cached: bool = False) -> Profile:
                     Lin(*d["alltoall"]), d["expert_params"], Lin(*d.get("kv_bytes", (0.0, 0.0))),
                     Lin(*d.get("replicated_saved", (0.0, 0.0))), Lin(*d.get("replicated_bytes", (0.0, 0.0))),
                     Lin(*d.get("kept_bytes", (0.0, 0.0))), Lin(*d.get("replicated_kept", (0.0, 0.0))),
-                    Lin(*d.get("selective_kept", (0.0, 0.0))), Lin(*d.get("replicated_selective", (0.0, 0.0))))
+                    Lin(*d.get("selective_kept", (0.0, 0.0))), Lin(*d.get("replicated_selective", (0.0, 0.0))),
+                    tuple(tuple(t) for t in d.get("linears", ())))
     parts = {tuple(map(int, key.split(","))): {k: (part(v) if isinstance(v, dict) else v) for k, v in ps.items()}
              for key, ps in data["parts"].items()}
     invalid = {tuple(map(int, k.split(","))): v for k, v in data["invalid_tp"].items()}

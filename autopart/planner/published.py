@@ -10,6 +10,12 @@ recomputation (none, selective, full on every layer or on the first N of each ch
 sequence parallelism, parameter gathers behind the forward). Predicted TFLOP/s is the row's
 FLOPs a step by Megatron-LM's count (`megatron_flops`, from the row's shape, not from the
 planner) over the predicted step time and the GPUs, the unit the sources report.
+
+FP8 (data/published_h100_fp8_runs.json, NeMo 24.07 on DGX-H100): each row with its tp, pp, dp, cp,
+microbatch size and virtual stages fixed, precision="fp8" under Megatron-LM's runtime (Transformer
+Engine's recipe: cost.CostModel.fp8_mask), compared in tokens a second per GPU (the source's unit;
+`predicted_tokens`); the one FP8 constant, fp8_gemm_efficiency, is fitted on half the rows
+(`half_split`, `fit_fp8`) and the other half predicted.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data" / "published_h100_runs_given.json"
+# measured FP8 runs (NeMo's H100 performance summary), for the FP8 GEMM efficiency
+FP8_DATA = Path(__file__).resolve().parent / "data" / "published_h100_fp8_runs.json"
 GPT = str(ROOT / "examples" / "gpt.py") + ":GPT"
 # a Llama-3-shaped model: GQA, SwiGLU, RMSNorm, RoPE, SDPA, an untied head
 LLAMA = str(ROOT / "examples" / "llama.py") + ":Llama"
@@ -67,21 +75,27 @@ def zero_levels(r: dict) -> tuple:
     return (1, 2) if r["zero_or_fsdp"].startswith("FSDP") else (1,)
 
 
-def model_for(r: dict, cluster, runtime: str = "megatron"):
+def model_for(r: dict, cluster, runtime: str = "megatron", precision: str = "bf16"):
     from autopart.planner.cost import CostModel
     from autopart.planner.profile import load_profile
-    return CostModel(load_profile(*target(r)), cluster, r["gbs"], precision="bf16", optimizer="adam",
+    return CostModel(load_profile(*target(r)), cluster, r["gbs"], precision=precision, optimizer="adam",
                      runtime=runtime)
 
 
-def predict(r: dict, cluster, *, simulate_top: int = 8, runtime: str = "megatron"):
-    """The fastest fitting estimate of the row's own layout, or None."""
+def predict(r: dict, cluster, *, simulate_top: int = 8, runtime: str = "megatron", precision: str = "bf16"):
+    """The fastest fitting estimate of the row's own layout, or None. What the row gives is fixed
+    (tp, pp, dp, cp, and where given the microbatch size and virtual stages), the rest searched."""
     from autopart.planner.search import search
-    model = model_for(r, cluster, runtime)
+    model = model_for(r, cluster, runtime, precision)
+    fixed = {}
+    if r.get("mbs"):
+        fixed["microbatch_size"] = r["mbs"]
+    if r.get("vp"):
+        fixed.update(virtual_stages=r["vp"], schedule="interleaved-1f1b" if r["vp"] > 1 else "1f1b")
     best = None
     for z in zero_levels(r):
-        ranked = search(model, r["gpus"], tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=1, zero=z,
-                        simulate_top=simulate_top)
+        ranked = search(model, r["gpus"], tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r.get("cp") or 1, zero=z,
+                        simulate_top=simulate_top, **fixed)
         e = next((e for e in ranked if e.fits), None)
         if e is not None and (best is None or e.step_time < best.step_time):
             best = e
@@ -114,5 +128,48 @@ def fit(base, some: list[dict], *, iterations: int = 60):
     return make(_nelder_mead(loss, [math.log(getattr(base, k)) for k in FREE], iterations))
 
 
+# -- FP8 (precision="fp8") -----------------------------------------------------------------------
+
+def fp8_rows(path: Path = FP8_DATA, *, all_rows: bool = False) -> list[dict]:
+    """The FP8 runs whose model shape is known (all_rows: every recorded run)."""
+    got = rows(path)
+    return got if all_rows else [r for r in got if r["layers"] is not None]
+
+
+def predicted_tokens(r: dict, e) -> float:
+    """Tokens a second per GPU of estimate `e` for row `r`: the source's own unit, no FLOPs count
+    between them (NeMo's Model TFLOP/s counts by its own formula)."""
+    return r["gbs"] * r["seq"] / (e.step_time * r["gpus"]) if e is not None else 0.0
+
+
+def fp8_errors(cluster, some: list[dict], simulate_top: int = 8, precision: str = "fp8") -> list[float]:
+    """Per row, predicted / published tokens per second per GPU, minus 1."""
+    return [predicted_tokens(r, predict(r, cluster, simulate_top=simulate_top, precision=precision))
+            / r["tokens_per_s_per_gpu"] - 1 for r in some]
+
+
+def fit_fp8(base, some: list[dict], *, lo: float = 0.2, hi: float = 1.0, iterations: int = 24) -> float:
+    """fp8_gemm_efficiency minimizing the 8-norm of `some` rows' relative errors (the rest of
+    `base` held): golden-section search on [lo, hi], the one free constant."""
+    def loss(x):
+        c = dataclasses.replace(base, fp8_gemm_efficiency=x)
+        return sum(e ** 8 for e in fp8_errors(c, some, simulate_top=2)) ** (1 / 8)
+
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    x1, x2 = b - g * (b - a), a + g * (b - a)
+    f1, f2 = loss(x1), loss(x2)
+    for _ in range(iterations):
+        if f1 <= f2:
+            b, x2, f2 = x2, x1, f1
+            x1 = b - g * (b - a)
+            f1 = loss(x1)
+        else:
+            a, x1, f1 = x1, x2, f2
+            x2 = a + g * (b - a)
+            f2 = loss(x2)
+    return round((a + b) / 2, 4)
+
+
 __all__ = ["rows", "half_split", "megatron_flops", "target", "predict", "predicted_tflops", "errors",
-           "fit", "FREE", "DATA"]
+           "fit", "FREE", "DATA", "FP8_DATA", "fp8_rows", "predicted_tokens", "fp8_errors", "fit_fp8"]
