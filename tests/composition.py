@@ -30,7 +30,7 @@ AXES: dict[str, tuple] = {
     "ep":         (1, 2),                        # experts over ep of the dp ranks (moe only)
     "recompute":  ("none", "selective", "full"),
     "zero":       (0, 1, 2, 3),
-    "precision":  ("fp32", "bf16"),
+    "precision":  ("fp32", "bf16", "fp8"),       # fp8: against tests/workers/fp8.py's recipe
     "compile":    (False, True),                 # the chunks through Inductor
     "embeddings": ("tied", "untied"),
     "reuse":      ("on", "off"),                 # layer reuse at capture (AUTOPART_LAYER_REUSE)
@@ -62,6 +62,14 @@ def allowed(values: dict) -> bool:
 def refusal(values: dict) -> tuple[str, ...]:
     """What parallelize's error must say for an allowed combination autopart refuses (empty:
     it must train like the plain model)."""
+    fp8_refused = [named for named, on in (
+        (f"cp={values['cp']}", values["cp"] > 1), (f"ep={values['ep']}", values["ep"] > 1),
+        ("zero=3", values["zero"] == 3), ("compile=True", values["compile"])) if on]
+    if values["precision"] == "fp8" and fp8_refused and not (
+            values["zero"] == 3 and values["schedule"] in SPLIT_BACKWARD):   # refused first
+        # FP8 is not held to its recipe there (autopart/compiler.py's _check_fp8 names them
+        # all; the first one is enough to tell the rules apart)
+        return ("precision='fp8'", fp8_refused[0], "precision='bf16'")
     if values["model"] == "hf-mixtral" and values["tp"] == "2+sp" and values["ep"] == 1:
         # tp splits each expert (expert tensor parallelism), but not under sequence
         # parallelism; with ep the experts are sharded over ep and stay whole over tp
@@ -112,7 +120,7 @@ class Combo:
                      microbatches=MICROBATCHES, recompute=self.recompute, zero=self.zero,
                      precision=self.precision, compile=self.compile, reuse=self.reuse == "on",
                      noise=noise, routed=self.model == "hf-mixtral",
-                     clip=None if self.precision == "bf16" else 0.05,
+                     clip=None if self.precision in ("bf16", "fp8") else 0.05,
                      ignored="uneven" if self.labels == "ignored" else "",
                      refused=refusal(vars(self)))
 
@@ -124,7 +132,8 @@ def _world(values: dict) -> int:
 def _cost(values: dict) -> int:
     """What a case costs to run here, in rough units: ranks, more for Inductor and bf16's
     second reference."""
-    return _world(values) * (3 if values["compile"] else 1) + (values["precision"] == "bf16")
+    return _world(values) * (3 if values["compile"] else 1) + \
+        (values["precision"] in ("bf16", "fp8"))
 
 
 def combos() -> list[Combo]:
@@ -203,7 +212,11 @@ class CCase(common.Case):
     def options(self) -> dict:
         """parallelize's keyword arguments beyond tests/workers/common.Case's."""
         budget = {} if self.memory_budget is None else {"memory_budget": self.memory_budget}
-        return dict(recompute=self.recompute, zero=self.zero, compile=self.compile, **budget)
+        # fp8: only its refused cases reach parallelize through these (_expect_refusal); the
+        # trained ones run tests/workers/fp8.py's harness, which passes its own precision
+        fp8 = {"precision": "fp8"} if self.precision == "fp8" else {}
+        return dict(recompute=self.recompute, zero=self.zero, compile=self.compile, **budget,
+                    **fp8)
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -263,7 +276,9 @@ _register()
 def run_composition(rank: int, world: int, cases: list) -> list[dict]:
     """Rank function: each case against the plain model (fp32:
     tests/workers/equivalence.equivalence; bf16: tests/workers/precision.bf16_equivalence, against
-    the written-out bf16 recipe)."""
+    the written-out bf16 recipe; fp8: tests/workers/fp8.fp8_equivalence, against the written-out
+    FP8 recipe)."""
+    from tests.workers.fp8 import run_fp8_cases
     from tests.workers.precision import Wire, run_bf16_cases
     out = []
     for case in cases:      # a plain Case (tests/workers/common.py) runs as an fp32 CCase
@@ -273,6 +288,8 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
             continue
         if getattr(case, "precision", "fp32") == "bf16":
             [result] = run_bf16_cases(rank, world, [case])
+        elif getattr(case, "precision", "fp32") == "fp8":     # the written-out FP8 recipe
+            [result] = run_fp8_cases(rank, world, [case])
         else:   # the wire too: an fp32 run must send no bf16 (judged in the test process)
             with Wire() as wire:
                 [result] = run_cases(rank, world, [case], wire)
