@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ AXES: dict[str, tuple] = {
     "model":      ("gpt", "hf-gpt2", "hf-mixtral"),
     "cp":         (1, 2),                        # the sequence over cp ranks (ring attention)
     "labels":     ("all", "ignored"),            # ignored: -100 on uneven parts of the rows
+    "batch":      ("global", "local"),           # local: each rank's train_step its share only
 }
 V_SCHEDULES = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipe-v": 2}   # virtual stages per rank
 SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipe-v")   # backward as I and W programs
@@ -95,6 +97,7 @@ class Combo:
     model: str
     cp: int = 1
     labels: str = "all"
+    batch: str = "global"
 
     @property
     def name(self) -> str:
@@ -107,6 +110,7 @@ class Combo:
         parts += ["compiled"] if self.compile else []
         parts += ["noreuse"] if self.reuse == "off" else []
         parts += ["ignored"] if self.labels == "ignored" else []
+        parts += ["local"] if self.batch == "local" else []
         return "-".join(parts)
 
     def case(self) -> "CCase":
@@ -122,7 +126,7 @@ class Combo:
                      noise=noise, routed=self.model == "hf-mixtral",
                      clip=None if self.precision in ("bf16", "fp8") else 0.05,
                      ignored="uneven" if self.labels == "ignored" else "",
-                     refused=refusal(vars(self)))
+                     feed=self.batch, refused=refusal(vars(self)))
 
 
 def _world(values: dict) -> int:
@@ -149,11 +153,9 @@ def combos() -> list[Combo]:
         if refusal(v) and (refusal(v) not in refused or _cost(v) < _cost(refused[refusal(v)])):
             refused[refusal(v)] = v
     full = [v for v in full if not refusal(v)]
-    index: dict = {}
-    pairs = torch.tensor([[index.setdefault(p, len(index)) for p in
-                           itertools.combinations(((a, v[a]) for a in names), 2)] for v in full])
+    pairs = _pair_ids(full)
     cost = torch.tensor([_cost(v) for v in full], dtype=torch.float64)
-    covered = torch.zeros(len(index), dtype=torch.bool)
+    covered = torch.zeros(int(pairs.max()) + 1, dtype=torch.bool)
     rows = []
     while not covered.all():
         gain = (~covered[pairs]).sum(1).double()
@@ -161,6 +163,19 @@ def combos() -> list[Combo]:
         rows.append(Combo(**full[best]))
         covered[pairs[best]] = True
     return rows + [Combo(**v) for v in refused.values()]
+
+
+def _pair_ids(full: list[dict]) -> torch.Tensor:
+    """(combination, pair of axes) -> the number of that pair of axis values, 0.. over the
+    pairs `full` holds; numbered on tensors (a dict entry per pair of every combination took
+    seconds of each collection)."""
+    names = list(AXES)
+    at = torch.tensor([[AXES[a].index(v[a]) for a in names] for v in full])
+    i, j = torch.combinations(torch.arange(len(names)), 2).T
+    n = max(len(vs) for vs in AXES.values())
+    _, ids = torch.unique(((i * len(names) + j) * n + at[:, i]) * n + at[:, j],
+                          return_inverse=True)
+    return ids
 
 
 def uncovered_pairs(rows: list[Combo]) -> list:
@@ -207,6 +222,7 @@ class CCase(common.Case):
     routed: bool = False         # bf16 only: experts' routers (workers/precision.PARAM_BOUNDS)
     round_cuts: bool = True      # bf16 only: the reference rounds at the pipeline cuts
     refused: tuple = ()          # what parallelize's error must say (empty: it must train)
+    feed: str = "global"         # local: train_step given pm.local_batch of it (fed_shares)
     memory_budget: str | None = None   # zero=3: lets the gather pass keep groups gathered
 
     def options(self) -> dict:
@@ -286,14 +302,16 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
         if getattr(case, "refused", ()):
             out.append(_expect_refusal(case, rank))
             continue
-        if getattr(case, "precision", "fp32") == "bf16":
-            [result] = run_bf16_cases(rank, world, [case])
-        elif getattr(case, "precision", "fp32") == "fp8":     # the written-out FP8 recipe
-            [result] = run_fp8_cases(rank, world, [case])
-        else:   # the wire too: an fp32 run must send no bf16 (judged in the test process)
-            with Wire() as wire:
-                [result] = run_cases(rank, world, [case], wire)
-            result["wire"] = wire.report()
+        with fed_shares(case) as fed:
+            if getattr(case, "precision", "fp32") == "bf16":
+                [result] = run_bf16_cases(rank, world, [case])
+            elif getattr(case, "precision", "fp32") == "fp8":     # the written-out FP8 recipe
+                [result] = run_fp8_cases(rank, world, [case])
+            else:   # the wire too: an fp32 run must send no bf16 (judged in the test process)
+                with Wire() as wire:
+                    [result] = run_cases(rank, world, [case], wire)
+                result["wire"] = wire.report()
+        result["problems"] += share_problems(case, fed)
         out.append(result)
         if any(p.startswith("raised on rank") for p in result["problems"]):
             out += [{"case": c.name, "rank": rank,
@@ -301,6 +319,41 @@ def run_composition(rank: int, world: int, cases: list) -> list[dict]:
                     for c in cases[len(out):]]
             break
     return out
+
+
+@contextmanager
+def fed_shares(case):
+    """case.feed == "local": while the case runs, every pm.train_step is given only this rank's
+    share of the global batch the harness passes it, pm.local_batch(...) with local=True, under
+    whichever harness runs the case (fp32, bf16, fp8); the plain model still trains on the global
+    batch. Yields the shapes each call was given (None: a tensor the rank does not read)."""
+    from autopart.runtime.parallel_model import ParallelModel
+    fed: list = []
+    whole = ParallelModel.train_step
+
+    def share_only(pm, *inputs, target=None, local=None):
+        xs, t = pm.local_batch(*inputs, target=target)
+        fed.append([None if v is None else tuple(v.shape) for v in (*xs, t)])
+        return whole(pm, *xs, target=t, local=True)
+    if getattr(case, "feed", "global") == "local":
+        ParallelModel.train_step = share_only
+    try:
+        yield fed
+    finally:
+        ParallelModel.train_step = whole
+
+
+def share_problems(case, fed: list) -> list[str]:
+    """A local case's train_step calls were each given a share: every tensor given is its
+    replica's batch / dp rows and, on the sequence, seq / cp positions (None for the others: a
+    rank holding only middle chunks, as pp rank 1 under a V schedule, is given nothing)."""
+    if getattr(case, "feed", "global") != "local":
+        return []
+    if not fed:
+        return ["a local-batch case, but no train_step was given a share"]
+    want = (case.batch // case.dp, case.seq // case.cp)
+    bad = [shapes for shapes in fed if any(s is not None and tuple(s[:2]) != want for s in shapes)]
+    return [f"train_step given {bad[0]}, not shares of {want} rows x positions"] if bad else []
 
 
 def _expect_refusal(case: CCase, rank: int) -> dict:
