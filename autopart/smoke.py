@@ -17,6 +17,11 @@ Each step is one row of one table (step, status, seconds, key figure, note); a s
   compile=True      fp32, 2 microbatches, 4 SGD steps against the plain model eager: every loss
   compile=cudagraphs  and parameter; "cudagraphs" (step 1 warms up, 2 records, 3-4 replay) also
                     counts the CUDA graphs captured and replayed: none replayed fails the row
+  fp8               world 1, precision="fp8" (tensorwise, every linear: fp8_linears="all"), 2
+                    microbatches, 4 AdamW steps: the FP8 GEMMs ran (aten._scaled_mm calls counted;
+                    on a GPU, CUDA's FP8 kernel) and each loss is within FP8's band
+                    of the plain model's under bf16 autocast (docs/precision.md's recipe tests hold
+                    the numerics exactly; this row checks the GPU runs them)
   meta model        the tiny GPT built on the meta device, parallelized (allocated on the rank's
                     device), filled by load_pretrained from the plain model's safetensors file,
                     2 SGD steps in fp32: every loss and parameter against the plain model
@@ -52,10 +57,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _CUDA_TESTS = "AUTOPART_SMOKE_CUDA_TESTS"
 _VOCAB, _SEQ, _BATCH = 64, 16, 4
 _BF16_TOL = 2e-2    # a loss of ~4 computed in bf16 against the plain model's: roundings differ
+_FP8_TOL = 1e-2     # the same loss with the linears' operands in e4m3 (3 mantissa bits) and their
+                    # gradients in e5m2: 7.3e-4 measured on the CPU (bf16 alone: 5.9e-5), so 14x
+                    # room for a GPU's other summation order, and far below a wrong GEMM's error
 
 
 # -- the tiny GPT (nanoGPT's shape: tied embedding, pre-norm blocks) -----------------------------
@@ -153,14 +162,14 @@ def _max_diff(a, b) -> float:
 # -- world 1: resume, compile, meta -------------------------------------------------------------
 
 def _train(device, steps: int, mesh=None, zero: int = 0, save: str | None = None,
-           load: str | None = None, first: int = 0):
+           load: str | None = None, first: int = 0, precision: str = "bf16", **options):
     """(losses, optimizer) of train_steps first.. of the tiny GPT (bf16, 2 microbatches, AdamW);
     `save`: a checkpoint after step 2; `load`: start from one (a model of another seed)."""
     import autopart
     x, y = _batch(first, device)
     pm = autopart.parallelize(_gpt(device, seed=1 if load else 0), mesh or autopart.Mesh(pp=1),
-                              (x,), loss_fn=lm_loss, target=y, microbatches=2, precision="bf16",
-                              zero=zero)
+                              (x,), loss_fn=lm_loss, target=y, microbatches=2,
+                              precision=precision, zero=zero, **options)
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
     if load:
         pm.load(load, optimizer=opt)
@@ -204,6 +213,31 @@ def _resume(device, workdir: str) -> tuple[bool, str]:
     return (d <= _BF16_TOL and d3 <= 1e-5 and d4 <= (1e-5 if device.type == "cpu" else 2e-3),
             f"4 losses {whole[0]:.3f}..{whole[-1]:.3f}, max |diff| vs plain {d:.1e}; after "
             f"load: step 3 |diff| {d3:.1e}, step 4 {d4:.1e} vs uninterrupted")
+
+
+class ScaledMatmuls(TorchDispatchMode):
+    """Counts aten._scaled_mm calls (the FP8 GEMMs), forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten._scaled_mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def _fp8(device, precision: str = "fp8") -> tuple[bool, str]:
+    """4 AdamW steps under `precision` (the row: "fp8", every linear as an FP8 GEMM) against the
+    plain model under bf16 autocast: FP8 GEMMs must have run, and each loss stay within
+    _FP8_TOL of the plain model's."""
+    with ScaledMatmuls() as gemms:
+        losses, _ = _train(device, 4, precision=precision,
+                           **({"fp8_linears": "all"} if precision == "fp8" else {}))
+    d = _max_diff(losses, _plain(device, 4))
+    return (d <= _FP8_TOL and gemms.calls > 0,
+            f"{gemms.calls} FP8 GEMMs (parallelize and 4 steps); 4 losses {losses[0]:.3f}..{losses[-1]:.3f}, max "
+            f"|diff| vs plain bf16 {d:.1e} (bound {_FP8_TOL:.0e})")
 
 
 class GraphCounts:
@@ -260,6 +294,7 @@ def single_gpu(rank: int, world: int, dry: bool, workdir: str, names: list) -> l
     where = "dry-run: cpu/gloo" if dry else f"{torch.cuda.get_device_name(device)}, nccl"
     steps = {"save / resume": (f"{where}, world 1", lambda: _resume(device, workdir)),
              "compile=True": (where, lambda: _compiled(device, True)),
+             "fp8": (f"{where}, tensorwise", lambda: _fp8(device)),
              "compile=cudagraphs": (where, lambda: _compiled(device, "cudagraphs")),
              "meta model": (where, lambda: _meta_model(
                  device, os.path.join(workdir, "plain.safetensors")))}
@@ -427,7 +462,7 @@ def _cuda_row(name: str, counts: dict, done, seconds: float, dry: bool) -> dict:
 # -- main ---------------------------------------------------------------------------------------
 
 ROWS = ["cuda tests", "train bf16 zero=1", "save / resume", "compile=True", "compile=cudagraphs",
-        "meta model", "pp=2 1f1b", "tp=2"]
+        "fp8", "meta model", "pp=2 1f1b", "tp=2"]
 
 
 def run(dry: bool) -> list[dict]:
@@ -437,7 +472,7 @@ def run(dry: bool) -> list[dict]:
     rows = [cuda_tests(dry, 300 if dry else 3600)]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = "cpu" if dry else "cuda"
-    single = ["save / resume", "compile=True", "compile=cudagraphs", "meta model"]
+    single = ["save / resume", "compile=True", "compile=cudagraphs", "fp8", "meta model"]
     if device == "cpu":
         rows.append(_row("compile=cudagraphs", "skip", note="dry-run on the CPU: CUDA graphs "
                          "need a CUDA device (Inductor's CPU code would capture none)"))

@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = ["cuda tests", "train bf16 zero=1", "save / resume", "compile=True", "compile=cudagraphs",
-        "meta model", "pp=2 1f1b", "tp=2"]
+        "fp8", "meta model", "pp=2 1f1b", "tp=2"]
 SKIPPED_ON_CPU = {"cuda tests", "compile=cudagraphs"}
 
 
@@ -239,3 +239,14 @@ def test_the_cudagraphs_row_needs_replayed_graphs(single_process_group, monkeypa
     graph_calls[:] = ["capture_end", "replay"]
     ok, figure = smoke._compiled(torch.device("cpu"), "cudagraphs")
     assert ok is True and "0 replayed" not in figure, figure
+
+
+def test_the_fp8_row_needs_fp8_gemms(single_process_group):
+    """The fp8 row passes on FP8 GEMMs within FP8's band of the plain bf16 model, and fails on
+    the same run in bf16, whose losses are as close but which runs no FP8 GEMM."""
+    import torch
+    from autopart import smoke
+    ok, figure = smoke._fp8(torch.device("cpu"))
+    assert ok is True and "0 FP8 GEMMs" not in figure, figure
+    ok, figure = smoke._fp8(torch.device("cpu"), precision="bf16")
+    assert ok is False and figure.startswith("0 FP8 GEMMs"), figure
