@@ -630,6 +630,10 @@ class CostModel:
             return "selective recomputation reruns attention cores, and the layer has none"
         if lay.zero and lay.replicas == 1:
             return f"zero={lay.zero} shards over data-parallel replicas, and dp=1"
+        if self.precision == "fp8" and self.runtime == "autopart":
+            refused = fp8_refused(lay.zero, lay.cp, lay.ep)
+            if refused:
+                return refused
         if lay.cp > 1:
             layer = p.parts[(lay.tp, lay.ep)]["layer"]
             if layer.kv_bytes(1) <= 0:
@@ -701,6 +705,20 @@ class CostModel:
         amax += len(range(0, len(counts), lay.pp)) * self.weight_amax_time(lay)   # rank 0's chunks
         casts += mine[0][2] * self.weight_cast_time(lay)
         return dict(zip(FP8_TERMS, (m * gemms, m * casts, m * amax)))
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_refused(zero: int, cp: int, ep: int) -> str | None:
+    """Why autopart's compile refuses precision="fp8" with this ZeRO level, cp and ep (its own
+    check, compiler._check_fp8, so the planner ranks only what autopart runs), or None."""
+    from types import SimpleNamespace
+    from autopart.compiler import _check_fp8
+    from autopart.config import Config
+    try:
+        _check_fp8(Config(precision="fp8", zero=zero), SimpleNamespace(cp=cp, ep=ep))
+    except AutopartError as e:
+        return str(e).splitlines()[0]
+    return None
 
 
 def chunk_layers(layers: int, chunks: int) -> list[int]:
