@@ -137,10 +137,15 @@ class FCase(BCase):
 # of a column-parallel input gradient) to bf16 before the all-reduce adds them, and a bf16
 # rounding that differs flips e4m3 roundings of the next linear's input (3 mantissa bits):
 # measured "grad" 2.8e-2 tensorwise (2.8e-2 with fp8_linears="all"), 1.4e-2 rowwise, "update"
-# <= 3.4e-2, loss <= 6.8e-5. "tp" 4e-2 cannot tell FP8 from bf16 (the bf16 recipe is 2.5e-2 to
+# <= 3.4e-2, loss <= 6.8e-5. "tp" cannot tell FP8 from bf16 (the bf16 recipe is 2.5e-2 to
 # 4.4e-2 away): the global amaxes under tp are held bitwise by tp_linear_problems below, and
 # BF16_APART checks FP8 ran (every case measured >= 2.5e-2 from the bf16 recipe).
-BOUNDS = {"none": 1e-6, "tp": 4e-2}
+# The composition matrix's gpt-tied-dualpipe-v-tp2+sp-dp2-zero1-fp8 (1 row a microbatch) measured
+# "grad" 0.044 on the ranks holding the middle chunks' first replica slice, 0.025-0.030 on the
+# others, "update" <= 0.048; the same case in bf16 shows the same pattern against its recipe
+# (0.0079 there, 0.0034-0.0057 elsewhere): noise, as large as the bf16 recipe's distance, hence
+# "tp" 5e-2 (and BF16_APART, the bitwise tp_linear_problems as above).
+BOUNDS = {"none": 1e-6, "tp": 5e-2}
 UPDATE_BOUND, LOSS_BOUND = 5e-2, 2e-4
 BF16_APART = 1e-2      # "grad": the run is this far from the bf16 recipe at least (FP8 ran)
 
