@@ -11,6 +11,7 @@ batch, this rank's share, or None where the rank reads nothing) into this rank's
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,35 @@ class Given:
     length: int | None
     local: bool
     whole: dict
+    ids: tuple = ()     # IdRange per input of embedding ids: checked in agree's one read
+
+
+@dataclass(frozen=True)
+class IdRange:
+    """The smallest and largest id of a train_step input fed straight to embeddings (`tables`:
+    (table name, rows) pairs), as tensors: `agree` adds whether they are out of range to its
+    one all-reduce, and only a rank whose ids are out of range reads them, for the message."""
+    name: str
+    tables: tuple
+    low: torch.Tensor
+    high: torch.Tensor
+
+    def out_of_range(self) -> torch.Tensor:
+        """1 (int64, a 0-dim tensor beside the ids) when an id indexes past a table; no host read."""
+        rows = min(r for _, r in self.tables)
+        return ((self.low < 0) | (self.high >= rows)).to(torch.int64)
+
+    def error(self) -> AutopartError | None:
+        """The refusal naming the table, the ids and the remedy (reads the two ids)."""
+        low, high = int(self.low), int(self.high)
+        for table, rows in self.tables:
+            if low < 0 or high >= rows:
+                return AutopartError(
+                    f"train_step input {self.name!r} holds ids from {low} to {high}, but it "
+                    f"indexes the embedding table {table}, which has {rows} rows.\n  remedy: "
+                    f"use ids in [0, {rows}) (the model's vocabulary), or build the model "
+                    f"with at least {high + 1} rows")
+        return None
 
 
 class LocalInputs:
@@ -294,8 +324,19 @@ def count_not_elementwise(counter):
 def share_count(counter, values: dict, microbatch: int) -> torch.Tensor:
     """The tokens `counter` (a TokenCount) counts in `values` (name -> this rank's share, or
     its rows of the whole sequence), microbatch by microbatch as the programs see them: an int64
-    scalar tensor (read by agree's one host sync, not here)."""
+    scalar tensor (read by agree's one host sync, not here). A count that is a function of its
+    inputs' shapes alone (by dataflow: `counts_values`) is counted once per shape and kept."""
     tensors = [values[n] for n in counter.inputs]
+    if _counts_values(counter.gm):
+        return _count(counter, tensors, microbatch)
+    key = (microbatch, *((tuple(t.shape), t.dtype, t.device) for t in tensors))
+    kept = _SHAPE_COUNTS.setdefault(counter.gm, {})
+    if key not in kept:
+        kept[key] = _count(counter, tensors, microbatch)
+    return kept[key]
+
+
+def _count(counter, tensors: list, microbatch: int) -> torch.Tensor:
     rows = tensors[0].shape[0]
     with torch.no_grad():
         counts = [counter.gm(*(t[k:k + microbatch] for t in tensors)).reshape(())
@@ -303,21 +344,56 @@ def share_count(counter, values: dict, microbatch: int) -> torch.Tensor:
         return torch.stack(counts).to(torch.int64).sum()
 
 
-def agree(count, length: int | None, refused: Exception | None, group, device, step: int
-          ) -> tuple[int, int | None]:
-    """One all-reduce over `group` (every rank): whether a rank refused its tensors (`refused`,
-    its error: then every rank raises, naming them, rather than leave the others waiting in the
-    step's first collective), the token counts summed, and the one sequence length the ranks
-    that know one were given (an error naming the ranks if they differ)."""
+# ops whose output depends on their tensor arguments' shapes (and dtypes), not their values
+METADATA_ONLY = SHAPE_ONLY | {aten.ones_like.default, aten.zeros_like.default,
+                              aten.empty_like.default, aten.full_like.default,
+                              aten.new_ones.default, aten.new_zeros.default,
+                              aten.new_full.default, aten.new_empty.default}
+# counter program -> {(microbatch, its inputs' shapes): the count}, for counts of shapes alone
+_SHAPE_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_VALUED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def counts_values(gm: fx.GraphModule) -> bool:
+    """Whether `gm`'s output depends on its inputs' values, not only their shapes: a value
+    flows from a placeholder through every op but those of METADATA_ONLY (a mask of
+    ones_like(labels) counts the same for any labels of that shape; `labels != -100` does not)."""
+    valued: set = set()
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            return any(a in valued for a in n.all_input_nodes)
+        if n.op == "placeholder" or (any(a in valued for a in n.all_input_nodes) and not (
+                n.op == "call_function" and n.target in METADATA_ONLY)):
+            valued.add(n)
+    return True
+
+
+def _counts_values(gm: fx.GraphModule) -> bool:
+    if gm not in _VALUED:
+        _VALUED[gm] = counts_values(gm)
+    return _VALUED[gm]
+
+
+def agree(count, length: int | None, refused: Exception | None, group, device, step: int,
+          ids: tuple = ()) -> tuple[int, int | None]:
+    """One all-reduce over `group` (every rank), read by the step's one host sync before it
+    runs: whether a rank refused its tensors (`refused`, its error, or ids out of an embedding's
+    range, `ids`: IdRanges: then every rank raises, naming them, rather than leave the others
+    waiting in the step's first collective), the token counts summed, and the one sequence
+    length the ranks that know one were given (an error naming the ranks if they differ)."""
     import torch.distributed as dist
     n = length or 0
     t = torch.tensor([int(refused is not None), 0, int(length is not None), n, n * n],
                      dtype=torch.int64, device=device)
     t[1] = count        # a tensor on the device, or 0
+    if ids and refused is None:
+        t[0] = torch.stack([r.out_of_range().to(device) for r in ids]).sum()
     if group is not None:
         dist.all_reduce(t, group=group)
     bad, total, known, s, s2 = t.tolist()
     if bad:
+        if refused is None:     # this rank's ids, or another rank's refusal
+            refused = next((e for e in (r.error() for r in ids) if e is not None), None)
         _refuse(refused, group, step)
     if not known:
         return total, None
@@ -351,5 +427,5 @@ def _refuse(refused: Exception | None, group, step: int) -> None:
         + "\n".join(f"rank {r}: {e}" for r, e in sorted(bad.items())))
 
 
-__all__ = ["BatchShard", "Given", "LocalInputs", "agree", "batch_shard", "count_not_elementwise", "data_reads",
+__all__ = ["BatchShard", "Given", "IdRange", "LocalInputs", "agree", "counts_values", "batch_shard", "count_not_elementwise", "data_reads",
            "pipeline_reads", "share_count"]

@@ -178,7 +178,8 @@ class ParallelModel:
             except AutopartError as e:
                 refused = e
         return agree(count, given.length if given is not None else None, refused,
-                     self._groups.world, self.device, self.steps + 1)
+                     self._groups.world, self.device, self.steps + 1,
+                     given.ids if given is not None else ())
 
     def _count(self, counter, given):
         """This rank's share of the token count. Under cp a count that is not elementwise (it

@@ -19,7 +19,7 @@ import torch
 
 from autopart.errors import AutopartError
 from autopart.ir import REDUCED_DTYPES, Plan, RankProgram
-from autopart.runtime.batches import BatchShard, Given, LocalInputs, share_count
+from autopart.runtime.batches import BatchShard, Given, IdRange, LocalInputs, share_count
 from autopart.runtime.compiled import cudagraph_steps
 from autopart.runtime.document_ids import check_document_ids
 from autopart.runtime.executor import StepContext, run_actions
@@ -110,10 +110,12 @@ class StepDriver:
         values = self.local.values(inputs, target)
         self.local.check_types(values)
         pairs = [(spec, v) for spec, v in zip(self.input_specs, values) if v is not None]
-        check_step_inputs([v for _, v in pairs], tuple(s for s, _ in pairs))
+        ids = check_step_inputs([v for _, v in pairs], tuple(s for s, _ in pairs))
         check_document_ids(self.documents, [s.name for s, _ in pairs], [v for _, v in pairs],
                            self.plan.mesh.rank(**self.coords))
-        return self.local.resolve(values, local)
+        given = self.local.resolve(values, local)
+        given.ids = ids
+        return given
 
 
 def step_loss_scale(plan, counter, names: list[str], values: list) -> float:
@@ -128,12 +130,15 @@ def step_loss_scale(plan, counter, names: list[str], values: list) -> float:
     return 1.0 / total if total else 0.0
 
 
-def check_step_inputs(values: list, specs: tuple) -> None:
+def check_step_inputs(values: list, specs: tuple) -> tuple[IdRange, ...]:
     """Raise, naming the input, unless each train_step tensor is what was compiled (`specs`,
     autopart/capture.py InputSpec): its dims; each size after the batch equal to the example's,
     or at most it where the capture left it symbolic (a sequence); integer where the example
-    was; and ids fed straight to an embedding within its rows. Torch's bare "index out of range
-    in self" would come from inside a chunk on one rank. Cost: one aminmax per such input."""
+    was. Returns the range of the ids fed straight to an embedding (one aminmax per such input,
+    not read here): runtime/batches.py agree refuses them, in its one host read, if they index
+    past a table's rows (torch's bare "index out of range in self" would come from inside a
+    chunk on one rank)."""
+    ids = []
     for spec, v in zip(specs, values):
         shape = tuple(v.shape)
         if len(shape) != len(spec.shape):
@@ -161,14 +166,8 @@ def check_step_inputs(values: list, specs: tuple) -> None:
                 f"train_step input {spec.name!r} is {v.dtype}, but the model was compiled with an "
                 f"integer {spec.name!r} (ids).\n  remedy: pass it as torch.long, as the example")
         if spec.embeddings and v.numel() and v.dtype != torch.bool:
-            low, high = (int(x) for x in torch.aminmax(v))
-            for table, rows in spec.embeddings:
-                if low < 0 or high >= rows:
-                    raise AutopartError(
-                        f"train_step input {spec.name!r} holds ids from {low} to {high}, but it "
-                        f"indexes the embedding table {table}, which has {rows} rows.\n  remedy: "
-                        f"use ids in [0, {rows}) (the model's vocabulary), or build the model "
-                        f"with at least {high + 1} rows")
+            ids.append(IdRange(spec.name, tuple(spec.embeddings), *torch.aminmax(v)))
+    return tuple(ids)
 
 
 

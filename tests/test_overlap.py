@@ -4,11 +4,11 @@ test GPT into several:
 
 - the run still equals the plain model (losses, step-1 gradients, clipped norm, parameters);
 - a train_step and clip_grad_norm_ make exactly these host syncs, none for the gradients: the
-  embedding ids' range (check_step_inputs: one aminmax, read by two int()), the token count of
-  the token-weighted loss (step_loss_scale: one int(), the loss scale is a Python float) and,
-  in parallelize's default configuration (nonfinite="raise"), the reduced [loss, flags] read by
-  one tolist (runtime/nonfinite.py `flagged`: the step must know before the optimizer runs);
-  with nonfinite="ignore" not that one;
+  ranks' agreement before the step (runtime/batches.py agree: the token count of the
+  token-weighted loss, the sequence length, whether a rank refused its tensors or holds ids past
+  an embedding's rows, one tolist) and, in parallelize's default configuration
+  (nonfinite="raise"), the reduced [loss, flags] read by one tolist (runtime/nonfinite.py
+  `flagged`: the step must know before the optimizer runs); with nonfinite="ignore" not that one;
 - the trace shows a bucket's all-reduce posted before the rank's last backward action ended,
   with pp=1 (posted from autograd's hook inside the one fused backward) and with pp=2; and
   ZeRO's reduce-scatter likewise (zero=2 at dp=2, zero=1 at pp=2 x dp=2).
@@ -36,11 +36,9 @@ GROUPS = {("overlap", 2): CASES_2, ("overlap", 4): CASES_4}
 _GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
 CASES = [pytest.param(c, id=c.name) for c in CASES_2 + CASES_4]
 
-# runtime/step.py: check_step_inputs `low, high = (int(x) for x in torch.aminmax(ids))` (a
-# generator expression), and the one all-reduce of runtime/batches.py agree (the token count,
-# the sequence length, whether a rank refused its tensors) read by one tolist
-EXPECTED_SYNCS = ["__int__ at step.py (<genexpr>)", "__int__ at step.py (<genexpr>)",
-                  "tolist at batches.py (agree)"]
+# the one all-reduce of runtime/batches.py agree (the token count, the sequence length, whether
+# a rank refused its tensors or holds ids past an embedding's rows) read by one tolist
+EXPECTED_SYNCS = ["tolist at batches.py (agree)"]
 # the default nonfinite="raise": one more, runtime/nonfinite.py `loss, flags = reduced.tolist()`
 DEFAULT_SYNCS = EXPECTED_SYNCS + ["tolist at nonfinite.py (flagged)"]
 

@@ -51,3 +51,74 @@ def test_ignored_labels_match_the_plain_model(case: Case, spawn_cache):
     key = _GROUP_OF[case.name]
     results = run_group(spawn_cache, key, GROUPS[key], rank_fn=run_token_cases)
     assert_all_ranks_equal_plain(case, results[case.name])
+
+
+# -- the hot path: what a steady step reads on the host (runtime/batches.py agree) ---------------
+
+def _count_program(kind: str):
+    """A TokenCount over `target`: "ne" counts target != -100 (its values), "ones" sums a
+    ones_like(target) mask (its shape alone)."""
+    import torch
+    import torch.fx as fx
+    from passes.weigh_loss_by_tokens import TokenCount
+    aten = torch.ops.aten
+    g = fx.Graph()
+    t = g.placeholder("target")
+    mask = g.call_function(aten.ne.Scalar, (t, -100)) if kind == "ne" else \
+        g.call_function(aten.ones_like.default, (t,))
+    g.output(g.call_function(aten.sum.default, (mask,)))
+    return TokenCount(fx.GraphModule(torch.nn.Module(), g), ("target",), kind)
+
+
+def test_a_count_of_shapes_alone_is_counted_once_per_shape():
+    """A count that is a function of its inputs' shapes (by dataflow: no value reaches the
+    output) runs once per batch shape; one of the labels' values runs every step. On the old
+    share_count both ran every call (4 runs, not 2)."""
+    import torch
+    from autopart.runtime.batches import counts_values, share_count
+    runs = []
+    counters = {k: _count_program(k) for k in ("ne", "ones")}
+    for kind, c in counters.items():
+        c.gm.register_forward_hook(lambda *_, k=kind: runs.append(k))
+    assert counts_values(counters["ne"].gm) and not counts_values(counters["ones"].gm)
+    target = torch.tensor([[1, -100, 3, 4], [-100, -100, 4, 5]])
+    for t, expected in ((target, (5, 8)), (target.flip(0), (5, 8)), (target[:, :2], (1, 4))):
+        got = tuple(int(share_count(counters[k], {"target": t}, 1)) for k in ("ne", "ones"))
+        assert got == expected
+    # per microbatch (2 rows, microbatch 1: 2 runs a call); "ones" only for the 2 shapes
+    assert runs.count("ne") == 6 and runs.count("ones") == 4, runs
+
+
+def test_a_steady_step_reads_the_host_once_before_it_runs(single_process_group):
+    """The second train_step of a token-weighted GPT (2 microbatches) reads tensors on the
+    host only in agree's one read (the token count, the sequence length, refusals and the
+    embedding ids' range: one all-reduce), plus, under the default nonfinite="raise", the
+    verdict the optimizer must wait for. The old code also read the ids' range apart (two
+    int() of an aminmax in runtime/step.py check_step_inputs) before agree."""
+    from tests.workers.common import Case
+    from tests.workers.overlap import counted_syncs
+    case = Case("syncs-gpt4", model="gpt4", microbatches=2)
+    where = {key: [s.split(":")[0] + " " + s.split(" ")[-1] for s in
+                   counted_syncs(case, 0, options)]
+             for key, options in (("ignore", {"nonfinite": "ignore"}), ("default", {}))}
+    assert where["ignore"] == ["tolist at batches.py (agree)"], where
+    assert sorted(where["default"]) == ["tolist at batches.py (agree)",
+                                        "tolist at nonfinite.py (flagged)"], where
+
+
+def test_ids_past_the_table_are_refused_in_agrees_read(single_process_group):
+    """The range check moved into agree's read still refuses before anything moves, naming
+    the input, the ids and the table."""
+    import autopart
+    import torch
+    from autopart.errors import AutopartError
+    from examples.gpt import GPT, config, lm_loss
+    x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    pm = autopart.parallelize(GPT(config("tiny,n_layer=2,block_size=16")), autopart.Mesh(),
+                              (x,), loss_fn=lm_loss, target=x, microbatches=2)
+    pm.train_step(x, target=x)
+    grads = {n: p.grad.clone() for n, p in pm.named_parameters()}
+    with pytest.raises(AutopartError, match=r"'idx' holds ids from -1 to 300, but it indexes "
+                                            r"the embedding table transformer.wte.weight"):
+        pm.train_step(torch.where(x > 128, 300, -1), target=x)
+    assert pm.steps == 1 and all(torch.equal(p.grad, grads[n]) for n, p in pm.named_parameters())
