@@ -163,3 +163,12 @@ def test_plan_ranks_with_fp8_and_explains_its_terms():
     assert best["fp8_gemms_s"] > 0 and {"fp8_casts_s", "fp8_amax_s"} <= set(best) and best["zero"] != 3
     refused = _plan("--cluster", "a100-80gb-selene", "--precision", "fp8")
     assert refused.returncode == 2 and "no FP8 GEMMs" in refused.stderr and "remedy" in refused.stderr
+
+
+def test_a_fixed_knob_fp8_refuses_is_named_when_nothing_is_left():
+    """--mesh cp=2 with --precision fp8 under autopart's runtime: the error names FP8's refusal
+    of cp, not the mesh sizes (the search found no layout because every one had cp=2)."""
+    from autopart.planner.search import search
+    ours = CostModel(load_profile(LLAMA, SMALL), H100, 8, precision="fp8")
+    with pytest.raises(AutopartError, match=r"with cp=2 and precision='fp8': .*cp=2 \(context"):
+        search(ours, 8, cp=2)

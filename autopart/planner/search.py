@@ -21,7 +21,8 @@ import dataclasses
 from autopart.config import choices
 from autopart.errors import AutopartError
 from autopart.memory.units import ZERO_LEVELS
-from autopart.planner.cost import SCHEDULE_NAMES, CostModel, Estimate, Layout, chunk_layers
+from autopart.planner.cost import (SCHEDULE_NAMES, CostModel, Estimate, Layout, chunk_layers,
+                                   fp8_refused)
 
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
 MAX_VIRTUAL_STAGES = 8
@@ -227,6 +228,12 @@ def _rank(e: Estimate):
 def _nothing(model: CostModel, gpus: int, knobs: dict) -> str:
     p, c = model.profile, model.cluster
     given = ", ".join(f"{k}={v}" for k, v in knobs.items() if v) or "no fixed knobs"
+    if model.precision == "fp8" and model.runtime == "autopart":
+        # the knobs themselves may be what FP8 refuses (cp, ep, zero=3): say that, not the sizes
+        why = fp8_refused(knobs.get("zero") or 0, knobs.get("cp") or 1, knobs.get("ep") or 1)
+        if why:
+            return (f"no layout of {gpus} devices runs this model with {given} and "
+                    f"precision='fp8': {why}")
     return (f"no layout of {gpus} devices runs this model ({p.layers} layers, global batch {model.batch}) "
             f"with {given}: tp must divide {gpus} and be at most {c.gpus_per_node} (analysed (tp, ep): "
             f"{sorted(p.parts)}; refused: {p.invalid_tp or 'none'}), pp at most {p.layers}, and the "
