@@ -20,7 +20,7 @@ import torch.nn as nn
 from autopart import schedule as sched
 from autopart._version import __version__
 from autopart.arguments import check_arguments
-from autopart.config import Config, choices, from_options
+from autopart.config import Config, check_fp8, choices, from_options
 from autopart.capture import capture, check_on_example, input_specs
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
@@ -129,27 +129,6 @@ def _check_zero(zero: int, mesh: Mesh, schedule: sched.Schedule) -> None:
             "which do not re-gather zero=3's freed parameters.\n  remedy: zero=2 with "
             f"{schedule.name!r} (parameters whole, gradients and optimizer state sharded), or "
             "zero=3 with a fused-backward schedule (1f1b, interleaved-1f1b, gpipe)")
-
-
-def _check_fp8(cfg: Config, mesh: Mesh) -> None:
-    """Refuse what precision="fp8" is not tested to train right with (tests/test_fp8.py)."""
-    if cfg.precision != "fp8":
-        return
-    untested = [what for what, on in (
-        (f"cp={mesh.cp} (context parallelism)", mesh.cp > 1),
-        (f"ep={mesh.ep} (expert parallelism: the experts' matmuls are not FP8)", mesh.ep > 1),
-        ("zero=3 (its all-gathers move the fp32 slices; FP8 needs them cast with the whole "
-         "weight's scale before the gather: zero=2 keeps the weights whole)", cfg.zero == 3),
-        ("sequence_parallel=True with fp8_scaling='rowwise' (the gathered input's token "
-         "columns would need a second, bf16 gather)",
-         cfg.sequence_parallel and cfg.fp8_scaling == "rowwise"),
-        (f"compile={cfg.compile!r} (Inductor)", cfg.compile is not False)) if on]
-    if untested:
-        raise AutopartError(
-            f"precision='fp8' is not supported with {', '.join(untested)}: no test holds FP8 "
-            "to its recipe there.\n  remedy: precision='bf16' with these options, or "
-            "precision='fp8' without them (pp, tp, dp, zero=1/2, recompute and tensorwise "
-            "sequence_parallel are held to its recipe)")
 
 
 _DEVICES = "cuda|xpu|mps|hpu|npu|mtia|meta|cpu|privateuseone"
@@ -286,7 +265,7 @@ def compile_checked(model: nn.Module, mesh: Mesh, example_inputs: tuple, cfg: Co
                             "sequence_parallel")
     the_schedule = sched.make_schedule(cfg.schedule, mesh.pp, cfg.microbatches, cfg.virtual_stages)
     _check_zero(cfg.zero, mesh, the_schedule)
-    _check_fp8(cfg, mesh)
+    check_fp8(cfg, mesh)
 
     def captured() -> Program:
         return _capture(model, example_inputs, loss_fn, target, mbs, trace_device)

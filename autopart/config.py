@@ -236,4 +236,27 @@ def fmt_bytes(n: float) -> str:
 __all__ = ["Config", "PLANNED", "REMEDIES", "check_choice", "choices", "fmt_bytes", "from_options", "names",
            "parse_bytes", "Schedule",
            "Recompute", "Optimizer", "Precision", "Fp8Scaling", "Fp8Linears", "Zero", "Nonfinite", "CompileMode",
-           "CpAttention"]
+           "CpAttention", "check_fp8"]
+
+
+def check_fp8(cfg: Config, mesh) -> None:
+    """Refuse what precision="fp8" is not tested to train right with (tests/test_fp8.py), on the
+    mesh (anything with .cp and .ep): here, not in the compiler, so the planner ranks only what
+    the compile runs in FP8 by the same rule."""
+    if cfg.precision != "fp8":
+        return
+    untested = [what for what, on in (
+        (f"cp={mesh.cp} (context parallelism)", mesh.cp > 1),
+        (f"ep={mesh.ep} (expert parallelism: the experts' matmuls are not FP8)", mesh.ep > 1),
+        ("zero=3 (its all-gathers move the fp32 slices; FP8 needs them cast with the whole "
+         "weight's scale before the gather: zero=2 keeps the weights whole)", cfg.zero == 3),
+        ("sequence_parallel=True with fp8_scaling='rowwise' (the gathered input's token "
+         "columns would need a second, bf16 gather)",
+         cfg.sequence_parallel and cfg.fp8_scaling == "rowwise"),
+        (f"compile={cfg.compile!r} (Inductor)", cfg.compile is not False)) if on]
+    if untested:
+        raise AutopartError(
+            f"precision='fp8' is not supported with {', '.join(untested)}: no test holds FP8 "
+            "to its recipe there.\n  remedy: precision='bf16' with these options, or "
+            "precision='fp8' without them (pp, tp, dp, zero=1/2, recompute and tensorwise "
+            "sequence_parallel are held to its recipe)")

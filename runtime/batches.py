@@ -345,10 +345,8 @@ def _count(counter, tensors: list, microbatch: int) -> torch.Tensor:
 
 
 # ops whose output depends on their tensor arguments' shapes (and dtypes), not their values
-METADATA_ONLY = SHAPE_ONLY | {aten.ones_like.default, aten.zeros_like.default,
-                              aten.empty_like.default, aten.full_like.default,
-                              aten.new_ones.default, aten.new_zeros.default,
-                              aten.new_full.default, aten.new_empty.default}
+METADATA_ONLY = SHAPE_ONLY | G.NEW_LIKE | {aten.ones_like.default, aten.zeros_like.default,
+                                          aten.empty_like.default, aten.full_like.default}
 # counter program -> {(microbatch, its inputs' shapes): the count}, for counts of shapes alone
 _SHAPE_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _VALUED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -69,7 +69,7 @@ def refusal(values: dict) -> tuple[str, ...]:
         ("zero=3", values["zero"] == 3), ("compile=True", values["compile"])) if on]
     if values["precision"] == "fp8" and fp8_refused and not (
             values["zero"] == 3 and values["schedule"] in SPLIT_BACKWARD):   # refused first
-        # FP8 is not held to its recipe there (autopart/compiler.py's _check_fp8 names them
+        # FP8 is not held to its recipe there (autopart/config.py's check_fp8 names them
         # all; the first one is enough to tell the rules apart)
         return ("precision='fp8'", fp8_refused[0], "precision='bf16'")
     if values["model"] == "hf-mixtral" and values["tp"] == "2+sp" and values["ep"] == 1:

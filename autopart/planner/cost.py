@@ -710,12 +710,11 @@ class CostModel:
 @functools.lru_cache(maxsize=64)
 def fp8_refused(zero: int, cp: int, ep: int) -> str | None:
     """Why autopart's compile refuses precision="fp8" with this ZeRO level, cp and ep (its own
-    check, compiler._check_fp8, so the planner ranks only what autopart runs), or None."""
+    check, config.check_fp8, so the planner ranks only what autopart runs), or None."""
     from types import SimpleNamespace
-    from autopart.compiler import _check_fp8
-    from autopart.config import Config
+    from autopart.config import Config, check_fp8
     try:
-        _check_fp8(Config(precision="fp8", zero=zero), SimpleNamespace(cp=cp, ep=ep))
+        check_fp8(Config(precision="fp8", zero=zero), SimpleNamespace(cp=cp, ep=ep))
     except AutopartError as e:
         return str(e).splitlines()[0]
     return None
