@@ -100,11 +100,11 @@ class ParamShard:
 @dataclass(frozen=True)
 class ContextParallelPlan:
     """split_context_parallel's decisions: the attention kernel, the cores it replaced (output
-    node name -> "causal" or "full"), the position sources it rewrote, and the sequence lengths
-    (the captured one and each rank's)."""
+    node name -> "causal", "full" or "window w"), the position sources it rewrote, and the
+    sequence lengths (the captured one and each rank's)."""
     cp: int
     attention: str = "ring"
-    cores: tuple = ()               # ((node name, "causal" | "full"), ...)
+    cores: tuple = ()               # ((node name, "causal" | "full" | "window w"), ...)
     positions: tuple = ()           # node names of the aranges and table slices rewritten
     seq_len: int | None = None      # the whole sequence, S
     local_seq_len: int | None = None   # each rank's share, S / cp
