@@ -12,7 +12,7 @@ scatter the batch's tokens) alone, with ep=2 over dp=2 and with tp=2; and packed
 masked within each document), at cp=2 with ring and all-gather, and on tp, pp, dp, cp x dp;
 and sliding windows (each query sees its last w keys, w shorter than the sequence): the
 hand-written model with a banded buffer, and unmodified Hugging Face Mistral and Gemma 3 from
-configs, at cp=2 with ring and all-gather.
+configs, at cp=2 with ring and all-gather, and with pp=2, tp=2 and dp=2.
 
 Fast tier: python -m pytest -m "not full" tests/test_context_parallel.py
 """
@@ -112,9 +112,16 @@ FULL_4 = [
     Case("mixtral-cp2xep2-allgather-ignored", model="mixtral", cp=2, dp=2, ep=2,
          cp_attention="allgather", ignored="uneven", optim="adam", **SEQ),
 ]
+WINDOW_FULL_4 = [     # a sliding window with the other axes (its own spawn)
+    Case("window-hand-cp2xpp2-1f1b", model="cp-window-hand", cp=2, pp=2, microbatches=2,
+         **SEQ),
+    Case("mistral-window-cp2xtp2-ring", model="cp-mistral", cp=2, tp=2, **SEQ),
+    Case("mistral-window-cp2xdp2-allgather", model="cp-mistral", cp=2, dp=2,
+         cp_attention="allgather", **SEQ),
+]
 GROUPS = {("cp", 2): FAST_2, ("cp", 4): FAST_4, ("cp-full", 2): FULL_2, ("cp-full", 4): FULL_4,
           ("cp-packed", 2): PACKED_2, ("cp-packed-full", 2): PACKED_FULL_2,
-          ("cp-packed-full", 4): PACKED_FULL_4}
+          ("cp-packed-full", 4): PACKED_FULL_4, ("cp-window-full", 4): WINDOW_FULL_4}
 _GROUP_OF = {c.name: k for k, cases in GROUPS.items() for c in cases}
 
 
