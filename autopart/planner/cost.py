@@ -7,7 +7,7 @@ Per microbatch and chunk, on one device:
               autopart's runtime behind the weight gradients: passes/overlap_collectives.py)
               + with full recomputation, the layer's forward once more
 The pipeline (1F1B or interleaved) is the C++ simulator (autopart._C, what autopart.schedule.simulate
-runs) with those per-chunk costs and a p2p message time: a microbatch's hidden state cut in tp
+runs; makespan.py) with those per-chunk costs and a p2p message time: a microbatch's hidden state cut in tp
 slices, each over its own InfiniBand link, then all-gathered over NVLink (the paper's scatter/gather).
 After it: what the data-parallel gradient reduction leaves exposed after the backward it
 overlaps (autopart/planner/overlap.py), the tied-embedding all-reduce between first and last stage, and
@@ -22,18 +22,18 @@ tp shard) run further from peak. Its two constants and the memory and link effic
 cluster's, global; nothing here is per model. Under precision="fp8" the linears the FP8 rule picks
 (`fp8_mask`: autopart's rule under autopart's runtime, Transformer Engine's under Megatron-LM's)
 run at the cluster's FP8 peak and fp8_gemm_efficiency (the same shape factor), and pay their casts
-at HBM speed and, under autopart's runtime, their amax all-reduces over tp (`fp8_costs`).
+at HBM speed and, under autopart's runtime, their amax all-reduces over tp (`fp8_costs`): the
+FP8 methods are fp8_costs.Fp8Pricing's, a mixin of CostModel.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from dataclasses import dataclass
 
-from autopart.errors import AutopartError
 from autopart.memory.state import Held, state
 from autopart.planner.cluster import Cluster
+from autopart.planner.fp8_costs import FP8_CAST_BYTES, FP8_TERMS, FP8_WEIGHT_BYTES, Fp8Pricing, fp8_refused
+from autopart.planner.makespan import chunk_layers, pipeline, pipeline_formula, splits_backward
 from autopart.planner.profile import Part, Profile
 
 SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b")
@@ -43,18 +43,6 @@ SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b")
 # Megatron-LM of the 2021 paper (Table 1: gradients all-reduced after the last backward, no
 # sequence parallelism, tp collectives exposed)
 RUNTIMES = ("autopart", "megatron", "megatron-2021")
-
-
-@functools.cache
-def splits_backward(schedule: str) -> bool:
-    """Whether `schedule` runs I and W actions (the zero-bubble ones), from the C++ core."""
-    from autopart.schedule import make_schedule
-    try:
-        made = make_schedule(schedule, pp=2, microbatches=4, virtual_stages=2 if schedule in (
-            "interleaved-1f1b", "zb-v", "dualpipe-v") else 1)
-    except Exception:        # noqa: BLE001  (a name the core refuses: none to split)
-        return False
-    return any(a.kind in ("I", "W") for actions in made.ranks for a in actions)
 FLASH_BACKWARD = 2.5      # a fused attention's backward runs 5 matmuls to the forward's 2 (it
                           # recomputes Q K^T from the saved log-sum-exp instead of keeping scores)
 # precision -> (param bytes, grad bytes, master bytes, activation bytes, gradient all-reduce bytes).
@@ -62,14 +50,6 @@ FLASH_BACKWARD = 2.5      # a fused attention's backward runs 5 matmuls to the f
 # in fp32 (accumulate_allreduce_grads_in_fp32), so bf16 moves twice the bytes. fp8 holds what bf16
 # does (the FP8 copies are made per microbatch and dropped; activations counted in bf16, a bound).
 PRECISIONS = {"bf16": (2, 4, 4, 2, 4), "fp16": (2, 2, 4, 2, 2), "fp32": (4, 4, 0, 4, 4), "fp8": (2, 4, 4, 2, 4)}
-# precision="fp8": bytes per element a cast to FP8 moves, reading bf16 and writing one byte (an FP8
-# linear's input in forward, its output gradient in backward); the weight's is read in fp32 under
-# autopart's runtime (its master weights, cast each microbatch), in bf16 under Megatron-LM's
-# (Transformer Engine casts the bf16 parameter on a step's first microbatch and keeps the FP8 copy
-# for the others: is_first_microbatch)
-FP8_CAST_BYTES = 3
-FP8_WEIGHT_BYTES = {"autopart": 5, "megatron": 3, "megatron-2021": 3}
-FP8_TERMS = ("fp8_gemms_rank0", "fp8_casts_rank0", "fp8_amax_rank0")
 # bytes an optimizer step reads and writes per parameter: grad, master, states (read + write), param
 STEP_BYTES = {"adam": 4 + 8 + 16 + 2, "sgd-momentum": 4 + 8 + 8 + 2, "sgd": 4 + 8 + 2}
 
@@ -131,7 +111,7 @@ class Estimate:
                 **{k.replace("_rank0", "_s"): float(f"{self.breakdown[k]:.4g}") for k in FP8_TERMS if k in self.breakdown}}
 
 
-class CostModel:
+class CostModel(Fp8Pricing):
     """Predicts layouts of one model (its profile) for one global batch on one cluster."""
 
     def __init__(self, profile: Profile, cluster: Cluster, batch: int, *, precision: str = "bf16",
@@ -142,11 +122,7 @@ class CostModel:
         self.precision, self.optimizer, self.runtime = precision, optimizer, runtime
         self.bytes = PRECISIONS[precision]
         self._act_scale = self.bytes[3] / 4          # the profile was captured in fp32
-        if precision == "fp8" and not (cluster.fp8_peak_flops > 0 and cluster.fp8_gemm_efficiency > 0):
-            raise AutopartError(f"precision='fp8': cluster {cluster.name!r} has no FP8 GEMMs (fp8_peak_flops "
-                                f"{cluster.fp8_peak_flops:g}, fp8_gemm_efficiency {cluster.fp8_gemm_efficiency:g})"
-                                "\n  remedy: plan bf16 there, or an FP8 cluster (h100-sxm, h200), or set both "
-                                "fields in the cluster file")
+        self.check_fp8_cluster()
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -158,47 +134,6 @@ class CostModel:
         peak, top = (c.fp8_peak_flops, c.fp8_gemm_efficiency) if fp8 else (c.peak_flops, c.gemm_efficiency)
         eff = top * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
         return flops / (peak * eff)
-
-    def fp8_mask(self, part: Part, where: str = "layer") -> tuple:
-        """Per GEMM of `part` (profile.Part.linears), whether it runs in FP8. `where`: first, last,
-        layer, or layer-first / layer-last (the model's first / last layer where the first / last
-        part has no linear). Under autopart's runtime passes/fp8_linears.py's rule ("auto"): every
-        linear but the model's first (no linear before it) and last (none after it) and the small
-        or misaligned ones; under Megatron-LM's, Transformer Engine's: every linear of the
-        transformer layers (embedding and output layer stay bf16), misaligned ones excepted."""
-        tags = part.linears if len(part.linears) == len(part.gemms) else ((),) * len(part.gemms)
-        if self.precision != "fp8":
-            return (False,) * len(tags)
-        if self.runtime != "autopart":
-            return tuple(bool(t) and "misaligned" not in t and where.startswith("layer") for t in tags)
-        first, last = where in ("first", "layer-first"), where in ("last", "layer-last")
-        return tuple(bool(t) and not ({"small", "misaligned"} & set(t)) and not (first and "entry" in t)
-                     and not (last and "exit" in t) for t in tags)
-
-    def fp8_costs(self, part: Part, tp: int, b: int, cp: int, mask: tuple) -> tuple[float, float, float, float]:
-        """(forward casts, backward casts, forward amax all-reduces, backward ones) in seconds, one
-        microbatch of `part`'s FP8 GEMMs (`mask`). Casts at HBM speed: per linear the input
-        (FP8_CAST_BYTES an element) and, under autopart's runtime, the weight (FP8_WEIGHT_BYTES) in
-        forward, the output gradient in backward (Megatron-LM's weights: weight_cast_time).
-        Amaxes (tensorwise, autopart/ops/fp8.py): an input's amax is reduced over tp where its K
-        is split (row-parallel), an output gradient's where N is (column-parallel), one max
-        all-reduce of 4 bytes each (the weights' once per chunk: weight_amax_time). Under
-        Megatron-LM's runtime Transformer Engine reduces amaxes once a step: not priced."""
-        c = self.cluster
-        hbm = c.hbm_bw * c.memory_efficiency
-        cast_f = cast_b = 0.0
-        rows = cols = 0
-        for (_, mm, n, k, _, _), on, tags in zip(part.gemms, mask, part.linears):
-            if on:
-                m = mm(b) / cp
-                weight = FP8_WEIGHT_BYTES["autopart"] * k * n if self.runtime == "autopart" else 0.0
-                cast_f += (FP8_CAST_BYTES * m * k + weight) / hbm
-                cast_b += FP8_CAST_BYTES * m * n / hbm
-                rows, cols = rows + ("row" in tags), cols + ("column" in tags)
-        if tp == 1 or self.runtime != "autopart":
-            return cast_f, cast_b, 0.0, 0.0
-        one = self.allreduce_time(4.0, tp, True)
-        return cast_f, cast_b, rows * one, cols * one
 
     def allreduce_time(self, nbytes: float, ranks: int, intra: bool) -> float:
         """Ring all-reduce: 2(n-1)/n of the bytes over each link, 2(n-1) steps of latency."""
@@ -329,7 +264,7 @@ class CostModel:
                                     self.fp8_mask(parts["first"], "first"))
         tf, tb, _ = self.part_times(parts["last"], lay.tp, b, lay.ep, lay.cp, lay.schedule,
                                     self.fp8_mask(parts["last"], "last"))
-        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        counts = self.chunk_counts(lay)
         fwd = [n * lf for n in counts]
         bwd = [n * lb + self.recomputed(lay, n) * again for n in counts]
         fwd[0] += ff
@@ -337,49 +272,8 @@ class CostModel:
         fwd[-1] += tf
         bwd[-1] += tb
         if self.precision == "fp8":
-            self._fp8_edges(lay, fwd, bwd, lf, lb)
+            self.fp8_edges(lay, fwd, bwd, lf, lb)
         return fwd, bwd, counts
-
-    def edge_layers(self, lay: Layout) -> list[tuple[str, int]]:
-        """[(fp8_mask's where, chunk)] of the layers whose linears the FP8 rule keeps in bf16 as
-        the model's first or last (autopart's runtime, where the first / last part has none)."""
-        if self.precision != "fp8" or self.runtime != "autopart":
-            return []
-        parts = self.parts(lay)
-        return [(f"layer-{end}", k) for end, k in (("first", 0), ("last", -1))
-                if not any(parts[end].linears) and any(parts["layer"].linears)]
-
-    def _fp8_edges(self, lay: Layout, fwd: list, bwd: list, lf: float, lb: float) -> None:
-        """Add to the chunk costs what precision="fp8" adds beyond the layer's price: the first
-        and last layer's bf16 linears (edge_layers; rerun in backward under full recomputation),
-        per chunk the one all-reduce of its weights' amaxes (weight_amax_time) and, under
-        Megatron-LM's runtime, its layers' weight casts (weight_cast_time)."""
-        layer, b = self.parts(lay)["layer"], lay.microbatch_size
-        for where, k in self.edge_layers(lay):
-            ef, eb, _ = self.part_times(layer, lay.tp, b, lay.ep, lay.cp, lay.schedule, self.fp8_mask(layer, where))
-            fwd[k] += ef - lf
-            bwd[k] += eb - lb + (ef - lf if lay.recompute == "full" else 0.0)
-        weights = self.weight_amax_time(lay)
-        for k, n in enumerate(chunk_layers(self.profile.layers, len(fwd))):
-            fwd[k] += weights + n * self.weight_cast_time(lay)
-
-    def weight_cast_time(self, lay: Layout) -> float:
-        """Under Megatron-LM's runtime, a layer's FP8 weights cast once a step (bf16 read, FP8
-        written), in seconds per microbatch (the step's cast spread over its microbatches); 0
-        under autopart's, where fp8_costs casts them every microbatch."""
-        if self.runtime == "autopart":
-            return 0.0
-        layer, c = self.parts(lay)["layer"], self.cluster
-        elements = sum(g[2] * g[3] for g, on in zip(layer.gemms, self.fp8_mask(layer)) if on)
-        hbm = c.hbm_bw * c.memory_efficiency
-        return FP8_WEIGHT_BYTES[self.runtime] * elements / hbm / self.microbatches(lay)
-
-    def weight_amax_time(self, lay: Layout) -> float:
-        """Seconds of the one max all-reduce over tp of a chunk's FP8 weights' amaxes, per
-        microbatch (autopart's runtime, where the layer has tp-split FP8 linears), else 0."""
-        layer = self.parts(lay)["layer"]
-        split = any(on and ({"row", "column"} & set(t)) for on, t in zip(self.fp8_mask(layer), layer.linears))
-        return self.allreduce_time(4.0, lay.tp, True) if split and self.runtime == "autopart" else 0.0
 
     @staticmethod
     def recomputed(lay: Layout, layers: int) -> int:
@@ -390,6 +284,10 @@ class CostModel:
 
     def parts(self, lay: Layout) -> dict:
         return self.profile.parts[(lay.tp, lay.ep)]
+
+    def chunk_counts(self, lay: Layout) -> list[int]:
+        """Layers per chunk of `lay`, model order (chunk_layers)."""
+        return chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
 
     def message_time(self, lay: Layout) -> float:
         """One microbatch's activation (or gradient) between neighbouring stages."""
@@ -411,7 +309,7 @@ class CostModel:
         """Trainable elements held by pipeline rank `rank` (first/last parts on the end ranks)."""
         parts = self.parts(lay)
         count = (lambda part: part.expert_params) if experts_only else (lambda part: part.params)
-        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        counts = self.chunk_counts(lay)
         layers = sum(n for k, n in enumerate(counts) if k % lay.pp == rank)
         total = layers * count(parts["layer"])
         if rank == 0:
@@ -441,7 +339,7 @@ class CostModel:
                  + self.allreduce_time(experts * self.bytes[4], lay.dp // lay.ep * lay.cp, intra))
         windows = [(sum(fwd[k::lay.pp]), sum(bwd[k::lay.pp])) for k in {0, lay.pp - 1}]
         fw, bw = min(w[0] for w in windows), min(w[1] for w in windows)
-        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        counts = self.chunk_counts(lay)
         terms, notes = data_parallel_terms(lay.zero, grads, params * self.bytes[4], self.bytes[0] / self.bytes[4],
                                            self.microbatches(lay), fw, bw, sum(counts[::lay.pp]), self.runtime)
         shared = self.parts(lay).get("shared_params", 0.0)
@@ -466,7 +364,7 @@ class CostModel:
         parts = self.parts(lay)
         b, scale = lay.microbatch_size, self._act_scale
         pb, gb, mb, _, _ = self.bytes
-        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        counts = self.chunk_counts(lay)
         per_chunk = sum(counts) / len(counts)
         layer = parts["layer"]
         kept, rerun = self.kept_per_layer(lay)
@@ -521,7 +419,7 @@ class CostModel:
         per_layer = f + bw + (f if lay.recompute == "full" else 0.0)
         if lay.recompute == "selective" and parts.get("core") is not None:
             per_layer += self.ring_times(parts["core"], lay.tp, b, lay.cp)[0]
-        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
+        counts = self.chunk_counts(lay)
         layers = sum(n for k, n in enumerate(counts) if k % lay.pp == 0)
         return self.microbatches(lay) * layers * per_layer
 
@@ -559,7 +457,7 @@ class CostModel:
         selective adds the attention core's forward once more, 4 B s^2 h per layer (QK^T, AV)."""
         p = self.profile
         B, s, l, h, V = self.batch, p.seq, p.blocks or p.layers, p.hidden, p.vocab
-        again = sum(self.recomputed(lay, n) for n in chunk_layers(p.layers, lay.pp * lay.virtual_stages))
+        again = sum(self.recomputed(lay, n) for n in self.chunk_counts(lay))
         k = 72 + 24 * again / p.layers if lay.recompute == "full" else 72
         extra = 4 * B * s * s * h * l if lay.recompute == "selective" else 0.0
         return k * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)) + extra
@@ -585,25 +483,6 @@ class CostModel:
         if self.precision == "fp8":
             notes.update(self.fp8_notes(lay))
         return {**notes, **self._after(lay)[1]}
-
-    def fp8_notes(self, lay: Layout) -> dict:
-        """{FP8 term: what it assumes}, for assumptions()."""
-        c, layer = self.cluster, self.parts(lay)["layer"]
-        on, found = sum(self.fp8_mask(layer)), sum(map(bool, layer.linears))
-        ours = self.runtime == "autopart"
-        rule = ("autopart's rule (passes/fp8_linears.py): the model's first and last linears and small ones "
-                "stay bf16" if ours else "Megatron-LM's (Transformer Engine): the transformer layers' linears; "
-                "embedding and output layer bf16")
-        return {"fp8_gemms_rank0": (f"{on} of a layer's {found} linears in FP8, {rule}; at {c.fp8_peak_flops / 1e12:g} "
-                                    f"TFLOP/s * fp8_gemm_efficiency {c.fp8_gemm_efficiency:g} * the shape factor; "
-                                    "attention cores bf16; part of compute_rank0"),
-                "fp8_casts_rank0": (f"per FP8 linear and microbatch, at HBM speed: input {FP8_CAST_BYTES} B/element "
-                                    f"and weight {FP8_WEIGHT_BYTES[self.runtime]} in forward, output gradient "
-                                    f"{FP8_CAST_BYTES} in backward; part of compute_rank0"),
-                "fp8_amax_rank0": ("tensorwise amaxes max-all-reduced over tp, exposed: per linear the input's "
-                                   "(row-parallel) and the output gradient's (column-parallel), the weights' once "
-                                   "a chunk; part of compute_rank0" if ours else
-                                   "Transformer Engine reduces amaxes once a step: not priced")}
 
     def counted_flops(self) -> float:
         """The model's FLOPs a step as Megatron-LM counts them (num_floating_point_operations):
@@ -662,7 +541,7 @@ class CostModel:
         if simulate:
             makespan, in_flight = pipeline(lay.schedule, lay.pp, m, lay.virtual_stages, tuple(fwd), tuple(bwd), msg)
         else:
-            makespan, in_flight = _pipeline_formula(lay, m, fwd, bwd, msg)
+            makespan, in_flight = pipeline_formula(lay.pp, lay.virtual_stages, m, fwd, bwd, msg)
         after = self.after_pipeline(lay, fwd, bwd)
         step = makespan + sum(after.values())
         mem = self.memory(lay, in_flight)
@@ -681,97 +560,8 @@ class CostModel:
             breakdown.update(self.fp8_terms(lay))
         return Estimate(lay, step, tflops, mem, fits, why, breakdown, simulate)
 
-    def fp8_terms(self, lay: Layout) -> dict:
-        """Seconds a step of the first pipeline rank spends in FP8 GEMMs (forward and backward),
-        FP8 casts and amax all-reduces (FP8_TERMS), part of its compute_rank0 (recomputation's
-        reruns not counted)."""
-        parts, b = self.parts(lay), lay.microbatch_size
-        counts = chunk_layers(self.profile.layers, lay.pp * lay.virtual_stages)
-        mine = [(parts["layer"], "layer", sum(n for k, n in enumerate(counts) if k % lay.pp == 0)),
-                (parts["first"], "first", 1)]
-        if lay.pp == 1:
-            mine.append((parts["last"], "last", 1))
-        for where, k in self.edge_layers(lay):       # one of rank 0's layers priced apart
-            if k == 0 or lay.pp == 1:
-                mine += [(parts["layer"], "layer", -1), (parts["layer"], where, 1)]
-        gemms = casts = amax = 0.0
-        for part, where, n in mine:
-            mask = self.fp8_mask(part, where)
-            g = sum(self.gemm_time(f(b) / lay.cp, mm(b) / lay.cp, nn, k, True)
-                    for (f, mm, nn, k, att, _), on in zip(part.gemms, mask) if on and not att)
-            cf, cb, af, ab = self.fp8_costs(part, lay.tp, b, lay.cp, mask)
-            gemms, casts, amax = gemms + n * 3 * g, casts + n * (cf + cb), amax + n * (af + ab)
-        m = self.microbatches(lay)
-        amax += len(range(0, len(counts), lay.pp)) * self.weight_amax_time(lay)   # rank 0's chunks
-        casts += mine[0][2] * self.weight_cast_time(lay)
-        return dict(zip(FP8_TERMS, (m * gemms, m * casts, m * amax)))
 
-
-@functools.lru_cache(maxsize=64)
-def fp8_refused(zero: int, cp: int, ep: int) -> str | None:
-    """Why autopart's compile refuses precision="fp8" with this ZeRO level, cp and ep (its own
-    check, config.check_fp8, so the planner ranks only what autopart runs), or None."""
-    from types import SimpleNamespace
-    from autopart.config import Config, check_fp8
-    try:
-        check_fp8(Config(precision="fp8", zero=zero), SimpleNamespace(cp=cp, ep=ep))
-    except AutopartError as e:
-        return str(e).splitlines()[0]
-    return None
-
-
-def chunk_layers(layers: int, chunks: int) -> list[int]:
-    """Layers per chunk, as even as possible (the larger chunks first)."""
-    base, extra = divmod(layers, chunks)
-    return [base + (k < extra) for k in range(chunks)]
-
-
-@functools.lru_cache(maxsize=4096)
-def pipeline(name: str, pp: int, m: int, v: int, fwd: tuple, bwd: tuple, msg: float) -> tuple[float, tuple]:
-    """(makespan, peak in-flight chunk-microbatches per rank) from the C++ simulator.
-
-    Past m = 2pp a step's makespan grows linearly with m (the steady state repeats; checked
-    exactly for 1F1B and interleaved with unequal chunks and messages), so long pipelines are
-    simulated at pp and 2pp microbatches and extended: 512 microbatches on 64 stages cost two
-    short simulations instead of one of 130k actions."""
-    if m <= 2 * pp:
-        return _simulate(name, pp, m, v, fwd, bwd, msg)
-    t1, _ = _simulate(name, pp, pp, v, fwd, bwd, msg)
-    t2, peaks = _simulate(name, pp, 2 * pp, v, fwd, bwd, msg)
-    return t2 + (t2 - t1) * (m - 2 * pp) / pp, peaks
-
-
-@functools.lru_cache(maxsize=4096)
-def _simulate(name, pp, m, v, fwd, bwd, msg):
-    # cached apart from pipeline(): layouts differing in dp alone (so in m) share both runs
-    from autopart import _C
-    packed = _schedule(name, pp, m, v)
-    half = [b / 2 for b in bwd]
-    raw = _C.simulate(pp, m, v, packed, list(fwd), list(bwd), float(msg), math.inf, 0.0, half, half, name)
-    return raw.makespan, tuple(raw.peak_in_flight)
-
-
-@functools.lru_cache(maxsize=256)
-def _schedule(name, pp, m, v):
-    """The packed action lists (the same for every chunk cost)."""
-    from autopart import _C
-    return _C.make_schedule(name, pp, m, v)
-
-
-def _pipeline_formula(lay: Layout, m: int, fwd, bwd, msg) -> tuple[float, tuple]:
-    """The bubble formula (pp-1)/(v m) on the slowest rank, for the first pass of the search;
-    in-flight counts as Megatron's warm-up gives them."""
-    pp, v = lay.pp, lay.virtual_stages
-    per_rank = [0.0] * pp
-    for k, (f, b) in enumerate(zip(fwd, bwd)):    # one pass: chunk k runs on rank k % pp
-        per_rank[k % pp] += f + b
-    chunk = max(f + b for f, b in zip(fwd, bwd))
-    makespan = m * max(per_rank) + (pp - 1) * (chunk + 2 * msg) + 2 * m * v * msg * (pp > 1)
-    if v == 1:
-        flight = tuple(min(m, pp - r) for r in range(pp))
-    else:
-        flight = tuple(min(m * v, (pp - r - 1) * 2 + (v - 1) * pp + 1) for r in range(pp))
-    return makespan, flight
-
-
-__all__ = ["Layout", "Estimate", "CostModel", "chunk_layers", "pipeline", "PRECISIONS"]
+# re-exported: FP8_*, fp8_refused (fp8_costs.py) and chunk_layers, pipeline, splits_backward
+# (makespan.py) were cost.py's own, and callers import them from here
+__all__ = ["Layout", "Estimate", "CostModel", "chunk_layers", "pipeline", "PRECISIONS", "FP8_CAST_BYTES",
+           "FP8_WEIGHT_BYTES", "FP8_TERMS", "fp8_refused", "splits_backward"]

@@ -12,6 +12,8 @@ the microbatch size b at the model's sequence length, so it is stored at b=1 and
 
 The result is plain numbers (JSON), cached under ~/.cache/autopart/layers keyed by the model file's
 text, the class/function name, the config and a digest of autopart's sources, so a second plan of the same model skips the capture.
+Each matmul's FP8 tags (Part.linears) come from linear_tags.py; a capture at another sequence
+length (--seq) builds the model through seq_length.py.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from autopart.errors import AutopartError
 from autopart.planner.cluster import LOCAL_PATH
+from autopart.planner.seq_length import SEQ_FIELDS, WithSequence, with_sequence
 
 CACHE = LOCAL_PATH.parent / "layers"
 TP_CANDIDATES = (1, 2, 4, 8, 16)
@@ -81,11 +84,8 @@ class Part:
                                             # GEMM outputs outside attention cores, the cores'
                                             # outputs, the part's inputs (saves.py)
     replicated_selective: Lin = Lin(0.0, 0.0)   # of selective_kept, values not split over tp
-    linears: tuple = ()     # per GEMM (as `gemms`), what precision="fp8" decides by (linear_tags):
-                            # () for a matmul that is no linear, else tags of "linear", "column" /
-                            # "row" (its N / K split over tp), "entry" / "exit" (no linear before /
-                            # after it in the part), "small", "misaligned" (the FP8 rule's, on the
-                            # whole weight)
+    linears: tuple = ()     # per GEMM (as `gemms`), what precision="fp8" decides by: () for a
+                            # matmul that is no linear, else its tags (linear_tags.py)
 
     def flops(self, b: float) -> float:
         return sum(g[0](b) for g in self.gemms)
@@ -138,48 +138,13 @@ def _capture_profile(module, name: str, spec: str | None, seq: int | None = None
     if seq is None:
         built = _build(module, name, spec, 2, meta=True)
     else:
-        built = _build(_WithSequence(module, seq), name, spec, 2, meta=True, adjust=with_sequence(seq))
+        built = _build(WithSequence(module, seq), name, spec, 2, meta=True, adjust=with_sequence(seq))
         got = built.inputs[0].shape[1] if getattr(built.inputs[0], "dim", lambda: 0)() > 1 else None
         if got != seq:
             raise AutopartError(f"--seq {seq}: the model's example inputs have sequence {got}; give the "
                                 f"model's module an example_inputs(cfg, batch, device) that follows its "
                                 f"config's sequence length ({', '.join(SEQ_FIELDS)})")
     return profile_data(built.model, built.inputs, built.loss_fn, built.target)
-
-
-# config fields holding the sequence length (or its maximum), set to `--seq`
-SEQ_FIELDS = ("block_size", "n_positions", "max_position_embeddings", "seq_len", "max_seq_len")
-
-
-def with_sequence(seq: int):
-    """config -> the config with its sequence-length fields (SEQ_FIELDS: nanoGPT's block_size,
-    Meta Llama's max_seq_len, ...) set to `seq`, for a dataclass config; others are kept."""
-    import dataclasses
-
-    def adjust(cfg):
-        if cfg is None or not dataclasses.is_dataclass(cfg):
-            return cfg
-        fields = {f.name for f in dataclasses.fields(cfg)} & set(SEQ_FIELDS)
-        return dataclasses.replace(cfg, **{f: seq for f in fields}) if fields else cfg
-    return adjust
-
-
-class _WithSequence:
-    """A model file's module whose example inputs are `seq` tokens long: its own
-    example_inputs(cfg, batch, device) (after with_sequence changed the config), or token ids."""
-
-    def __init__(self, module, seq: int):
-        self._module, self._seq = module, seq
-
-    def __getattr__(self, key):
-        return getattr(self._module, key)
-
-    def example_inputs(self, cfg, batch, device):
-        import torch
-        make = getattr(self._module, "example_inputs", None)
-        if callable(make):
-            return make(cfg, batch, device)
-        return (torch.zeros(batch, self._seq, dtype=torch.long, device=device),)
 
 
 def profile_model(model, inputs: tuple, loss_fn=None, target=None) -> Profile:
@@ -369,6 +334,7 @@ def _numel(shape) -> float:
 def _part(nodes, costs, program, shards, tp, seq, which, experts, ep, core=frozenset()) -> dict:
     from autopart.analysis import _VIEWS, evaluate
     from autopart.ops import op_info
+    from autopart.planner.linear_tags import linear_tags
 
     def lin(expr):
         return [evaluate(expr, 1, seq), evaluate(expr, 2, seq)]
@@ -422,37 +388,6 @@ def _part(nodes, costs, program, shards, tp, seq, which, experts, ep, core=froze
             "replicated_kept": rep_kept, "selective_kept": sel, "replicated_selective": rep_sel,
             "linears": linear_tags(nodes, gemm_nodes, program),
             "expert_params": _params(nodes, program, shards, tp, experts, ep, only=set(experts))}
-
-def linear_tags(nodes, gemm_nodes, program) -> list[list[str]]:
-    """Per GEMM of a part (`gemm_nodes`, in `gemms` order), what precision="fp8" decides by
-    (Part.linears): the linears as passes/fp8_linears.py finds them (an activation times a 2-D
-    trainable parameter), which of their dims tp splits, whether another linear of the part comes
-    before or after them in its dataflow, and the rule's size checks on the whole weight."""
-    from autopart.passes.fp8_linears import ALIGN, MIN_FEATURES, _without_linear, operands
-    found = {n.name: operands(n, program.params) for n in gemm_nodes}
-    found = {k: v for k, v in found.items() if v is not None}
-    entry = _without_linear(list(nodes), found, lambda n: n.all_input_nodes)
-    exit_ = _without_linear(list(reversed(nodes)), found, lambda n: n.users)
-    tp = program.tp
-    out = []
-    for n in gemm_nodes:
-        if n.name not in found:
-            out.append([])
-            continue
-        _, w, _, out_dim = found[n.name]
-        shape = [int(d) for d in program.params[w.target].shape]
-        n_out, k_in = shape[out_dim], shape[1 - out_dim]
-        tags = ["linear"]
-        if tp is not None and n.name in tp.column:
-            tags.append("column")
-        elif tp is not None and n.name in tp.row:
-            tags.append("row")
-        tags += [t for t, on in (("entry", n.name in entry), ("exit", n.name in exit_),
-                                 ("small", min(n_out, k_in) < MIN_FEATURES),
-                                 ("misaligned", bool(n_out % ALIGN or k_in % ALIGN))) if on]
-        out.append(tags)
-    return out
-
 
 
 def _kept(nodes, costs, lin, tp, core) -> tuple[list, list, list, list]:
