@@ -247,3 +247,19 @@ def test_the_wire_names_each_collective_by_its_kind(single_process_group):
     assert wire.report() == {**{k: {} for k in WIRE_KINDS}, "all_reduce": {"float32": {4: 1}},
                              "all_to_all": {"bfloat16": {4: 1}},
                              "grad_reduce_scatter": {"float32": {4: 1}}}
+
+
+def test_tp_reductions_must_carry_bf16_under_bf16():
+    """wire_problems: a bf16 tp case whose partial sums went out in fp32 fails, whether they
+    were reduce-scattered (sp) or all-reduced (sp on a model that flattens batch and sequence,
+    HF GPT-2's Conv1D); either reduction in bf16 passes. Gathers of a norm's fp32 output pass."""
+    from types import SimpleNamespace
+    from tests.workers.equivalence import wire_problems
+    case = SimpleNamespace(precision="bf16", pp=1, cp=1, tp=2, dp=1, sequence_parallel=True)
+    fp32 = {"all_gather": {"float32": {512: 9}}, "reduce_scatter": {"float32": {1024: 1}},
+            "all_reduce": {"float32": {2: 1}}}
+    assert any("tp's reductions carried no bfloat16" in p for p in wire_problems(case, fp32))
+    flattened = {**fp32, "all_reduce": {"bfloat16": {1024: 8}, "float32": {2: 1}}}
+    assert wire_problems(case, flattened) == []
+    scattered = {**fp32, "reduce_scatter": {"bfloat16": {1024: 8}}}
+    assert wire_problems(case, scattered) == []

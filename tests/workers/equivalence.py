@@ -256,7 +256,7 @@ def claim_problems(case, r: dict) -> list[str]:
 def wire_problems(case, wire: dict | None) -> list[str]:
     """What the collectives carried (tests/workers/precision.Wire.report) against the case's
     precision. fp32: no bf16 anywhere. bf16: the compute's tensors travel in bf16 (the pipeline's
-    transfers all of them, cp's ring, tp's activation collectives), gradients reduce over the
+    transfers all of them, cp's ring, tp's reductions of partial sums), gradients reduce over the
     replicas in fp32 (the recipe: tests/workers/precision.py). ep's token exchange is not
     claimed: it carries what the plain model's router hands its experts, under autocast a
     norm's fp32 output and the fp32 routing weights' products (HF Mixtral: fp32 both ways)."""
@@ -268,10 +268,17 @@ def wire_problems(case, wire: dict | None) -> list[str]:
                if "bfloat16" in has[k]]
     else:
         sends = ["isend", "irecv"] if case.pp > 1 or case.cp > 1 else []
-        sends += (["all_gather", "reduce_scatter"] if case.sequence_parallel
-                  else ["all_reduce"]) if case.tp > 1 else []
         out = [f"{k} carried no bfloat16 ({wire.get(k)}): bf16 compute sends bf16" for k in sends
                if "bfloat16" not in has.get(k, ())]
+        # tp: the row-parallel linears' partial sums are bf16. Under sp they are reduce-scattered,
+        # except where the model flattens (batch, sequence) into the GEMM's rows (HF GPT-2's
+        # Conv1D addmm): no sequence shard survives the view, so they are all-reduced and the
+        # sum sliced. sp's all-gathers carry what feeds the linear: a norm's output, fp32 under
+        # autocast as in the plain model, so they are not claimed.
+        summed = has.get("all_reduce", set()) | has.get("reduce_scatter", set())
+        if case.tp > 1 and "bfloat16" not in summed:
+            out.append(f"tp's reductions carried no bfloat16 (all_reduce {wire.get('all_reduce')}"
+                       f", reduce_scatter {wire.get('reduce_scatter')}): bf16 compute sends bf16")
         # (cp's ring carries its dk, dv sums in fp32 over the same sends: pipeline only)
         out += [f"{k} carried float32 ({wire[k]}): every pipeline transfer is bf16" for k in
                 ("isend", "irecv") if case.cp == 1 and "float32" in has.get(k, ())]
