@@ -169,17 +169,18 @@ def test_the_wire_and_inductor_reports_are_read():
                 and c.dp * c.cp == 1)
     fp32 = next(c for c in trained if c.precision == "fp32" and c.dp == 2 and c.zero
                 and not c.compile)
-    tp_kind = "all_gather" if bf16.sequence_parallel else "all_reduce"   # its tp collective
+    tp_kind = "reduce_scatter" if bf16.sequence_parallel else "all_reduce"   # its tp reduction
     ran = {"artifacts": 3, "segments": 6, "fallbacks": {}}
     good_bf16 = {"isend": {"bfloat16": {1: 2}}, "irecv": {"bfloat16": {1: 2}},
                  tp_kind: {"bfloat16": {1: 2}, "float32": {1: 1}},
-                 "reduce_scatter": {"bfloat16": {1: 2}}}
+                 "all_gather": {"float32": {1: 2}}}
     good_fp32 = {"isend": {"float32": {1: 2}}, "irecv": {"float32": {1: 2}},
                  "grad_reduce_scatter": {"float32": {8: 1}}}
     assert_all_ranks_equal_plain(bf16, _ranks(bf16, good_bf16, ran))
     assert_all_ranks_equal_plain(fp32, _ranks(fp32, good_fp32))
     bad = [(bf16, {**good_bf16, "isend": {"float32": {1: 2}}}, ran),
-           (bf16, {**good_bf16, tp_kind: {"float32": {1: 2}}}, ran),
+           (bf16, {**good_bf16, "all_reduce": {"float32": {1: 2}},
+                   "reduce_scatter": {"float32": {1: 2}}}, ran),
            (bf16, None, ran),
            (bf16, good_bf16, None),
            (bf16, good_bf16, {**ran, "fallbacks": {"layer 0": "no"}}),

@@ -241,6 +241,7 @@ def test_the_cudagraphs_row_needs_replayed_graphs(single_process_group, monkeypa
     assert ok is True and "0 replayed" not in figure, figure
 
 
+@pytest.mark.full      # two 4-step trainings, about 50 s here; the row itself runs in the dry run
 def test_the_fp8_row_needs_fp8_gemms(single_process_group):
     """The fp8 row passes on FP8 GEMMs within FP8's band of the plain bf16 model, and fails on
     the same run in bf16, whose losses are as close but which runs no FP8 GEMM."""
