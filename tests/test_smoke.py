@@ -48,7 +48,7 @@ def test_dry_run_passes_or_skips_every_row():
         assert row["note"], row                       # what a dry run could not do, or why skipped
         if row["status"] == "pass":
             assert row["figure"], row
-    assert report["counts"] == {"pass": 6, "fail": 0, "skip": 2}
+    assert report["counts"] == {"pass": 7, "fail": 0, "skip": 2}
     assert "CUDA" in rows["compile=cudagraphs"]["note"]
     selected, passed, failed, skipped = map(int, re.fullmatch(
         r"(\d+) selected: (\d+) passed, (\d+) failed, (\d+) skipped",
