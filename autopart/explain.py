@@ -8,6 +8,7 @@ import sympy
 from autopart.analysis import evaluate
 from autopart.errors import module_path
 from autopart.explain_fp8 import fp8_lines, fp8_rows
+from autopart.explain_zero import reduce_scatter_lines, reduce_scatter_rows
 from autopart.ir import sym_shape
 from autopart.ops import aten_groups as G
 from autopart.ops import is_autopart_op, op_info
@@ -232,6 +233,7 @@ def explain_table(compiled) -> str:
                  f"flight per rank: {list(sim.peak_in_flight)}")
     lines += _memory_lines(compiled)
     lines += _gather_lines(compiled)
+    lines += reduce_scatter_lines(compiled)
     lines.append(f"options: {compiled.config} (autopart.Config; the rest at their defaults)")
     lines.append("passes: " + ", ".join(f"{p.name} {p.seconds:.2f}s" for p in compiled.passes)
                  + f"; compile {compiled.seconds:.2f}s")
@@ -371,6 +373,7 @@ def explain_json(compiled) -> dict:
         "memory": memory_rows(compiled),
         "zero": compiled.config.zero,
         "param_groups": gather_rows(compiled),
+        "reduce_scatters": reduce_scatter_rows(compiled),
         "passes": [{"name": p.name, "seconds": p.seconds} for p in compiled.passes],
         "compile_seconds": compiled.seconds,
         # every option of the run, defaults included (autopart/config.py)

@@ -120,7 +120,7 @@ class StepBuckets:
         grads = [p.grad for p in bucket.params if p.grad is not None]
         if grads and bucket.shards is not None:
             if len(self.posted) >= IN_FLIGHT:     # its input is a copy: bound the copies
-                self.settle()
+                self.settle(keep=IN_FLIGHT - 1)     # the oldest: the newer ones still run
             lay, s, e = bucket.shards
             work, mine, _ = lay.post_reduce_scatter(s, e)
             self.posted.append((bucket, work, mine, None, time.perf_counter()))
@@ -135,9 +135,12 @@ class StepBuckets:
                 if self.unposted[id(p)] == 0:
                     p.grad = None
 
-    def settle(self) -> None:
-        """Wait on every posted bucket's work, each once, and put the sums where they belong."""
-        for bucket, work, result, grads, posted in self.posted:
+    def settle(self, keep: int = 0) -> None:
+        """Wait on every posted bucket's work but the `keep` newest, each once, in posting
+        order, and put the sums where they belong."""
+        done = self.posted[:len(self.posted) - keep]
+        self.posted = self.posted[len(done):]
+        for bucket, work, result, grads, posted in done:
             start = self.now()
             if work is not None:        # the text is formatted only if the wait fails
                 self.wait(work, _Waiting(bucket))
@@ -147,7 +150,6 @@ class StepBuckets:
             if self.trace is not None:
                 self.trace.record_reduction(bucket.index, result.numel(), posted, start,
                                             self.now())
-        self.posted = []
 
     def finish(self, wait: Callable | None = None, now: Callable | None = None) -> None:
         """Post what is left, then wait on every bucket (see `settle`)."""

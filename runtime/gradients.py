@@ -71,16 +71,51 @@ def _use_order(chunk) -> list[str]:
     """`chunk.params` in the order its forward first reads them (the first user of each
     get_attr), those it reads some other way last, by name. (chunk.params is sorted by name:
     as a backward order it kept every bucket waiting for the embedding, read first.)"""
+    first = _first_readers(chunk)
+    end = len(first) and max(at for at, _ in first.values()) + 1
+    return sorted(chunk.params, key=lambda n: (first.get(n, (end, None))[0], n))
+
+
+def _first_readers(chunk) -> dict[str, tuple[int, object]]:
+    """{name: (graph position, node) of the first node of `chunk`'s graph reading it}."""
     graph = getattr(getattr(chunk, "gm", None), "graph", None)
     if graph is None:
-        return list(chunk.params)
+        return {}
     wanted, first = set(chunk.params), {}
     pos = {node: i for i, node in enumerate(graph.nodes)}
     for node in graph.nodes:
         if node.op == "get_attr" and node.target in wanted:
-            at = min((pos[u] for u in node.users), default=pos[node])
-            first[node.target] = min(first.get(node.target, at), at)
-    return sorted(chunk.params, key=lambda n: (first.get(n, len(pos)), n))
+            at = min(((pos[u], u) for u in node.users), default=(pos[node], node),
+                     key=lambda x: x[0])
+            first[node.target] = min(first.get(node.target, at), at, key=lambda x: x[0])
+    return first
+
+
+def layer_groups(chunk) -> dict[str, str]:
+    """{name: the group its gradient is reduce-scattered with}: the layer (analysis.layer_of,
+    dataflow marks) of the first node reading it, as passes/gather_parameters.py groups zero=3's
+    gathers; a parameter first read outside every layer (an embedding, a final norm) by the
+    node's name, so that node's parameters go together."""
+    from autopart.analysis import layer_of
+    layers = set(getattr(chunk, "layers", ()) or ())
+    return {name: layer_of(node, layers) or node.name
+            for name, (_, node) in _first_readers(chunk).items()}
+
+
+def reduce_groups(actions, chunks: dict, early) -> list[tuple[int, str, list[str]]]:
+    """(action index, group label, names) per zero reduce-scatter group of this rank, in the
+    order the groups become final: the names for which `early(name)` (their only reduction is
+    their replicas' sum) with the same final action (final_points: the last backward of the
+    last microbatch of their chunk) and the same layer group (layer_groups), neighbours in that
+    order. What GradientReducer.shard lays out and explain() shows."""
+    final = final_points(actions, chunks)
+    labels = {c: layer_groups(chunk) for c, chunk in chunks.items()}
+
+    def group(name):
+        i = final[name][0]
+        return i, labels[actions[i].chunk].get(name, "")
+    names = sorted((n for n in final if early(n)), key=final.__getitem__)
+    return [(i, label, list(run)) for (i, label), run in itertools.groupby(names, key=group)]
 
 
 class GradientReducer:
@@ -123,19 +158,23 @@ class GradientReducer:
         those that need a sum over tp or pp first; each parameter marked as sharded."""
         from autopart.runtime.optimizer import manage
         from autopart.runtime.sharding import ShardLayout
-        final = final_points(actions, chunks)
         trainable = [n for n, p in self.params.items() if p.requires_grad]
         layouts = []
         for experts, group in ((False, self.groups.dp), (True, self.groups.ep_replica)):
             names = [n for n in trainable if (n in self.plan.ep_shards) == experts]
-            early = sorted((n for n in names if n in final and self._sum_group(n) is not None),
-                           key=final.__getitem__)
+            mine = set(names)
+            groups = reduce_groups(actions, chunks,
+                                   lambda n: n in mine and self._sum_group(n) is not None)
+            early = [n for _, _, run in groups for n in run]
             late = sorted(set(names) - set(early))
-            chunk_of = [actions[final[n][0]].chunk for n in early]
+            # the optimizer's buckets: a chunk's parameters; the reduce-scatters': a layer group's
+            chunk_of = [actions[i].chunk for i, _, run in groups for _ in run]
             segments = [len(list(run)) for _, run in itertools.groupby(chunk_of)] + [len(late)]
             if names:
                 layouts.append(ShardLayout(self.params, early + late, group, bucket_size,
-                                           segments, early=len(early)))
+                                           segments, early=len(early),
+                                           groups=[len(run) for _, _, run in groups] +
+                                           [len(late)]))
         manage(p for lay in layouts for p in lay.params)
         self.zero, self.zero_layouts, self._layout = zero, tuple(layouts), None
 
@@ -167,7 +206,7 @@ class GradientReducer:
         backward action of its chunk (`window_after`)."""
         layout, by_chunk = BucketLayout(), {}
         for lay in self.zero_layouts:
-            for s, e in lay.ranges:
+            for s, e in lay.reduce_ranges:
                 if e > lay.early or s == e:
                     continue
                 bucket = Bucket(lay.group, len(layout.buckets), shards=(lay, s, e))
@@ -224,7 +263,7 @@ class GradientReducer:
         """The ZeRO ranges the step's buckets did not reduce and that hold a gradient, one at a
         time; then zero=1 keeps only this rank's chunks of `.grad`, zero=2 only the slice."""
         for lay in self.zero_layouts:
-            for s, e in lay.ranges:
+            for s, e in lay.reduce_ranges:
                 if (id(lay), s) in done or \
                         all(lay.params[i].grad is None for i, _, _, _ in lay.pieces(s, e)):
                     continue

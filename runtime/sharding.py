@@ -31,11 +31,14 @@ DEFAULT_BUCKET_SIZE = 40_000_000     # elements per collective (Megatron-LM's de
 class ShardLayout:
     """Parameters `names` (in this order) of one replica group; `segments` (lengths in
     parameters, summing to len(names)) are never mixed in one bucket; the first `early`
-    parameters (all by default) are those whose gradients may be reduced during the backward."""
+    parameters (all by default) are those whose gradients may be reduced during the backward;
+    `groups` (lengths, each within a segment; default `segments`) are never mixed in one
+    reduce-scatter: a layer's gradients go out as soon as that layer's backward is done, while
+    the optimizer's buckets (`ranges`) stay as few as the segments and the bucket size allow."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], names: list[str], group,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, segments: list[int] | None = None,
-                 early: int | None = None):
+                 early: int | None = None, groups: list[int] | None = None):
         self.names, self.group = list(names), group
         self.params = [params[n] for n in self.names]
         self.size = dist.get_world_size(group) if group is not None else 1
@@ -48,8 +51,10 @@ class ShardLayout:
         self.numel = sum(self.numels)
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.ranges = _ranges(self.offsets, segments or [len(self.names)],
-                              max(1, bucket_size // self.size))
+        step = max(1, bucket_size // self.size)
+        self.ranges = _ranges(self.offsets, segments or [len(self.names)], step)
+        # the gradient reduce-scatters' ranges (runtime/gradients.py): the buckets cut further
+        self.reduce_ranges = _ranges(self.offsets, groups or segments or [len(self.names)], step)
         self.early = self.offsets[len(self.names) if early is None else early]   # slice offset
         # zero=2: the reduced gradient of this rank's slice (None until a step made one)
         self.grad: torch.Tensor | None = None

@@ -250,6 +250,20 @@ def test_every_equivalence_case_under_the_contract(key, name, spawn_cache):
     _assert_ran_under_contract(next(c for c in cases if c.name == name), results[name])
 
 
+# zero=1's reduce-scatters per layer group, each posted by the last microbatch's backward and
+# waited only later (the contract's async collectives deliver at wait(): a reduce-scatter read
+# before its wait would leave NaN in the gradients), with a pipeline and 4 microbatches
+ZERO1_GROUPS = CCase("contract-gpt-pp2xdp2-zero1-groups", model="c-gpt-tied", pp=2, dp=2,
+                     microbatches=4, zero=1, optim="adamw", clip=0.05)
+
+
+@pytest.mark.full
+def test_zero1_per_group_reduce_scatters_under_the_contract(spawn_cache):
+    results = run_group(spawn_cache, ("nccl-contract", "zero1-groups", 4), [ZERO1_GROUPS],
+                        rank_fn=workers.run_cases)
+    _assert_ran_under_contract(ZERO1_GROUPS, results[ZERO1_GROUPS.name])
+
+
 def test_the_full_tier_has_every_schedule():
     from autopart.schedule import SCHEDULES
     ran = {c.schedule for cases, _ in FULL_GROUPS.values() for c in cases if c.pp > 1}
