@@ -35,6 +35,7 @@ from autopart.passes.recompute_activations import recompute_activations
 from autopart.passes.gather_parameters import gather_parameters
 from autopart.passes.fp8_linears import fp8_linears
 from autopart.passes.overlap_collectives import overlap_collectives
+from autopart.passes.overlap_experts import overlap_experts
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_context_parallel import prove_token_islands, split_context_parallel
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
@@ -108,10 +109,50 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
                 provides=("overlap",),
                 after=("recompute_activations", "gather_parameters", "fp8_linears"))]
           if c.overlap and mesh.tp > 1 and not _splits_backward(schedule) else []),
+        # ep's all-to-alls behind the other microbatch of a pair (runtime/executor.py runs a
+        # pair where the schedule has two computes of a chunk adjacent: pairs_microbatches)
+        *([Pass("overlap_experts", overlap_experts, requires=("chunks", "ep"), provides=(),
+                after=("recompute_activations", "gather_parameters", "fp8_linears",
+                       "overlap_collectives"))]
+          if pairs_microbatches(c, mesh) and takes_pairs(schedule) else []),
         *([Pass("split_backward", split_backward, requires=("chunks",),
                 provides=("split_backward",), options=dict(microbatch_size=microbatch_size),
                 after=("recompute_activations", "fp8_linears"))] if _splits_backward(schedule) else []),
     ]
+
+
+def pairs_microbatches(config: Config, mesh: Mesh) -> bool:
+    """Whether the schedule takes microbatches two at a time (overlap_experts): ep > 1 with
+    the overlap on, an even number of microbatches, and a schedule whose backward is one B."""
+    return bool(config.overlap and mesh.ep > 1 and config.microbatches % 2 == 0
+                and config.schedule in ("1f1b", "gpipe", "interleaved-1f1b"))
+
+
+def takes_pairs(schedule: sched.Schedule | None) -> bool:
+    """Whether each rank's computes come two at a time, microbatch 2u then 2u + 1."""
+    if schedule is None:
+        return False
+    for actions in schedule.ranks:
+        computes = [a for a in actions if a.kind in (sched.Kind.F, sched.Kind.B)]
+        if len(computes) % 2 or any((a.chunk, a.kind, a.microbatch + 1) != (b.chunk, b.kind,
+                                                                           b.microbatch)
+                                    or a.microbatch % 2 for a, b in zip(computes[::2],
+                                                                        computes[1::2])):
+            return False
+    return True
+
+
+def make_schedule(config: Config, mesh: Mesh) -> sched.Schedule:
+    """The schedule compile() runs: config's, or with pairs_microbatches its pair of each
+    action (autopart/schedule_lowering.py pair_microbatches) where that unit schedule exists."""
+    args = (config.schedule, mesh.pp, config.microbatches, config.virtual_stages)
+    if pairs_microbatches(config, mesh):
+        from autopart.schedule_lowering import pair_microbatches
+        try:
+            return pair_microbatches(*args)
+        except sched.ScheduleError:     # e.g. interleaved 1F1B over microbatches / 2 units
+            pass
+    return sched.make_schedule(*args)
 
 
 def _splits_backward(schedule: sched.Schedule | None) -> bool:
@@ -263,7 +304,7 @@ def compile_checked(model: nn.Module, mesh: Mesh, example_inputs: tuple, cfg: Co
         raise AutopartError("sequence_parallel=True shards the sequence over the tp axis, but the "
                             f"mesh has tp=1 ({mesh}).\n  remedy: use a mesh with tp > 1, or drop "
                             "sequence_parallel")
-    the_schedule = sched.make_schedule(cfg.schedule, mesh.pp, cfg.microbatches, cfg.virtual_stages)
+    the_schedule = make_schedule(cfg, mesh)
     _check_zero(cfg.zero, mesh, the_schedule)
     check_fp8(cfg, mesh)
 

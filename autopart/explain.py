@@ -95,6 +95,24 @@ def _ep_lines(compiled) -> list[str]:
     total = sum(r["a2a_bytes_per_microbatch"] for r in rows)
     lines.append(f"  {len(rows)} MoE layers: {_fmt(total, 'B')} forward + {_fmt(total, 'B')} "
                  f"backward all-to-all per rank per microbatch")
+    return lines + _ep_overlap_lines(compiled)
+
+
+def _ep_overlap_lines(compiled) -> list[str]:
+    """Where each all-to-all's wait sits in the paired programs (passes/overlap_experts.py)."""
+    report = next((p.report for p in compiled.passes if p.name == "overlap_experts"), None)
+    paired = compiled.schedule.ranks[0]
+    if report is None or not report["paired_chunks"]:
+        why = ("overlap=False" if not compiled.config.overlap else
+               "needs an even number of microbatches and a 1f1b, gpipe or interleaved-1f1b "
+               "schedule")
+        return [f"  all-to-alls not overlapped ({why}): each waited on where it is posted"]
+    lines = [f"  all-to-alls overlapped across microbatch pairs (overlap_experts): the schedule "
+             f"runs microbatches two at a time ({' '.join(map(str, paired[:4]))} ...); in each "
+             "chunk's paired program each wait sits after the other microbatch's ops:"]
+    for chunk, waits in report["waits"].items():
+        lines += [f"    chunk {chunk}  {w}" for w in waits]
+    lines += [f"    kept: {k} ({v})" for k, v in report["kept"].items()]
     return lines
 
 

@@ -263,6 +263,9 @@ class ChunkProgram:
     layers: tuple[str, ...] = ()
     params: tuple[str, ...] = field(default=())
     backward: SplitBackward | None = None    # split_backward (schedules with I/W actions)
+    # overlap_experts: two microbatches' forwards interleaved, expert all-to-alls posted and
+    # waited behind the other microbatch's compute (inputs a's then b's, outputs likewise)
+    paired: fx.GraphModule | None = None
 
     @property
     def code(self) -> str:
@@ -271,6 +274,9 @@ class ChunkProgram:
             head += ": " + (self.layers[0] if len(self.layers) == 1
                             else f"{self.layers[0]} .. {self.layers[-1]}")
         text = head + "\n" + self.gm.code.strip() + "\n"
+        if self.paired is not None:
+            text += (f"# chunk {self.chunk}, two microbatches a and b (overlap_experts: each "
+                     "ep_wait after the other's compute)\n" + self.paired.code.strip() + "\n")
         return text + self.backward.code if self.backward is not None else text
 
 

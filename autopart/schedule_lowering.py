@@ -94,3 +94,44 @@ def _hoist_one(schedule, ranks: list, r: int, i: int) -> int:
 
 
 __all__ = ["hoist_receives"]
+
+
+def pair_microbatches(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule `name` over microbatches taken two at a time (passes/overlap_experts.py):
+    built for microbatches / 2 units, each action of unit u then run for microbatch 2u and
+    2u + 1 back to back (F0 F1, SEND_F0 SEND_F1 in one batch, ...), so that the runtime can run
+    each pair of computes as one paired program. Deadlock-free as the unit schedule is (each
+    unit's transfers move as one batch, in the unit schedule's order); validated all the same.
+    The pipeline fills with half as many units as microbatches: the bubble is the unit
+    schedule's, (pp - 1) / (microbatches / 2) for 1F1B, against what the overlap hides.
+
+    >>> print(pair_microbatches("1f1b", pp=1, microbatches=4).ranks[0])
+    (0F0, 0F1, 0B0, 0B1, 0F2, 0F3, 0B2, 0B3)
+    """
+    if microbatches % 2:
+        raise ScheduleError(f"pairing microbatches needs an even count, not {microbatches}")
+    from autopart.schedule import make_schedule
+    units = make_schedule(name, pp, microbatches // 2, virtual_stages)
+    paired = Schedule(name, pp, microbatches, virtual_stages,
+                      tuple(_expand(r) for r in units.ranks))
+    validate(paired)
+    return paired
+
+
+def _expand(actions) -> tuple[Action, ...]:
+    """Each run of transfers stays one run (one batch): its actions for 2u then 2u + 1, each
+    compute twice in a row."""
+    out: list[Action] = []
+    i = 0
+    while i < len(actions):
+        j = i + 1
+        if actions[i].kind in _TRANSFERS:
+            while j < len(actions) and actions[j].kind in _TRANSFERS:
+                j += 1
+        out += [Action(a.chunk, a.kind, 2 * a.microbatch + k) for a in actions[i:j]
+                for k in (0, 1)]
+        i = j
+    return tuple(out)
+
+
+_TRANSFERS = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)

@@ -99,8 +99,12 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
     sends: list = []        # (batch, indices of its sends): waited on at the step's end
     if ctx.grads is not None:   # a failed bucket names the step and what it waited for
         ctx.grads.bind(lambda work, what: _wait(work, what, ctx), lambda: _now(ctx))
+    pairs = paired_computes(actions, ctx)
     i = 0
     while i < len(actions):
+        if i in pairs:      # two microbatches in one program (passes/overlap_experts.py)
+            i = _run_pair(actions, i, pairs[i], ctx, sends)
+            continue
         if actions[i].kind in _COMM:
             j = i
             while j < len(actions) and actions[j].kind in _COMM:
@@ -132,6 +136,62 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
     if ctx.grads is not None:   # the gradient buckets, before anything reads .grad
         ctx.grads.finish()
     return ctx.losses
+
+
+def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
+    """{i: j} for each compute i whose chunk has a paired program (passes/overlap_experts.py)
+    and whose next compute j is the same kind (F or B) of the same chunk, with only receives
+    between (posted before the pair: a post never waits). Not under zero=2's per-backward
+    windows, nor where a gradient bucket is final after i (the pair's backward is one)."""
+    pairs, layout = {}, getattr(ctx.grads, "layout", None)
+    computes = [i for i, a in enumerate(actions) if a.kind not in _COMM]
+    for i, j in zip(computes, computes[1:]):
+        a, b = actions[i], actions[j]
+        if a.kind not in ("F", "B") or (a.kind, a.chunk) != (b.kind, b.chunk) \
+                or getattr(ctx.chunks[a.chunk], "paired", None) is None or i in pairs.values():
+            continue
+        if any(actions[k].kind not in ("RECV_F", "RECV_B") for k in range(i + 1, j)):
+            continue
+        if layout is not None and (i in layout.final_after or i in layout.window_after
+                                   or j in layout.window_after):
+            continue
+        pairs[i] = j
+    return pairs
+
+
+def _run_pair(actions, i: int, j: int, ctx: StepContext, sends: list) -> int:
+    """Run computes i and j as one paired program; returns the index after j."""
+    if j > i + 1:
+        sends += _communicate(actions[i + 1:j], ctx)
+    a, b = actions[i], actions[j]
+    kind = str(a.kind)
+    for act in (a, b):
+        _wait_received(ctx, (ctx.acts if kind == "F" else ctx.grads_in,
+                             (act.chunk, act.microbatch)))
+    if ctx.grads is not None:
+        ctx.grads.before(j)
+    if ctx.watch is not None:
+        ctx.watch.begin(a)
+    start = _now(ctx)
+    PATHS["paired", kind] += 2
+    try:
+        (_forward_pair if kind == "F" else _backward_pair)(a, b, ctx)
+    except PeerFailure:
+        raise
+    except RuntimeError as e:     # an all-to-all inside the chunk timed out
+        raise PeerFailure(f"rank {dist.get_rank()} failed in {a} and {b} at step "
+                          f"{ctx.step}: {e}") from e
+    if ctx.trace is not None:
+        end = _now(ctx)
+        ctx.trace.record(a, start, (start + end) / 2)
+        ctx.trace.record(b, (start + end) / 2, end)
+    for act in (a, b):
+        _hand_over(act, kind, ctx)
+    if ctx.grads is not None:
+        ctx.grads.after(j)
+    if ctx.watch is not None:
+        ctx.watch.progress()
+    return j + 1
 
 
 def _wait(work, what: str, ctx: StepContext) -> None:
@@ -313,6 +373,27 @@ def _forward(action, ctx: StepContext) -> None:
     inputs = ctx.microbatch(action.microbatch)
     out = executable(chunk.gm, autocast=ctx.reduced)(
         *received, *(inputs[name] for name in chunk.inputs))
+    _keep_outputs(chunk, key, out, ctx)
+
+
+def _forward_pair(a, b, ctx: StepContext) -> None:
+    """Both forwards by the chunk's paired program: a's arguments then b's, a's outputs then b's."""
+    chunk = ctx.chunks[a.chunk]
+    args = []
+    for act in (a, b):
+        key = (act.chunk, act.microbatch)
+        received = [t.requires_grad_(True) if s.differentiable else t
+                    for s, t in zip(chunk.recvs, ctx.acts.get(key, []))]
+        ctx.acts[key] = received
+        inputs = ctx.microbatch(act.microbatch)
+        args += [*received, *(inputs[name] for name in chunk.inputs)]
+    out = executable(chunk.paired, chunk.gm, autocast=ctx.reduced)(args)
+    half = len(out) // 2
+    for act, res in ((a, out[:half]), (b, out[half:])):
+        _keep_outputs(chunk, (act.chunk, act.microbatch), res, ctx)
+
+
+def _keep_outputs(chunk, key, out, ctx: StepContext) -> None:
     if chunk.is_last:
         ctx.losses.append(out[0].detach())
         if len(out) > 1:
@@ -320,6 +401,25 @@ def _forward(action, ctx: StepContext) -> None:
         ctx.outs[key] = (out[0] * ctx.loss_scale,)
     else:
         ctx.outs[key] = tuple(out)
+
+
+def _backward_pair(a, b, ctx: StepContext) -> None:
+    """Both backwards in one autograd pass: autograd interleaves them as the forward did, each
+    all-to-all's gradient posted by ep_wait's backward and waited on by its start's."""
+    chunk = ctx.chunks[a.chunk]
+    outputs, grads = [], []
+    for act in (a, b):
+        o, g = _output_pairs(chunk, (act.chunk, act.microbatch), ctx)
+        outputs += o
+        grads += g if g is not None else [None] * len(o)
+    if outputs:
+        torch.autograd.backward(outputs, grads if any(g is not None for g in grads) else None)
+    for act in (a, b):
+        key = (act.chunk, act.microbatch)
+        received = ctx.acts.pop(key, [])
+        if act.chunk > 0:
+            ctx.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                                  for t in received]
 
 
 def _backward(action, ctx: StepContext) -> None:

@@ -68,7 +68,8 @@ ABORT_EXIT_CODE = 134                       # what SIGABRT (NCCL's watchdog) giv
 CTRL_TAG = 0x6E63                           # "my receive is posted": the stream's own messages
 # the process group's methods behind the collectives the runtime posts with async_op=True
 # (runtime/buckets.py, runtime/sharding.py, runtime/param_shards.py)
-ASYNC_COLLECTIVES = ("allreduce", "all_gather_single", "reduce_scatter_single")
+ASYNC_COLLECTIVES = ("allreduce", "all_gather_single", "reduce_scatter_single",
+                     "all_to_all_single")  # the last: the experts' (autopart/ops/ep_async.py)
 
 TORCH_BATCH_ISEND_IRECV = c10d.batch_isend_irecv    # torch's own, whatever is installed later
 errors: list[str] = []          # transfers and collectives that failed; wait() returned anyway
@@ -408,15 +409,15 @@ def _stream_ordered(torch_method):
     caller's output is poisoned until it is waited on."""
     def collective(group, *args):
         opts = args[-1] if args else None
-        if not getattr(opts, "asyncOp", False) or len(args) not in (2, 3):
+        if not getattr(opts, "asyncOp", False) or len(args) not in (2, 3, 5):
             return torch_method(group, *args)
         if len(args) == 2:          # allreduce([tensor, ...], opts), in place
             users = list(args[0])
             privates = [t.clone() for t in users]
             work = torch_method(group, privates, opts)
-        else:                       # (output, input, opts): the input may hold the output
+        else:                       # (output, input, [alltoall's split sizes,] opts)
             users, privates = [args[0]], [torch.empty_like(args[0])]
-            work = torch_method(group, privates[0], args[1].clone(), opts)
+            work = torch_method(group, privates[0], args[1].clone(), *args[2:])
         for t in users:
             poison(t)
         stats["collectives"] += 1
