@@ -56,6 +56,9 @@ PACKED_2 = [
     Case("packed-cp2-ring", model="cp-packed", cp=2, **SEQ),
     Case("packed-cp2-allgather-ignored", model="cp-packed", cp=2, cp_attention="allgather",
          ignored="uneven", **SEQ),
+    # a window of 5, documents and a key padding input in one hand-written core (PackedWindowLM;
+    # the rest of its cases at the end of this file)
+    Case("packed-window-hand-cp2-ring", model="cp-packed-window-hand", cp=2, **SEQ),
 ]
 PACKED_FULL_2 = [      # on the other axes (no cp: SDPA with the document mask as written)
     Case("packed-tp2", model="cp-packed", tp=2, **SEQ),
@@ -459,3 +462,55 @@ def test_explain_and_json_name_the_proved_islands():
     assert "sort" in islands and any(n.startswith("index") for n in islands)
     assert "proved per-token by running them on each rank's chunks" in c.explain()
     assert "prove_token_islands" in [p.name for p in c.passes]
+
+
+# -- a sliding window, packed documents and padding in one core ----------------------------------
+
+WINDOW_DOCS = dict(batch=4, seq=32)
+# tests/workers/cp.py PackedWindowLM: window 5 over chunks of 8 (cp=2) or 4 (cp=4), documents of
+# random lengths, the last row's tail padding (id -1, labels -100); "-hand": a hand-written core
+# masked by the window's buffer, other documents' keys and a (batch, seq) key padding input
+# (packed-window-hand-cp2-ring, in the fast tier, runs in PACKED_2's spawn)
+PACKED_WINDOW_FULL_2 = [
+    # sgd: the k bias's gradient is 0 up to round-off (softmax ignores a shift of the scores),
+    # which Adam scales up to a step of noise (as for the padded models above)
+    Case("packed-window-hand-cp2-allgather", model="cp-packed-window-hand", cp=2,
+         cp_attention="allgather", **WINDOW_DOCS),
+    Case("packed-window-sdpa-cp2-ring", model="cp-packed-window", cp=2, **WINDOW_DOCS),
+    Case("packed-window-sdpa-cp2-allgather", model="cp-packed-window", cp=2,
+         cp_attention="allgather", **WINDOW_DOCS),
+]
+PACKED_WINDOW_FULL_4 = [
+    Case("packed-window-hand-cp4-ring", model="cp-packed-window-hand", cp=4, **WINDOW_DOCS),
+    Case("packed-window-hand-cp4-allgather", model="cp-packed-window-hand", cp=4,
+         cp_attention="allgather", **WINDOW_DOCS),
+    Case("packed-window-sdpa-cp2xdp2-ring", model="cp-packed-window", cp=2, dp=2,
+         **WINDOW_DOCS),
+]
+WINDOW_DOCS_GROUPS = {("cp-packed-window-full", 2): PACKED_WINDOW_FULL_2,
+                      ("cp-packed-window-full", 4): PACKED_WINDOW_FULL_4}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c.name, marks=[pytest.mark.full])
+    for cases in WINDOW_DOCS_GROUPS.values() for c in cases])
+def test_window_documents_and_padding_in_one_core_match_plain_model(case: Case, spawn_cache):
+    """Each core's mask proved a window of 5 with the documents' ids (and the key padding
+    input for the hand-written core) and all applied per block; every step's loss, the first
+    step's gradients, the clipped norm and the parameters equal to the plain model's."""
+    key = next(k for k, cases in WINDOW_DOCS_GROUPS.items() if case in cases)
+    results = run_group(spawn_cache, key, WINDOW_DOCS_GROUPS[key], rank_fn=run_cp_cases)
+    assert_all_ranks_equal_plain(case, results[case.name])
+
+
+def test_window_documents_and_padding_are_proved_in_one_core():
+    """The hand-written core's three masks: a window of 5 keys, `doc` as documents' ids and
+    `keep` as key padding, all handed to one kernel call per core (before: only two at once
+    were tested)."""
+    from tests.workers.common import build
+    model, loss_fn, inputs, y = build(Case("c", model="cp-packed-window-hand", batch=2, seq=32))
+    c = autopart.compile(model, autopart.Mesh(cp=2), inputs, loss_fn=loss_fn, target=y)
+    assert c.program.cp.cores == (("matmul_1", "window 5"), ("matmul_3", "window 5"))
+    assert c.program.cp.documents == ("doc",)
+    assert c.programs[0].code.count("cp_comm, True, 0.35355339059327373, keep, doc, "
+                                    "window = 5)") == 2, c.programs[0].code

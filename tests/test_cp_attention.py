@@ -478,3 +478,115 @@ def test_window_blocks_match_masked_sdpa_and_skip_hidden_ones(op, window, fused,
     skipped = {1: 1, 3: 0, 12: 0, 40: 0}[window] if op == "ring" else None
     if skipped is not None:          # the count the dense mask gives, written out
         assert len(blocks["forward"]) == 3 - skipped
+
+
+# -- a sliding window, packed documents and padded keys together --------------------------------
+
+# a window, documents and padded keys at once: the masks are _wdp_masks' (with _keep's and
+# _docs' patterns together some queries would see no key)
+WDP = [Case(f"{op}-window{w}-docs-padded-cp{cp}", op, True, cp, kv_heads=2, seq=8 * cp,
+            window=w) for cp in (2, 4) for op in OPS for w in (3, 6)]
+
+
+def _wdp_masks(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(doc, keep), each (batch 2, n): row 0 three documents across chunk boundaries, two keys
+    padded just after the second starts; row 1 two documents, then padding (id -1) over the
+    last half, a key padded in each. Ids increase along a row and the tail starts at a chunk
+    boundary, so two chunks' id ranges meet exactly where they share a document."""
+    a, b = 3 * n // 8, n // 8 + 1
+    doc = torch.tensor([[0] * a + [1] * (a + 1) + [2] * (n - 2 * a - 1),
+                        [3] * b + [4] * (n // 2 - b) + [-1] * (n // 2)])
+    keep = torch.ones(2, n, dtype=torch.bool)
+    keep[0, a + 1: a + 3] = False
+    keep[1, [b + 1, n // 2 + 2]] = False
+    return doc, keep
+
+
+def _wdp_dense(case: Case, with_keep: bool = True) -> torch.Tensor:
+    """The (batch, 1, seq, seq) boolean mask SDPA gets: causal window & documents (& keep)."""
+    doc, keep = _wdp_masks(case.seq)
+    mask = _window_mask(case.seq, True, case.window)[None, None] & \
+        (doc[:, :, None] == doc[:, None, :])[:, None]
+    return mask & keep[:, None, None, :] if with_keep else mask
+
+
+def _wdp_run(rank: int, world: int, cases: list) -> dict:
+    """Rank function: each case's local output and gradients and the blocks it computed."""
+    import torch.distributed as dist
+    results, blocks = {}, {"forward": [], "backward": []}
+    _counting(blocks)
+    for case in cases:
+        comm = CPComm(world, rank).bind(dist.group.WORLD, rank)
+        q, k, v, dout = (shard_sequence(t, 2, world, rank) for t in _inputs(case))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        doc, keep = (shard_sequence(t, 1, world, rank) for t in _wdp_masks(case.seq))
+        blocks["forward"].clear()
+        blocks["backward"].clear()
+        out = OPS[case.op](q, k, v, comm, True, key_mask=keep, doc_ids=doc, window=case.window)
+        out.backward(dout)
+        results[case.name] = dict(members=tuple(range(world)), cp_rank=rank, out=out.detach(),
+                                  dq=q.grad, dk=k.grad, dv=v.grad,
+                                  blocks={w: list(b) for w, b in blocks.items()})
+    return results
+
+
+def _wdp_expected_blocks(case: Case, rank: int) -> dict:
+    """The (queries, keys) of the blocks rank `rank` must compute, from the dense masks alone:
+    ring, each (own query chunk, key chunk) pair in which causal & window & documents leave a
+    key visible in some row (padding hides keys but skips no block); all-gather, per own query
+    chunk, keys from the later of the first key chunk its documents reach and the first key its
+    window reaches, to its own chunk's end."""
+    cp, n = case.world, case.seq
+    c = n // (2 * cp)
+    seen = _wdp_dense(case, with_keep=False).any(0)[0]          # (n, n), any row
+    same_doc = _wdp_dense(Case("", case.op, True, cp, seq=n, window=n + 1),
+                          with_keep=False).any(0)[0]
+    mine = load_balanced_indices(n, cp, rank).view(2, c)
+    if case.op == "allgather":
+        spans = []
+        for rows in mine:
+            first_doc = int(same_doc[rows].any(0).nonzero()[0]) // c * c
+            lo = max(first_doc, int(rows[0]) - case.window + 1, 0)
+            spans.append((c, int(rows[-1]) + 1 - lo))
+        return {"forward": spans, "backward": spans}
+    pairs = [(c, c) for step in range(cp) for rows in mine
+             for cols in load_balanced_indices(n, cp, (rank - step) % cp).view(2, c)
+             if seen[rows][:, cols].any()]
+    return {"forward": pairs, "backward": pairs}
+
+
+@pytest.mark.full                # two spawns, about 2 minutes on this machine
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", WDP, ids=lambda c: c.name)
+def test_window_documents_and_padding_together_match_sdpa(spawn_cache, case):
+    """The three masks at once against plain SDPA over the whole sequence with the dense mask
+    (float64: output and dq, dk, dv), at cp=2 (chunks of 4) and cp=4, window 3 (shorter than a
+    chunk) and 6 (across chunks); each rank's computed blocks, forward and backward, counted
+    against the blocks the dense mask leaves a key visible in (ring) or the span its documents
+    and window reach (all-gather). Every query sees a key (checked): no NaN in SDPA either."""
+    from autopart.runtime.launch import spawn
+    assert bool(_wdp_dense(case).any(-1).all()), "setup: a query that sees no key"
+    key = ("cp_attention_wdp", case.world)
+    cases = [c for c in WDP if c.world == case.world]
+    if key not in spawn_cache:
+        try:
+            spawn_cache[key] = spawn(_wdp_run, case.world, cases, timeout=SPAWN_TIMEOUT,
+                                     pg_timeout=PG_TIMEOUT)
+        except Exception as e:  # noqa: BLE001  (every test of the spawn reports it)
+            spawn_cache[key] = e
+    if isinstance(spawn_cache[key], Exception):
+        raise spawn_cache[key]
+    per_rank = [r[case.name] for r in spawn_cache[key]]
+    q, k, v, dout = (t.requires_grad_() for t in _inputs(case))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=_wdp_dense(case), enable_gqa=True)
+    want = dict(zip(("out", "dq", "dk", "dv"),
+                    (ref.detach(), *torch.autograd.grad(ref, (q, k, v), dout))))
+    mine = sorted(per_rank, key=lambda r: r["cp_rank"])
+    for what in ("out", "dq", "dk", "dv"):
+        got = unshard_sequence([r[what] for r in mine], 2, case.world)
+        assert torch.isfinite(got).all(), what
+        torch.testing.assert_close(got, want[what], rtol=1e-9, atol=1e-9,
+                                   msg=lambda m: f"{case.name} {what}: {m}")
+    for r in mine:
+        assert r["blocks"] == _wdp_expected_blocks(case, r["cp_rank"]), \
+            (case.name, r["cp_rank"], r["blocks"])

@@ -311,3 +311,64 @@ def reused_document_id(rank: int, world: int) -> dict:
     except AutopartError as e:
         refused = str(e)
     return {"rank": rank, "refused": refused, "loss": float(pm.train_step(x, doc, pos, target=y))}
+
+
+class PackedWindowLM(nn.Module):
+    """A sliding window, packed documents and padding in one attention core: each query sees
+    the last `window` keys of its own document, padding aside. `hand=False`: (ids, doc, pos),
+    SDPA with one boolean mask of the documents and the window, the padded tail a document of
+    its own (id -1). `hand=True`: (ids, doc, pos, keep), a hand-written core masked three
+    times (masked_fill of the banded buffer, of other documents' keys, of the keys `keep`
+    marks as padding), so that the pass proves a window, a document mask and a key padding
+    mask in one core. Padding labels are -100."""
+
+    def __init__(self, hand: bool, window: int = 5, vocab: int = 96, d: int = 32,
+                 block: int = 64):
+        super().__init__()
+        self.hand, self.tok, self.pos = hand, nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.register_buffer("band", torch.ones(block, block).tril().triu(-(window - 1)))
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(2))
+        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, doc, pos, keep=None):
+        b, t = idx.shape
+        x = self.tok(idx) + self.pos(pos)
+        band = self.band[:t, :t] != 0
+        other = (doc[:, :, None] != doc[:, None, :])[:, None]
+        for qkv, proj in zip(self.qkv, self.proj):
+            q, k, v = (z.view(b, t, 4, -1).transpose(1, 2) for z in qkv(x).chunk(3, -1))
+            if self.hand:
+                att = (q @ k.transpose(-2, -1)) / (q.shape[-1] ** 0.5)
+                att = att.masked_fill(~band, float("-inf")).masked_fill(other, float("-inf"))
+                att = att.masked_fill(keep[:, None, None, :] == 0, float("-inf"))
+                y = att.softmax(-1) @ v
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=band & ~other)
+            x = x + proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.head(x)
+
+
+def _packed_window(hand: bool):
+    """Rows packed as cp-packed's (packed_batch: row 0 one document, the last row's tail
+    padding, id -1, labels -100); a window of 5 keys over chunks of 8 at cp=2 (blocks hidden
+    by it). `hand`: `keep` also marks a padded run of 3 keys right after the first token of
+    row 0 (labels -100): the later queries of that document must not see them, and each padded
+    query still sees the document's first token (no row of the softmax empty: NaN)."""
+    def build(case, seed, device):
+        torch.manual_seed(seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randint(0, 96, (case.batch, case.seq), generator=g)
+        doc, pos = packed_batch(case.batch, case.seq, g)
+        keep = torch.ones_like(doc)
+        keep[0, 1:4] = 0
+        y = torch.randint(0, 96, (case.batch, case.seq), generator=g)
+        y = y.masked_fill((doc < 0) | (keep == 0), -100)
+        inputs = (x, doc, pos, keep) if hand else (x, doc, pos)
+        return PackedWindowLM(hand).to(device), _token_loss, \
+            tuple(t.to(device) for t in inputs), y.to(device)
+    return build
+
+
+FAMILIES.setdefault("cp-packed-window", _packed_window(False))
+FAMILIES.setdefault("cp-packed-window-hand", _packed_window(True))
