@@ -85,7 +85,7 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
         # precision="fp8": the emitted chunks' linears as FP8 GEMMs (the cut and costs are the
         # bf16 program's); before split_backward, which traces the final chunks
         *([Pass("fp8_linears", fp8_linears, requires=("chunks",), provides=("fp8",),
-                options=dict(scaling=c.fp8_scaling, layers=c.fp8_linears))]
+                options=dict(scaling=c.fp8_scaling, layers=c.fp8_linears, zero=c.zero))]
           if c.precision == "fp8" else []),
         # after emit: it rewrites the emitted chunks, and its memory model needs the cut and
         # costs; only when asked (a recompute mode, or a budget to check)

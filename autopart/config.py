@@ -248,8 +248,10 @@ def check_fp8(cfg: Config, mesh) -> None:
     untested = [what for what, on in (
         (f"cp={mesh.cp} (context parallelism)", mesh.cp > 1),
         (f"ep={mesh.ep} (expert parallelism: the experts' matmuls are not FP8)", mesh.ep > 1),
-        ("zero=3 (its all-gathers move the fp32 slices; FP8 needs them cast with the whole "
-         "weight's scale before the gather: zero=2 keeps the weights whole)", cfg.zero == 3),
+        ("zero=3 with fp8_scaling='rowwise' (the weight is cast per row in forward and per "
+         "column for the input gradient: two FP8 casts, which one gathered weight cannot "
+         "carry; tensorwise casts before the gather)",
+         cfg.zero == 3 and cfg.fp8_scaling == "rowwise"),
         ("sequence_parallel=True with fp8_scaling='rowwise' (the gathered input's token "
          "columns would need a second, bf16 gather)",
          cfg.sequence_parallel and cfg.fp8_scaling == "rowwise"),
@@ -258,5 +260,5 @@ def check_fp8(cfg: Config, mesh) -> None:
         raise AutopartError(
             f"precision='fp8' is not supported with {', '.join(untested)}: no test holds FP8 "
             "to its recipe there.\n  remedy: precision='bf16' with these options, or "
-            "precision='fp8' without them (pp, tp, dp, zero=1/2, recompute and tensorwise "
-            "sequence_parallel are held to its recipe)")
+            "precision='fp8' without them (pp, tp, dp, zero=1/2, recompute, and under "
+            "tensorwise scaling sequence_parallel and zero=3, are held to its recipe)")

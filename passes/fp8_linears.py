@@ -16,7 +16,9 @@ fp8_linears="all" converts every linear found. The recipe (tensorwise or rowwise
 autopart/ops/fp8.py's; under tensor parallelism each linear learns from the tp plan which of its
 dims is split, to reduce those amaxes over tp; the weights' amaxes of a whole chunk are reduced
 in one all-reduce at its start (batch_weight_amaxes), the activations' per linear (each comes
-from the linear before it: no two exist at once).
+from the linear before it: no two exist at once). Under zero=3 a weight exists whole only once
+gathered, so there is no batch: a weight read only by FP8 linears is cast to e4m3 before its
+all-gather, its amax reduced by the gather (runtime/param_shards.py, autopart/ops/fp8.py).
 """
 from __future__ import annotations
 
@@ -39,8 +41,11 @@ MIN_FEATURES = 32       # a smaller GEMM is launch-bound: the casts cost more th
 ALIGN = 16              # torch._scaled_mm on CUDA needs both weight sides a multiple of 16
 
 
-def fp8_linears(program: Program, *, scaling: str = "tensorwise", layers: str = "auto"):
-    """Return (program with every chunk's chosen linears as FP8 ops and .fp8, report)."""
+def fp8_linears(program: Program, *, scaling: str = "tensorwise", layers: str = "auto",
+                zero: int = 0):
+    """Return (program with every chunk's chosen linears as FP8 ops and .fp8, report). Under
+    zero=3 the weights' amaxes are not batched at a chunk's start (their values exist only
+    gathered): the runtime's gather reduces them (runtime/param_shards.py), else each linear."""
     found = {n.name: ops for n in program.gm.graph.nodes
              if (ops := operands(n, program.params)) is not None}
     kept = kept_in_bf16(program, found) if layers == "auto" else {}
@@ -50,7 +55,8 @@ def fp8_linears(program: Program, *, scaling: str = "tensorwise", layers: str = 
         if name not in kept:
             plan.converted[name] = (tp is not None and name in tp.row,
                                     tp is not None and name in tp.column)
-    chunks = tuple(_rewrite_chunk(c, plan, program.params) for c in program.chunks)
+    chunks = tuple(_rewrite_chunk(c, plan, program.params, batch=zero != 3)
+                   for c in program.chunks)
     report = {"scaling": scaling, "layers": layers, "fp8": sorted(plan.converted),
               "bf16": dict(sorted(kept.items()))}
     return program.replace(chunks=chunks, fp8=plan), report
@@ -113,7 +119,7 @@ def _without_linear(order: list, found: dict, neighbours) -> set[str]:
     return out
 
 
-def _rewrite_chunk(chunk: ChunkProgram, plan: Fp8Plan, params) -> ChunkProgram:
+def _rewrite_chunk(chunk: ChunkProgram, plan: Fp8Plan, params, batch: bool) -> ChunkProgram:
     mine = [n for n in chunk.gm.graph.nodes if n.name in plan.converted]
     if not mine:
         return chunk
@@ -144,7 +150,7 @@ def _rewrite_chunk(chunk: ChunkProgram, plan: Fp8Plan, params) -> ChunkProgram:
                 graph.erase_node(a)
         if k_split or n_split:
             split.append(new)
-    if split:
+    if split and batch:
         batch_weight_amaxes(graph, split, plan.scaling, comm)
     graph.lint()
     return dataclasses.replace(chunk, gm=graph_module(chunk.gm, graph,

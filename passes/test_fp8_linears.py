@@ -219,7 +219,8 @@ def test_zero_bubble_splits_the_fp8_backward_bitwise():
 
 @pytest.mark.parametrize("kw, named", [
     (dict(mesh=autopart.Mesh(cp=2)), "cp=2"),
-    (dict(zero=3, mesh=autopart.Mesh(dp=2)), "zero=3"),
+    (dict(config=autopart.Config(precision="fp8", fp8_scaling="rowwise", zero=3),
+          mesh=autopart.Mesh(dp=2)), "zero=3 with fp8_scaling='rowwise'"),
     (dict(config=autopart.Config(precision="fp8", fp8_scaling="rowwise",
                                  sequence_parallel=True), mesh=autopart.Mesh(tp=2)),
      "sequence_parallel=True with fp8_scaling='rowwise'"),

@@ -19,6 +19,17 @@ Under precision="bf16" the all-gather moves bf16 for the parameters read only by
 autocast runs in bf16 (matmuls, convolutions, attention: the bf16 rounding of the fp32 slice is
 what they compute with anyway), fp32 for the others (norms, embeddings: the bf16 recipe reads
 them in fp32). FSDP2's MixedPrecisionPolicy casts every parameter: a recipe of its own.
+
+Under precision="fp8" (tensorwise) the weights read only as FP8 linears' weights
+(passes/fp8_linears.gathered_in_fp8) are cast before their all-gather: each rank takes the amax
+of its own slices, one max all-reduce over the replicas (and, for a tensor-parallel shard, one
+over tp) of every such weight of the gathered run gives the whole weight's amax, each rank casts
+its slices to e4m3 with that scale (autopart/ops/fp8.py's, bitwise the recipe's cast of the whole
+weight: the cast is elementwise, the scale global) and the all-gather moves the FP8 bytes, 1 an
+element. The parameter then holds a full-shaped fp32 tensor with no storage (autograd's input,
+whose gradient it takes: nothing reads its values) and the FP8 op reads the e4m3 weight and its
+scale from here (`fp8_weight`), in forward and again in backward (re-gathered, to the same bits:
+the slices change only at the optimizer step).
 """
 from __future__ import annotations
 
@@ -27,21 +38,29 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from autopart.ops import fp8 as fp8_ops
+
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+FULL, REDUCED, FP8 = 0, 1, 2        # how a parameter is all-gathered (ShardedParameters._kind)
 
 
 class ShardedParameters:
     """The zero=3 parameters of `layouts` (ShardLayouts): their slices, and which are held."""
 
     def __init__(self, layouts, gather_dtype: torch.dtype | None = None, filled: bool = True,
-                 reduced: set[int] | None = None):
+                 reduced: set[int] | None = None, fp8: dict | None = None):
         """`filled`: the parameters hold values to slice (a model built on a real device); a
         meta model's parameters are allocated but unfilled, never read (their pages are never
         touched: reading them would commit the whole rank share once), and the store starts
         empty for a load or an init to write (`writers`). `gather_dtype` applies to the
-        parameters in `reduced` (ids) only: those read only by ops autocast runs in it."""
+        parameters in `reduced` (ids) only: those read only by ops autocast runs in it. `fp8`:
+        id -> the tp group (TPComm, or None) of the weights gathered in FP8 (module docstring)."""
         self.layouts, self.gather_dtype = list(layouts), gather_dtype
         self.reduced = reduced if reduced is not None else set()
+        self.fp8 = fp8 if fp8 is not None else {}
+        self.fp8_on = True                 # off: gathered() fills the fp32 values
+        self.fp8_held: dict[int, tuple] = {}    # id(p) -> (its whole e4m3 weight, scale)
+        self.fp8_data: dict[int, torch.Tensor] = {}     # id(p) -> its e4m3 tensor (reused)
         self.where = {id(p): (lay, i) for lay in self.layouts for i, p in enumerate(lay.params)}
         self.data = {id(lay): [p.data for p in lay.params] for lay in self.layouts}   # full
         self.held: set[int] = set()        # ids of parameters whose storage holds full values
@@ -58,6 +77,8 @@ class ShardedParameters:
                                    for i, (lo, hi) in enumerate(map(lay.own, range(len(lay.params))))]
         self.held = {id(p) for lay in self.layouts for p in lay.params}
         self.release(p for lay in self.layouts for p in lay.params)
+        fp8_ops.hold_in_fp8([p for lay in self.layouts for p in lay.params if id(p) in self.fp8],
+                            self)
 
     # -- the programs' ops -------------------------------------------------------------------
     def gather(self, params, next_group=None) -> None:
@@ -78,11 +99,17 @@ class ShardedParameters:
             if id(p) in self.pending:
                 self._finish({id(p): self.pending.pop(id(p))})
             self.held.discard(id(p))
+            if self.fp8_held.pop(id(p), None) is not None:
+                self.fp8_data[id(p)].untyped_storage().resize_(0)
             lay, i = self.where[id(p)]
             full = self.data[id(lay)][i]
             p.data = self.views[id(lay)][i]
             if _releasable(full):
                 full.untyped_storage().resize_(0)
+
+    def fp8_weight(self, p: torch.Tensor) -> tuple | None:
+        """(p's whole weight in e4m3, its scale) while p is gathered in FP8, else None."""
+        return self.fp8_held.get(id(p))
 
     def settle(self) -> None:
         """Wait for every prefetch still posted."""
@@ -117,12 +144,18 @@ class ShardedParameters:
     # -- outside the step --------------------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self):
-        """Every parameter full for the block (collective): a state dict, a save."""
-        self.gather([p for lay in self.layouts for p in lay.params])
+        """Every parameter full for the block (collective): a state dict, a save; in fp32 (those
+        held in FP8 are released first, then gathered in fp32)."""
+        every = [p for lay in self.layouts for p in lay.params]
+        self.release([p for p in every if id(p) in self.fp8_held or
+                      (id(p) in self.fp8 and id(p) in self.pending)])
+        self.fp8_on = False
         try:
+            self.gather(every)
             yield
         finally:
-            self.release(p for lay in self.layouts for p in lay.params)
+            self.release(every)
+            self.fp8_on = True
 
     @contextlib.contextmanager
     def filling(self):
@@ -157,25 +190,60 @@ class ShardedParameters:
 
     # -- the all-gathers -----------------------------------------------------------------------
     def _post(self, params) -> dict[int, tuple]:
-        """Post the all-gathers of `params`: one per run of neighbours in a layout's slice."""
+        """Post the all-gathers of `params`: one per run of neighbours in a layout's slice
+        gathered in one dtype (FP8 weights first max-all-reduce their amaxes, in one batch)."""
         posted: dict[int, tuple] = {}
         by_layout: dict[int, list[int]] = {}
         for p in params:
             lay, i = self.where[id(p)]
             by_layout.setdefault(id(lay), []).append(i)
         for lay in self.layouts:
-            low = [id(q) in self.reduced for q in lay.params]
-            for first, last in _runs(sorted(set(by_layout.get(id(lay), ()))), low):
-                entry = self._post_run(lay, first, last, low[first])
+            kinds = [self._kind(q) for q in lay.params]
+            runs = _runs(sorted(set(by_layout.get(id(lay), ()))), kinds)
+            scales = self._fp8_scales(lay, [i for first, last in runs if kinds[first] == FP8
+                                            for i in range(first, last)])
+            for first, last in runs:
+                entry = self._post_run(lay, first, last, kinds[first], scales)
                 for i in range(first, last):
                     posted[id(lay.params[i])] = entry
         self.pending.update(posted)
         return posted
 
-    def _post_run(self, lay, first: int, last: int, low: bool) -> tuple:
+    def _kind(self, p) -> int:
+        """How p is gathered: FP8 (cast first), REDUCED (in gather_dtype, if any) or FULL."""
+        if id(p) in self.fp8 and self.fp8_on:
+            return FP8
+        return REDUCED if id(p) in self.reduced else FULL
+
+    def _fp8_scales(self, lay, indices: list[int]) -> dict[int, torch.Tensor]:
+        """Parameter index -> the e4m3 scale of its whole weight: the amaxes of this rank's
+        slices, max-all-reduced over the replicas in one collective, then those of tp shards
+        over their tp group (one per group), as the recipe's amax of the whole tensor."""
+        if not indices:
+            return {}
+        with torch.no_grad():
+            local = torch.stack([lay.store[lay.offsets[i]:lay.offsets[i + 1]].abs().amax()
+                                 .float() for i in indices])
+        if lay.group is not None:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=lay.group)
+        amax = dict(zip(indices, local))
+        by_comm: dict[int, tuple] = {}
+        for i in indices:
+            comm = self.fp8[id(lay.params[i])]
+            if comm is not None:
+                by_comm.setdefault(id(comm), (comm, []))[1].append(i)
+        for comm, shared in by_comm.values():
+            amax.update(zip(shared, fp8_ops.max_over_tp([amax[i] for i in shared], comm)))
+        return {i: fp8_ops.amax_to_scale(a, fp8_ops.E4M3, False) for i, a in amax.items()}
+
+    def _post_run(self, lay, first: int, last: int, kind: int, scales: dict) -> tuple:
         s, e = lay.offsets[first], lay.offsets[last]
         piece = lay.store[s:e]
-        if low and self.gather_dtype is not None and piece.is_floating_point():
+        if kind == FP8:     # each parameter's slice with its whole weight's scale, as bytes
+            piece = torch.cat([fp8_ops.to_fp8(lay.store[lay.offsets[i]:lay.offsets[i + 1]],
+                                              scales[i], fp8_ops.E4M3).view(torch.uint8)
+                               for i in range(first, last)])
+        elif kind == REDUCED and self.gather_dtype is not None and piece.is_floating_point():
             piece = piece.to(self.gather_dtype)
         full = torch.empty(lay.size * (e - s), dtype=piece.dtype, device=piece.device)
         work = None
@@ -184,25 +252,43 @@ class ShardedParameters:
         else:
             work = _all_gather_into(full, piece.contiguous(), group=lay.group, async_op=True)
         self.gathers += 1
-        return (lay, first, last, full, work)
+        return (lay, first, last, full, work, scales if kind == FP8 else None)
 
     def _finish(self, posted: dict[int, tuple]) -> None:
-        """Wait for posted all-gathers and write every replica's slices into the parameters."""
+        """Wait for posted all-gathers and write every replica's slices into the parameters
+        (an FP8 run: into their e4m3 weights; the parameters get full shapes, no storage)."""
         for entry in {id(e): e for e in posted.values()}.values():
-            lay, first, last, full, work = entry
+            lay, first, last, full, work, scales = entry
             if work is not None:
                 work.wait()
             s, n = lay.offsets[first], lay.offsets[last] - lay.offsets[first]
             data = self.data[id(lay)]
+            into = data if scales is None else self._fp8_targets(lay, first, last)
+            if scales is not None:
+                full = full.view(fp8_ops.E4M3)
             for i in range(first, last):
-                _allocate(data[i])
+                _allocate(into[i])
             with torch.no_grad():
                 for k in range(lay.size):
-                    lay.write(full[k * n:(k + 1) * n], k, s, data)
+                    lay.write(full[k * n:(k + 1) * n], k, s, into)
             for i in range(first, last):
-                lay.params[i].data = data[i]
-                self.pending.pop(id(lay.params[i]), None)
-                self.held.add(id(lay.params[i]))
+                p = lay.params[i]
+                p.data = data[i]
+                if scales is not None:
+                    self.fp8_held[id(p)] = (into[i], scales[i])
+                self.pending.pop(id(p), None)
+                self.held.add(id(p))
+
+    def _fp8_targets(self, lay, first: int, last: int) -> list:
+        """Per parameter of the layout, its e4m3 tensor for [first, last) (None elsewhere)."""
+        out = [None] * len(lay.params)
+        for i in range(first, last):
+            p = lay.params[i]
+            if id(p) not in self.fp8_data:
+                self.fp8_data[id(p)] = torch.empty(lay.shapes[i], dtype=fp8_ops.E4M3,
+                                                   device=lay.device)
+            out[i] = self.fp8_data[id(p)]
+        return out
 
 
 class SliceWriter:
@@ -235,7 +321,7 @@ def shard_parameters(layouts, chunks, precision: str, filled: bool = True) -> Sh
                if isinstance(getattr(c.gm, "param_shards", None), ParamShards)
                for name in c.gm.param_shards.reduced}
     sharded = ShardedParameters(layouts, torch.bfloat16 if precision == "bf16" else None, filled,
-                                reduced)
+                                reduced, _fp8_weights(chunks) if precision == "fp8" else {})
     for chunk in chunks:
         shards = getattr(chunk.gm, "param_shards", None)
         if isinstance(shards, ParamShards):
@@ -245,17 +331,29 @@ def shard_parameters(layouts, chunks, precision: str, filled: bool = True) -> Sh
     return sharded
 
 
+def _fp8_weights(chunks) -> dict[int, object]:
+    """id(parameter) -> its tp group (TPComm, None: whole over tp) for the parameters every
+    chunk reads only as tensorwise FP8 linears' weights (autopart/ops/fp8.gathered_in_fp8)."""
+    fp8, other = {}, set()
+    for chunk in chunks:
+        found, read = fp8_ops.gathered_in_fp8(chunk.gm)
+        for name, comm in found.items():
+            fp8[id(_attr(chunk.gm, name))] = None if comm is None else _attr(chunk.gm, comm)
+        other |= {id(_attr(chunk.gm, name)) for name in read}
+    return {k: v for k, v in fp8.items() if k not in other}
+
+
 def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
     owner, _, leaf = target.rpartition(".")
     return getattr(module.get_submodule(owner), leaf)
 
 
-def _runs(indices: list[int], low: list[bool]) -> list[tuple[int, int]]:
-    """[first, last) ranges of consecutive `indices` (sorted) whose `low` (gathered in the
-    reduced precision or not) is the same: one all-gather moves one dtype."""
+def _runs(indices: list[int], kinds: list[int]) -> list[tuple[int, int]]:
+    """[first, last) ranges of consecutive `indices` (sorted) whose `kinds` (how they are
+    gathered: FULL, REDUCED, FP8) are the same: one all-gather moves one dtype."""
     out: list[tuple[int, int]] = []
     for i in indices:
-        if out and out[-1][1] == i and low[out[-1][0]] == low[i]:
+        if out and out[-1][1] == i and kinds[out[-1][0]] == kinds[i]:
             out[-1] = (out[-1][0], i + 1)
         else:
             out.append((i, i + 1))

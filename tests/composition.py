@@ -66,7 +66,7 @@ def refusal(values: dict) -> tuple[str, ...]:
     it must train like the plain model)."""
     fp8_refused = [named for named, on in (
         (f"cp={values['cp']}", values["cp"] > 1), (f"ep={values['ep']}", values["ep"] > 1),
-        ("zero=3", values["zero"] == 3), ("compile=True", values["compile"])) if on]
+        ("compile=True", values["compile"])) if on]     # zero=3: tensorwise FP8 gathers
     if values["precision"] == "fp8" and fp8_refused and not (
             values["zero"] == 3 and values["schedule"] in SPLIT_BACKWARD):   # refused first
         # FP8 is not held to its recipe there (autopart/config.py's check_fp8 names them

@@ -38,11 +38,20 @@ chunk in one all-reduce at its start (fp8_weight_amaxes_tp) and hands each linea
 forward; the gradient's when n_split, in backward). Each linear takes exactly one weight amax
 over tp: tensorwise the whole tensor's (forward; backward reuses its scale), rowwise the rows'
 over K when k_split (forward) or the columns' over N when n_split (the input-gradient GEMM).
+
+Under zero=3 (tensorwise) a weight read only by FP8 linears (gathered_in_fp8) is cast before
+its all-gather: runtime/param_shards.py max-all-reduces the slices' amaxes (over the replicas,
+then over tp for a shard), casts each slice with the whole weight's scale and gathers the e4m3
+bytes; the linear then reads that weight and scale (`hold_in_fp8`'s owner) in place of casting
+w, in forward and, re-gathered, in backward (the recipe's "forward's e4m3 w": the same bits).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopart.ops import tp as tp_ops
 from autopart.ops.registry import register
@@ -73,6 +82,35 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype):
                                 out_dtype=out_dtype)
 
 
+# zero=3: parameter -> the runtime's ShardedParameters that gathers it in FP8 (hold_in_fp8)
+_HELD = WeakIdKeyDictionary()
+
+
+def hold_in_fp8(params, owner) -> None:
+    """The FP8 linears read `params`' weights from `owner.fp8_weight(p)` ((e4m3 weight, scale),
+    or None while not gathered in FP8: then they cast w as usual)."""
+    for p in params:
+        _HELD[p] = owner
+
+
+def _gathered(w: torch.Tensor, w_out_dim: int):
+    """For w gathered in FP8 now: a function giving (its e4m3 w[N, K], scale), which backward
+    calls again (after the re-gather); else None."""
+    owner = _HELD.get(w)
+    if owner is None or owner.fp8_weight(w) is None:
+        return None
+
+    def fetch():
+        held = owner.fp8_weight(w)
+        if held is None:
+            raise RuntimeError(f"zero=3: the FP8 weight of shape {tuple(w.shape)} is not "
+                               "gathered where its linear's backward reads it (the program "
+                               "must re-gather it: passes/gather_parameters.py)")
+        w8, scale = held
+        return (w8 if w_out_dim == 0 else w8.t()), scale
+    return fetch
+
+
 def _max_over_tp(amaxes: list, comm) -> list:
     """The amaxes max-all-reduced over tp in one collective (flattened and split back)."""
     if not amaxes:
@@ -101,9 +139,11 @@ class _Fp8Linear(torch.autograd.Function):
     """y[M, N] = x[M, K] @ w[N, K].T in FP8 (2-D x; the op reshapes)."""
 
     @staticmethod
-    def forward(ctx, x, w, scaling, k_split, n_split, comm, w_amax):
-        rowwise = scaling == "rowwise"
+    def forward(ctx, x, w, scaling, k_split, n_split, comm, w_amax, fetch=None):
         x = x.to(torch.bfloat16)
+        if fetch is not None:       # zero=3: w gathered as e4m3 with the whole weight's scale
+            return _forward_gathered(ctx, x, fetch, k_split, n_split, comm)
+        rowwise = scaling == "rowwise"
         dim = 1 if rowwise else None
         # a row's amax spans K only (rowwise); a tensor's spans every split dim (tensorwise)
         w_split = k_split if rowwise else k_split or n_split
@@ -113,7 +153,7 @@ class _Fp8Linear(torch.autograd.Function):
             ax, aw = _reduced([_amax(x, dim), _amax(w, dim)], [k_split, w_split], comm)
         sx, sw = amax_to_scale(ax, E4M3, rowwise), amax_to_scale(aw, E4M3, rowwise)
         x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
-        ctx.scaling, ctx.n_split, ctx.comm = scaling, n_split, comm
+        ctx.scaling, ctx.n_split, ctx.comm, ctx.fetch = scaling, n_split, comm, None
         if rowwise:     # recast along the backward GEMMs' contracted dims
             # rowwise and n_split: w_amax is w's columns' over N, the input-gradient GEMM's
             ctx.save_for_backward(x, w, *([w_amax] if w_amax is not None and n_split else []))
@@ -126,14 +166,29 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.scaling == "rowwise":
             x, w, *w_amax = ctx.saved_tensors
             return (*_rowwise_grads(g, x, w, ctx.n_split, ctx.comm, *w_amax),
-                    None, None, None, None, None)
-        x8, w8, sx, sw = ctx.saved_tensors
+                    None, None, None, None, None, None)
+        if ctx.fetch is not None:       # zero=3: the re-gathered e4m3 w, the forward's bits
+            (x8, sx), (w8, sw) = ctx.saved_tensors, ctx.fetch()
+        else:
+            x8, w8, sx, sw = ctx.saved_tensors
         (ag,) = _reduced([_amax(g, None)], [ctx.n_split], ctx.comm)
         sg = amax_to_scale(ag, E5M2, False)
         g8 = to_fp8(g, sg, E5M2)
         grad_x = scaled_mm(g8, w8, sg, sw, torch.bfloat16)
         grad_w = scaled_mm(g8.t(), x8, sg, sx, torch.bfloat16)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+def _forward_gathered(ctx, x, fetch, k_split: bool, n_split: bool, comm):
+    """The tensorwise forward with w as zero=3 gathered it (e4m3, the whole weight's scale):
+    only x's amax is reduced here (over tp when its contracted dim is split). Backward fetches
+    w again (saving the gathered weight would keep it past its release)."""
+    (ax,) = _reduced([_amax(x, None)], [k_split], comm)
+    sx = amax_to_scale(ax, E4M3, False)
+    x8, (w8, sw) = to_fp8(x, sx, E4M3), fetch()
+    ctx.scaling, ctx.n_split, ctx.comm, ctx.fetch = "tensorwise", n_split, comm, fetch
+    ctx.save_for_backward(x8, sx)
+    return scaled_mm(x8, w8.t(), sx, sw, torch.bfloat16)
 
 
 def _rowwise_grads(g, x, w, n_split: bool, comm, w_amax=None):
@@ -160,23 +215,32 @@ class _Fp8GatherLinear(torch.autograd.Function):
     element) and reduce-scatters the input gradient along the sequence."""
 
     @staticmethod
-    def forward(ctx, x, w, dim, comm, w_amax):
+    def forward(ctx, x, w, dim, comm, w_amax, fetch=None):
         x = x.to(torch.bfloat16)
-        if w_amax is None:
-            ax, aw = _max_over_tp([_amax(x, None), _amax(w, None)], comm)
+        if fetch is not None:       # zero=3: w gathered in e4m3 (whole weight's scale)
+            (ax,) = _max_over_tp([_amax(x, None)], comm)
+            sx = amax_to_scale(ax, E4M3, False)
+            x8, (w8, sw) = to_fp8(x, sx, E4M3), fetch()
+            ctx.save_for_backward(x8, sx)
         else:
-            (ax,), aw = _max_over_tp([_amax(x, None)], comm), w_amax
-        sx, sw = amax_to_scale(ax, E4M3, False), amax_to_scale(aw, E4M3, False)
-        x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
-        ctx.dim, ctx.comm = dim, comm
-        ctx.save_for_backward(x8, w8, sx, sw)
+            if w_amax is None:
+                ax, aw = _max_over_tp([_amax(x, None), _amax(w, None)], comm)
+            else:
+                (ax,), aw = _max_over_tp([_amax(x, None)], comm), w_amax
+            sx, sw = amax_to_scale(ax, E4M3, False), amax_to_scale(aw, E4M3, False)
+            x8, w8 = to_fp8(x, sx, E4M3), to_fp8(w, sw, E4M3)
+            ctx.save_for_backward(x8, w8, sx, sw)
+        ctx.dim, ctx.comm, ctx.fetch = dim, comm, fetch
         full = _gather_fp8(x8, dim, comm)
         y = scaled_mm(full.reshape(-1, full.shape[-1]), w8.t(), sx, sw, torch.bfloat16)
         return y.reshape(*full.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, g):
-        x8, w8, sx, sw = ctx.saved_tensors
+        if ctx.fetch is not None:
+            (x8, sx), (w8, sw) = ctx.saved_tensors, ctx.fetch()
+        else:
+            x8, w8, sx, sw = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1])
         (ag,) = _max_over_tp([_amax(g2, None)], ctx.comm)     # the output features are split
         sg = amax_to_scale(ag, E5M2, False)
@@ -186,7 +250,7 @@ class _Fp8GatherLinear(torch.autograd.Function):
         full = tp_ops._finish(*gathering).view(E4M3)
         scattering = tp_ops._start_reduce_scatter(grad_full, ctx.dim, ctx.comm)
         grad_w = scaled_mm(g8.t(), full.reshape(-1, full.shape[-1]), sg, sx, torch.bfloat16)
-        return tp_ops._finish(*scattering), grad_w, None, None, None
+        return tp_ops._finish(*scattering), grad_w, None, None, None, None
 
 
 def _gather_fp8(x8: torch.Tensor, dim: int, comm) -> torch.Tensor:
@@ -195,9 +259,12 @@ def _gather_fp8(x8: torch.Tensor, dim: int, comm) -> torch.Tensor:
 
 
 def _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm, w_amax=None):
-    # scaling: Config.fp8_scaling's value, checked where the user wrote it (autopart/config.py)
+    # scaling: Config.fp8_scaling's value, checked where the user wrote it (autopart/config.py;
+    # zero=3 gathers in FP8 for tensorwise only)
+    fetch = _gathered(w, w_out_dim)
     w = w if w_out_dim == 0 else w.t()
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, scaling, k_split, n_split, comm, w_amax)
+    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, scaling, k_split, n_split, comm, w_amax,
+                         fetch)
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b.to(y.dtype)
 
@@ -219,8 +286,9 @@ def fp8_gather_linear_sp(x, w, b, scaling: str, w_out_dim: int, k_split: bool, n
     """gather_linear_sp(x, w, b, seq_dim, comm) in FP8, tensorwise (fp8_linear_tp's arguments:
     a column-parallel linear, so k_split False and n_split True; rowwise is refused at
     compile: autopart/compiler.py)."""
+    fetch = _gathered(w, w_out_dim)
     w = w if w_out_dim == 0 else w.t()
-    y = _Fp8GatherLinear.apply(x, w, seq_dim, comm, w_amax)
+    y = _Fp8GatherLinear.apply(x, w, seq_dim, comm, w_amax, fetch)
     return y if b is None else y + b.to(y.dtype)
 
 
@@ -239,6 +307,40 @@ def fp8_weight_amaxes_tp(weights: list, out_dims: list, dims: list, comm) -> tup
     with torch.no_grad():
         amaxes = [_amax(w if o == 0 else w.t(), d) for w, o, d in zip(weights, out_dims, dims)]
         return tuple(_max_over_tp(amaxes, comm))
+
+
+def max_over_tp(amaxes: list, comm) -> list:
+    """`amaxes` max-all-reduced over `comm`'s tp group in one collective (the runtime's
+    zero=3 FP8 gathers reduce a tp shard's weight amax with it)."""
+    return _max_over_tp(amaxes, comm)
+
+
+LINEARS = (fp8_linear, fp8_linear_tp, fp8_gather_linear_sp)     # (x, w, b, scaling, w_out_dim, ...)
+
+
+def gathered_in_fp8(gm: fx.GraphModule) -> tuple[dict[str, str | None], set[str]]:
+    """zero=3, by dataflow: ({parameter: the get_attr of its TPComm when its amax spans tp, else
+    None} for those `gm` reads only as the weight of tensorwise FP8 linears, {the parameters it
+    reads otherwise}). A parameter in both (over a rank's chunks) is gathered in fp32."""
+    found: dict[str, str | None] = {}
+    read: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not isinstance(_target(gm, node.target), nn.Parameter):
+            continue
+        for user in node.users:
+            a = user.args
+            if user.target in LINEARS and a[1] is node and a[3] == "tensorwise" and \
+                    node not in (a[0], a[2]):
+                split = user.target is not fp8_linear and (a[5] or a[6])
+                found.setdefault(node.target, a[7].target if split else None)
+            else:
+                read.add(node.target)
+    return {k: v for k, v in found.items() if k not in read}, read
+
+
+def _target(gm: nn.Module, target: str):
+    owner, _, leaf = target.rpartition(".")
+    return getattr(gm.get_submodule(owner), leaf, None)
 
 
 register(fp8_linear, kind="local", axis="fp8", namespace="autopart.fp8_ops")

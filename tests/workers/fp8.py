@@ -150,9 +150,11 @@ UPDATE_BOUND, LOSS_BOUND = 5e-2, 2e-4
 BF16_APART = 1e-2      # "grad": the run is this far from the bf16 recipe at least (FP8 ran)
 
 
-def fp8_equivalence(case: FCase, rank: int) -> dict:
+def fp8_equivalence(case: FCase, rank: int, watch=None) -> dict:
     """case.steps SGD steps of parallelize(precision="fp8") and of the plain model under the
-    written-out recipe (and under the bf16 recipe, to show FP8 changed something)."""
+    written-out recipe (and under the bf16 recipe, to show FP8 changed something). `watch(pm,
+    converted)`, called before the first step, returns a function called after the last that
+    returns more problems (tests/workers/fp8_zero3.py: what the all-gathers carried)."""
     import autopart
     from tests.workers.equivalence import held_grads, zero_replica
 
@@ -178,6 +180,7 @@ def fp8_equivalence(case: FCase, rank: int) -> dict:
     ours = dict(pm.named_parameters())
     theirs, theirs16 = dict(ref.named_parameters()), dict(ref16.named_parameters())
     first = {n: p.detach().clone() for n, p in ours.items()}
+    watched = watch(pm, converted) if watch is not None else None
 
     def moved(params):
         return {n: (p if params is ours else mine(n, params[n])).detach() - first[n]
@@ -213,6 +216,7 @@ def fp8_equivalence(case: FCase, rank: int) -> dict:
                 (p.grad is not None and p.grad.dtype != torch.float32)]
     if not_fp32:
         problems.append(f"parameters or gradients not fp32 (master weights): {not_fp32}")
+    problems += watched() if watched is not None else []
     report = pm.compiled.passes
     fp8 = next((r.report for r in report if r.name == "fp8_linears"), {})
     return {"case": case.name, "rank": rank, "problems": problems, **found, "losses": losses,
