@@ -26,6 +26,7 @@ from torch.export import Dim
 from autopart import layer_reuse as layer_reuse_mod
 from autopart.errors import AutopartError, node_error
 from autopart.ir import BATCH, SEQ, Program, TensorInfo
+from autopart.vmap_regions import fold_vmap_regions
 
 
 
@@ -214,7 +215,7 @@ def _export(wrapper: nn.Module, args: tuple):
             # says what matters (with the user's line, read from that print when needed)
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), \
                     _quiet("torch.fx.experimental.symbolic_shapes"):
-                ep = torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
+                ep = _export_frozen_if_needed(wrapper, args, dyn)
             return ep, dynamic and args[0].shape[0] > 1
         except AutopartError:
             raise                 # ours, from inside forward (e.g. no loss): already explained
@@ -223,6 +224,28 @@ def _export(wrapper: nn.Module, args: tuple):
             if not _is_shape_error(e):
                 break
     raise _capture_error(last_error, printed) from last_error
+
+
+def _export_frozen_if_needed(wrapper: nn.Module, args: tuple, dyn):
+    """torch.export.export; again with the parameters not requiring grad when torch's
+    flex_attention front end refused them on the CPU ("does not support backward on CPU": it
+    has no fused CPU backward, torch/nn/attention/flex_attention.py _validate_device). The
+    graph is the same (export records no autograd); the op it holds,
+    torch.ops.higher_order.flex_attention, runs forward and backward on the CPU by its dense
+    reference, which is what the ranks then call."""
+    try:
+        return torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
+    except NotImplementedError as e:
+        if "does not support backward on CPU" not in str(e):
+            raise
+    grads = [(p, p.requires_grad) for p in wrapper.parameters()]
+    try:
+        for p, _ in grads:
+            p.requires_grad_(False)
+        return torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
+    finally:
+        for p, g in grads:
+            p.requires_grad_(g)
 
 
 @contextlib.contextmanager
@@ -240,7 +263,19 @@ def _is_shape_error(e: Exception) -> bool:
     text = f"{type(e).__name__}: {e}"
     if "data-dependent" in text or "DataDependent" in text:
         return False    # control flow on tensor values: a static export fails the same way
+    if _raised_in_symbolic_sizes(e):
+        return True
     return any(k in text for k in ("Constraint", "constraint", "specializ", "guard", "Dim", "dynamic"))
+
+
+def _raised_in_symbolic_sizes(e: Exception) -> bool:
+    """Raised by torch's own code for symbolic sizes (torch 2.13 fails to trace
+    flex_attention's mask with batch and sequence both symbolic: "TypeError: mul expected 2
+    arguments, got 3" in proxy_tensor._build_proxy_for_sym_expr); fewer symbolic sizes may go
+    through."""
+    tb = traceback.extract_tb(e.__traceback__)
+    return bool(tb) and tb[-1].filename.endswith(("fx/experimental/proxy_tensor.py",
+                                                  "fx/experimental/sym_node.py"))
 
 
 def _user_source(e: Exception, printed: str) -> str:
@@ -327,6 +362,7 @@ def _to_program(ep, model: nn.Module, args: tuple, dynamic: bool, names: list[st
         _rename_meta(n, symbols)
         if n.op == "get_attr" and not n.users:
             graph.erase_node(n)      # the unused second name of a tied weight
+    fold_vmap_regions(graph, state.attrs)     # flex_attention's BlockMask (vmap_regions.py)
     _check_no_state_mutation(graph)
     return Program(fx.GraphModule(state.attrs, graph), state.params, state.buffers, inputs,
                    int(args[0].shape[0]), int(args[0].shape[1]) if args[0].dim() > 1 else None,

@@ -16,7 +16,8 @@ def user_source_line(node: fx.Node | None) -> str:
     trace = (node.meta.get("stack_trace") or "") if node is not None else ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
     for path, line, func, code in reversed(frames):
-        if "/torch/" not in path and "/autopart/" not in path:
+        # "<eval_with_key>.5": code torch generated (flex_attention's traced wrapper), no file
+        if "/torch/" not in path and "/autopart/" not in path and not path.startswith("<"):
             return f"{path}:{line} in {func}: {code.strip()}"
     if frames:
         path, line, func, code = frames[-1]

@@ -334,6 +334,29 @@ def _sdpa_rule(node, x, s, pl, tp):
     return _sdpa(node, pl)
 
 
+@rule(torch.ops.higher_order.flex_attention)
+def _flex_rule(node, x, s, pl, tp):
+    """flex_attention (q, k, v, score_mod, block_mask, scale, kernel_options, score_mod buffers,
+    mask_mod buffers) is per head, like SDPA, while its mods do not read the head index (a
+    rank's local head h is global head r * H / tp + h) and its BlockMask is one for every
+    head (H=None: size 1 there); its outputs (out, log-sum-exp, max) are sharded alike."""
+    from autopart.localize import attribute
+    block_mask = node.args[4]
+    for mod, head in ((node.args[3], 2), (block_mask[-1], 1)):   # (score, b, h, ..), (b, h, ..)
+        graph = attribute(node.graph.owning_module, mod.target).graph
+        if graph.find_nodes(op="placeholder")[head].users:
+            raise NoRule("flex_attention whose score_mod or mask_mod reads the head index")
+    if any(isinstance(t, fx.Node) and ndim(t) > 1 and shape_of(t)[1] != 1
+           for t in block_mask[2:10]):
+        raise NoRule("flex_attention with a BlockMask per head")
+    for a in node.args[:3]:
+        if not isinstance(pl.get(a), Shard):
+            return Need(a, 1)
+        if pl[a].dim != 1:
+            raise NoRule("attention with q/k/v sharded on a dim other than the heads")
+    return tuple(Shard(1, pl[node.args[0]].origin) for _ in range(3))
+
+
 @rule(*G.MATMULS_BATCHED)
 def _matmul_rule(node, x, s, pl, tp):
     return _batched_matmul(node, pl)

@@ -10,7 +10,8 @@ dataflow:
                     log-sum-exp) or all-gather-K/V attention, `attention=`; a core's mask is
                     proved causal, absent or a causal sliding window of w keys by computing it
                     (masks.py), optionally with padded keys or packed documents from a (batch,
-                    sequence) input, anything else refused
+                    sequence) input, anything else refused; flex_attention is refused by
+                    name (unrecognised.py: its BlockMask is built over the whole sequence)
   positions         aranges over the sequence become the global positions of the rank's chunks,
                     and tables sliced to the sequence length (RoPE caches) are indexed at them
   everything else   must work position by position: an op that mixes positions outside the
@@ -38,7 +39,7 @@ from .find import find_cores, position_sources, upstream
 from .islands import prove_islands
 from .masks import decide_causal
 from .rewrite import KERNELS, rewrite
-from .unrecognised import refuse_unrecognised_attention
+from .unrecognised import refuse_flex_attention, refuse_unrecognised_attention
 
 ATTENTIONS = tuple(KERNELS)
 
@@ -49,6 +50,7 @@ def prove_token_islands(program: Program, *, cp: int, tp: int = 1,
     the attention cores, each proved position-wise by running it (islands.py)."""
     if cp == 1:
         return program.replace(cp_islands=()), {"islands": []}
+    refuse_flex_attention(program, cp)
     seq = check_sequence_length(program, cp, tp, sequence_parallel)
     check_loss(program, cp)         # before the islands: a loss's reductions are no island
     cores = find_cores(program)
@@ -66,6 +68,7 @@ def split_context_parallel(program: Program, *, cp: int, attention: str = "ring"
     """Return (program rewritten for one context-parallel rank, report)."""
     if cp == 1:
         return program.replace(cp=ContextParallelPlan(1, attention)), {"cp": 1}
+    refuse_flex_attention(program, cp)
     seq = check_sequence_length(program, cp, tp, sequence_parallel)
     check_loss(program, cp)
     cores = find_cores(program)

@@ -58,6 +58,28 @@ def refuse_unrecognised_attention(program: Program, cores, seq: int) -> None:
             "the cp axis for this model (tp, pp and dp split it)")
 
 
+FLEX = torch.ops.higher_order.flex_attention
+
+
+def refuse_flex_attention(program: Program, cp: int) -> None:
+    """An error naming the first flex_attention: its BlockMask and mask_mod are computed over
+    the whole sequence (Hugging Face's from position_ids: a cumsum over the row), which the
+    ring and all-gather kernels do not read per block."""
+    node = next((n for n in program.gm.graph.nodes if n.target is FLEX), None)
+    if node is None:
+        return
+    raise node_error(
+        node, f"context parallelism (cp={cp}) does not split flex_attention "
+        "(torch.ops.higher_order.flex_attention, e.g. Hugging Face's attn_implementation="
+        "\"flex_attention\"): its BlockMask and mask_mod are built over the whole sequence, and "
+        "the ring and all-gather kernels compute SDPA's masks only",
+        "attn_implementation=\"sdpa\" with packed documents given as a (batch, sequence) input "
+        "of document ids and the mask attention_mask=(doc[:, :, None] == doc[:, None, :])[:, "
+        "None] & causal (proved and applied per block under cp; HF's own mask from "
+        "position_ids alone is a cumsum over the row, not provable per chunk), or drop the cp "
+        "axis: tp, pp and dp split flex_attention")
+
+
 def _between(core) -> set[fx.Node]:
     return upstream([core.last], lambda n: [] if n in (core.q, core.k, core.v)
                     else n.all_input_nodes)

@@ -1,0 +1,87 @@
+"""Hugging Face's attn_implementation="flex_attention", unmodified, with packed documents
+(token ids and position_ids restarting per document, as HF's packed-sequence path takes them):
+captured by torch.export (torch.ops.higher_order.flex_attention with its score_mod and mask_mod
+subgraphs and the BlockMask create_block_mask builds in forward) and trained under tp=2, pp=2
+and dp=2 as the plain model trains: the loss of every step, the first step's gradients and the
+parameters after 3 optimizer steps, fp32 (tests/workers/equivalence.py). The plain model is the
+same model and weights with attn_implementation="sdpa" (tests/workers/flex.py PackedHF.
+plain_twin: torch refuses flex_attention's backward on the CPU in eager mode), whose mask HF
+builds from the same position_ids. Context parallelism refuses flex_attention by name.
+
+Fast tier (the tp=2 case): python -m pytest -m "not full" tests/test_flex_attention.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopart
+from autopart.errors import AutopartError
+from tests.workers.common import ATOL, RTOL, Case
+from tests.workers.equivalence import assert_all_ranks_equal_plain, run_group
+from tests.workers.flex import _packed_flex, run_flex_cases
+
+SEQ = dict(model="hf-flex-packed", batch=4, seq=32)
+GROUPS = {
+    ("flex", 2): [Case("flex-packed-tp2", tp=2, optim="adamw", ignored="uneven", **SEQ)],
+    ("flex-full", 2): [Case("flex-packed-pp2", pp=2, microbatches=2, **SEQ),
+                       Case("flex-packed-dp2", dp=2, optim="adam", **SEQ)],
+}
+_GROUP_OF = {c.name: k for k, cases in GROUPS.items() for c in cases}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c.name, marks=[pytest.mark.full] if k[0].endswith("full") else [])
+    for k, cases in GROUPS.items() for c in cases])
+def test_matches_plain_model(case: Case, spawn_cache):
+    results = run_group(spawn_cache, _GROUP_OF[case.name], GROUPS[_GROUP_OF[case.name]],
+                        rank_fn=run_flex_cases)
+    assert_all_ranks_equal_plain(case, results[case.name])
+    if case.tp > 1:      # the heads split: every rank holds half of each attention projection
+        assert all(any("q_proj" in n for n in r["tp_sharded"]) for r in results[case.name])
+
+
+def _flex_nodes(program):
+    return [n for n in program.gm.graph.nodes
+            if n.target is torch.ops.higher_order.flex_attention]
+
+
+@pytest.mark.full      # two captures of the model, ~30 s each on 2 busy cores
+def test_the_document_mask_decides_the_loss_and_reaches_every_flex_attention():
+    """What the equivalence cases would miss if the document mask were dropped: the plain
+    model's loss with its packed documents differs from the same rows seen whole (causal
+    only), and every captured flex_attention reads its mask_mod's buffers from position_ids."""
+    model, loss_fn, (x, pos), y = _packed_flex(Case("c", **SEQ), 0, "cpu")
+    plain = model.plain_twin()
+    with torch.no_grad():
+        packed = loss_fn(plain(x, pos), y)
+        whole = loss_fn(plain.model(input_ids=x, position_ids=pos, use_cache=False,
+                                    attention_mask=torch.ones_like(x)).logits, y)
+    # the loss tolerance is RTOL * |loss| + ATOL, about 5e-5 here: the mask moves it 50 times that
+    assert abs(float(packed) - float(whole)) > 50 * (RTOL * float(packed) + ATOL), \
+        (float(packed), float(whole))
+    c = autopart.compile(model, autopart.Mesh(tp=2), (x, pos), loss_fn=loss_fn, target=y)
+    nodes = _flex_nodes(c.program)
+    assert len(nodes) == 2
+    for n in nodes:
+        buffers = n.args[8]                                  # mask_mod_other_buffers
+        seen, todo = set(), [b for b in buffers if isinstance(b, torch.fx.Node)]
+        while todo:
+            a = todo.pop()
+            seen.add(a.name)
+            todo.extend(a.all_input_nodes)
+        assert "pos" in seen, n.format_node()
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= \
+        {k.split(".")[-2] for k in c.plan.tp_shards}        # heads split, not replicated
+
+
+@pytest.mark.full      # a capture of the model, ~30 s
+def test_context_parallelism_refuses_flex_attention_by_name():
+    model, loss_fn, (x, pos), y = _packed_flex(Case("c", **SEQ), 0, "cpu")
+    with pytest.raises(AutopartError) as e:
+        autopart.compile(model, autopart.Mesh(cp=2), (x, pos), loss_fn=loss_fn, target=y)
+    text = str(e.value)
+    for s in ["does not split flex_attention", "node:   flex_attention (", "modeling_llama.py",
+              'attn_implementation="sdpa"', "doc[:, :, None] == doc[:, None, :]",
+              "drop the cp axis"]:
+        assert s in text, (s, text)
