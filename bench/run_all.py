@@ -128,6 +128,11 @@ def _zero(out: dict) -> dict:
     return rows
 
 
+def _moe_overlap(out: dict) -> dict:
+    t = out["step_seconds"]
+    return {"ep overlap / no overlap": _per_round(t["overlap"], t["no_overlap"])}
+
+
 def _cp(out: dict) -> dict:
     t = out["step_seconds"]
     rows = {"cp ring / allgather": _per_round(t["ring"], t["allgather"])}
@@ -244,6 +249,12 @@ BENCHMARKS = [
           lambda out: {"checkpoint save": out["round_ratios"]["save"],
                        "checkpoint load": out["round_ratios"]["load"],
                        "checkpoint load (sizes only)": out["round_ratios"]["load_noverify"]}),
+    Bench("moe-overlap", "moe_overlap.py", lambda r: ["--steps", str(r)],
+          {"ep overlap / no overlap": "autopart overlap=True / overlap=False step (fwd+bwd+SGD), "
+                                      "pp=2 x dp=2 with ep=2, HF Mixtral h=64 4 layers 4 experts "
+                                      "top-2, batch 16x64, 4 microbatches, the slowest rank per "
+                                      "round, paired rounds (issue 52's target <= 0.85)"},
+          _moe_overlap, timeout=1800),
     Bench("cp", "cp_attention.py", lambda r: ["--rounds", str(r)],
           {"cp ring / allgather": "autopart cp=2 ring attention / all-gather attention step "
                                   "(fwd+bwd+AdamW), GPT 2 layers n_embd=128 vocab 1024, "

@@ -187,3 +187,11 @@ def test_zero3_prefetch_rows_pair_it_with_its_absence_round_by_round():
     assert rows["zero3 no prefetch / fsdp2 reshard"] == [1.0, 0.5, 1.0]
     assert rows["zero3 prefetch / no prefetch"] == [0.5, 1.5, 0.5]
     assert {"zero3 no prefetch / fsdp2 reshard", "zero3 prefetch / no prefetch"} <= set(zero.optional)
+
+
+def test_moe_overlap_rows_pair_the_overlap_with_its_absence_round_by_round():
+    """bench/moe_overlap.py: one row, the per-round ratio of its two sides."""
+    bench = next(b for b in run_all.BENCHMARKS if b.name == "moe-overlap")
+    rows = bench.values({"step_seconds": {"overlap": [1.0, 3.0], "no_overlap": [2.0, 4.0]}})
+    assert rows == {"ep overlap / no overlap": [0.5, 0.75]}
+    assert set(rows) == set(bench.rows)

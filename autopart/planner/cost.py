@@ -187,7 +187,8 @@ class CostModel(Fp8Pricing):
         return elementwise / cp * self._act_scale / (c.hbm_bw * c.memory_efficiency) + part.ops * c.op_overhead_s
 
     def part_times(self, part: Part, tp: int, b: int, ep: int = 1, cp: int = 1,
-                   schedule: str = "1f1b", fp8: tuple | None = None) -> tuple[float, float, float]:
+                   schedule: str = "1f1b", fp8: tuple | None = None,
+                   paired: bool = False) -> tuple[float, float, float]:
         """(forward, backward, communication) of one part for one microbatch; with cp > 1 on one
         context-parallel rank: 1/cp of the tokens, plus the ring's exposed time. Under autopart's
         runtime the forward's tp collectives are exposed and the backward's run behind the
@@ -195,7 +196,9 @@ class CostModel(Fp8Pricing):
         part's GEMM time), except under schedules that split the backward (I/W), where the pass
         does not run; under Megatron-LM's (tp-comm-overlap) they run chunked behind the part's
         GEMMs, exposed only where longer. `fp8`: which GEMMs run in FP8 (fp8_mask; default: the
-        part as a layer), with their casts and amax all-reduces (fp8_costs)."""
+        part as a layer), with their casts and amax all-reduces (fp8_costs). `paired`
+        (pairs_microbatches): the expert all-to-alls run behind the other microbatch's compute of
+        the part (passes/overlap_experts.py), exposed only where longer."""
         c = self.cluster
         mask = self.fp8_mask(part) if fp8 is None else fp8
         # a linear's M (tokens) is 1/cp; an attention core runs cp blocks of s/cp queries by
@@ -218,8 +221,11 @@ class CostModel(Fp8Pricing):
         # expert all-to-alls: ep ranks are dp ranks, tp * cp apart; the backward mirrors the forward's
         a2a = self.alltoall_time(part.alltoall(b) / cp * self._act_scale, ep, tp * cp * ep <= c.gpus_per_node)
         ring_f, ring_b = self.ring_times(part, tp, b, cp)
-        return (gemm + att_f + mem + ar_f + a2a + ring_f + cast_f + amax_f,
-                2 * (gemm + mem) + att_b + ar_b + a2a + ring_b + cast_b + amax_b,
+        a2a_f = a2a_b = a2a
+        if paired and self.runtime == "autopart":
+            a2a_f, a2a_b = max(0.0, a2a - gemm - att_f - mem), max(0.0, a2a - 2 * (gemm + mem) - att_b)
+        return (gemm + att_f + mem + ar_f + a2a_f + ring_f + cast_f + amax_f,
+                2 * (gemm + mem) + att_b + ar_b + a2a_b + ring_b + cast_b + amax_b,
                 ar_f + ar_b + 2 * a2a + ring_f + ring_b + amax_f + amax_b)
 
     def ring_transfer(self, part: Part, tp: int, b: int, cp: int) -> float:
@@ -250,7 +256,8 @@ class CostModel(Fp8Pricing):
         """Per chunk (model order): forward, backward (with recomputation) and layer counts."""
         parts = self.parts(lay)
         b = lay.microbatch_size
-        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep, lay.cp, lay.schedule)
+        lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep, lay.cp, lay.schedule,
+                                    paired=self.pairs_microbatches(lay))
         again = 0.0
         if lay.recompute == "full":
             again = lf                    # the layer's forward once more before its backward
@@ -300,6 +307,14 @@ class CostModel(Fp8Pricing):
         # scatter/gather: each of the tp ranks sends 1/tp over its own link, then an all-gather
         gather = (lay.tp - 1) / lay.tp * nbytes / self.link(True) if lay.tp > 1 else 0.0
         return 2 * c.latency_s + nbytes / lay.tp / self.link(False) + gather
+
+    def pairs_microbatches(self, lay: Layout) -> bool:
+        """Whether autopart's runtime runs the microbatches two at a time, each pair's expert
+        all-to-alls behind the other's compute (autopart/compiler.py pairs_microbatches)."""
+        m = self.microbatches(lay)
+        return (self.runtime == "autopart" and lay.ep > 1 and m % 2 == 0
+                and lay.schedule in ("1f1b", "gpipe", "interleaved-1f1b")
+                and (lay.schedule != "interleaved-1f1b" or (m // 2) % lay.pp == 0))
 
     def microbatches(self, lay: Layout) -> int:
         """Per dp replica; cp splits each sequence, not the batch."""
@@ -538,10 +553,13 @@ class CostModel(Fp8Pricing):
         fwd, bwd, _ = self.chunk_costs(lay)
         m = self.microbatches(lay)
         msg = self.message_time(lay)
+        k = 2 if self.pairs_microbatches(lay) else 1     # pairs: m/2 units of twice the work
+        units = (tuple(k * f for f in fwd), tuple(k * b for b in bwd), k * msg)
         if simulate:
-            makespan, in_flight = pipeline(lay.schedule, lay.pp, m, lay.virtual_stages, tuple(fwd), tuple(bwd), msg)
+            makespan, in_flight = pipeline(lay.schedule, lay.pp, m // k, lay.virtual_stages, *units)
         else:
-            makespan, in_flight = pipeline_formula(lay.pp, lay.virtual_stages, m, fwd, bwd, msg)
+            makespan, in_flight = pipeline_formula(lay.pp, lay.virtual_stages, m // k, *units)
+        in_flight = tuple(k * n for n in in_flight)
         after = self.after_pipeline(lay, fwd, bwd)
         step = makespan + sum(after.values())
         mem = self.memory(lay, in_flight)
