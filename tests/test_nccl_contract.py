@@ -253,8 +253,8 @@ def test_every_equivalence_case_under_the_contract(key, name, spawn_cache):
 # zero=1's reduce-scatters per layer group, each posted by the last microbatch's backward and
 # waited only later (the contract's async collectives deliver at wait(): a reduce-scatter read
 # before its wait would leave NaN in the gradients), with a pipeline and 4 microbatches
-ZERO1_GROUPS = CCase("contract-gpt-pp2xdp2-zero1-groups", model="c-gpt-tied", pp=2, dp=2,
-                     microbatches=4, zero=1, optim="adamw", clip=0.05)
+ZERO1_GROUPS = CCase("contract-hf-gpt2-pp2xdp2-zero1-groups", model="c-hf-gpt2-tied", pp=2,
+                     dp=2, microbatches=4, zero=1, optim="adamw", clip=0.05)
 
 
 @pytest.mark.full
