@@ -24,7 +24,7 @@ from autopart.config import Config, check_fp8, choices, from_options
 from autopart.capture import capture, check_on_example, input_specs
 from autopart.errors import AutopartError
 from autopart.gc_paused import gc_paused
-from autopart.ir import REDUCED_DTYPES, Plan, Program, RankProgram
+from autopart.ir import REDUCED_DTYPES, ContextParallelPlan, Plan, Program, RankProgram
 from autopart.localize import localize_chunk
 from autopart.mesh import Mesh
 from autopart.pass_runner import Pass, PassResult, run_passes
@@ -38,6 +38,7 @@ from autopart.passes.overlap_collectives import overlap_collectives
 from autopart.passes.overlap_experts import overlap_experts
 from autopart.passes.shard_experts import shard_experts
 from autopart.passes.split_context_parallel import prove_token_islands, split_context_parallel
+from autopart.passes.split_context_parallel.documents import document_inputs
 from autopart.passes.split_tensor_parallel import split_tensor_parallel
 from autopart.passes.split_backward import split_backward
 from autopart.passes.weigh_loss_by_tokens import weigh_loss_by_tokens
@@ -319,7 +320,12 @@ def compile_checked(model: nn.Module, mesh: Mesh, example_inputs: tuple, cfg: Co
     specs = input_specs(program, example_inputs + ((target,) if target is not None else ()))
     passes = pass_list(mesh, cfg, microbatch_size=mbs, chunk_ranks=the_schedule.chunk_ranks,
                        schedule=the_schedule)
+    # no cp axis: the packed documents' ids the masks read, proved on the plain program, for
+    # train_step's check (runtime/document_ids.py); under cp split_context_parallel records them
+    documents = document_inputs(program) if mesh.cp == 1 else ()
     program, results = run_passes(program, passes, dump_dir)
+    if program.cp is None:
+        program = program.replace(cp=ContextParallelPlan(1, cfg.cp_attention, documents=documents))
     stages = program.stages
     if stages.num_chunks != the_schedule.num_chunks:
         raise AutopartError(f"internal: the stage plan has {stages.num_chunks} chunks but the "

@@ -1,8 +1,9 @@
 """The packed documents' ids a train_step is given, checked: each document one run per row.
 
 A model that masks attention by `doc[:, :, None] == doc[:, None, :]` (split_context_parallel
-records the input in `ContextParallelPlan.documents`) joins every token of one id into one
-document. A row whose ids come back to an earlier document (0, 0, 1, 1, 0) is then almost
+records the input in `ContextParallelPlan.documents`; without a cp axis compile finds it by the
+same proof, passes/split_context_parallel/documents.py, so every axis checks it) joins every
+token of one id into one document. A row whose ids come back to an earlier document (0, 0, 1, 1, 0) is then almost
 surely a packing bug: the last tokens would attend to the first document's as if it went on,
 while the positions restart. It is refused before anything runs, naming the input, the rank,
 the row and the positions. Cost: one sort of the (batch, seq) ids and one small copy.

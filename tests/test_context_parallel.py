@@ -503,6 +503,7 @@ def test_window_documents_and_padding_in_one_core_match_plain_model(case: Case, 
     assert_all_ranks_equal_plain(case, results[case.name])
 
 
+@pytest.mark.full
 def test_window_documents_and_padding_are_proved_in_one_core():
     """The hand-written core's three masks: a window of 5 keys, `doc` as documents' ids and
     `keep` as key padding, all handed to one kernel call per core (before: only two at once
@@ -514,3 +515,43 @@ def test_window_documents_and_padding_are_proved_in_one_core():
     assert c.program.cp.documents == ("doc",)
     assert c.programs[0].code.count("cp_comm, True, 0.35355339059327373, keep, doc, "
                                     "window = 5)") == 2, c.programs[0].code
+
+
+# -- document ids that are not contiguous, refused on every axis ----------------------------------
+
+@pytest.mark.parametrize("mesh", [dict(dp=2), pytest.param(dict(tp=2), marks=pytest.mark.full)])
+def test_the_documents_are_found_without_a_cp_axis(mesh):
+    """Without cp nothing is rewritten, but the mask is proved as under cp and `doc` recorded
+    (ContextParallelPlan(1, ..., documents=('doc',))) so that train_step checks its ids;
+    a padding mask is no document."""
+    from tests.workers.common import build
+    model, loss_fn, inputs, y = build(Case("c", model="cp-packed", batch=2, seq=16))
+    c = autopart.compile(model, autopart.Mesh(**mesh), inputs, loss_fn=loss_fn, target=y)
+    assert (c.program.cp.cp, c.program.cp.documents) == (1, ("doc",))
+    assert c.to_json()["context_parallel"] is None          # no cp axis to report
+    model, loss_fn, inputs, y = build(Case("c", model="cp-pad-sdpa", batch=2, seq=16))
+    c = autopart.compile(model, autopart.Mesh(**mesh), inputs, loss_fn=loss_fn, target=y)
+    assert c.program.cp.documents == ()
+
+
+@pytest.mark.full
+def test_document_ids_that_come_back_are_refused_on_every_axis():
+    """Ids 5, 5, 6, 6, 5 in a row, at dp=2, tp=2, pp=2 (PackedLM) and ep=2 x dp=2 (Mixtral on
+    packed rows), each 2 ranks without cp (cp: test_document_ids_that_come_back_to_an_earlier_
+    document_are_refused): train_step refuses them on every rank, naming the input, the rank,
+    the row and the positions and a remedy, before any gradient moves; the repaired batch then
+    trains (finite loss)."""
+    from autopart.runtime.launch import spawn
+    from tests.workers.cp import reused_document_id_on
+    runs = [("cp-packed", dict(dp=2)), ("cp-packed", dict(tp=2)), ("cp-packed", dict(pp=2)),
+            ("packed-mixtral", dict(dp=2, ep=2))]
+    per_rank = spawn(reused_document_id_on, 2, runs, timeout=400, pg_timeout=60)
+    for results in per_rank:
+        assert [r["mesh"] for r in results] == [m for _, m in runs]
+        for r in results:
+            assert r["documents"] == ("doc",), r
+            assert r["refused"] is not None, r
+            for s in ["train_step input 'doc'", f"rank {r['rank']}", "row 1 holds document 5 "
+                      "at position 0 and again at position 10, after document 6", "remedy:"]:
+                assert s in r["refused"], (r["mesh"], r["refused"])
+            assert r["loss"] == r["loss"] and r["loss"] > 0, r

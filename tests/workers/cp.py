@@ -372,3 +372,32 @@ def _packed_window(hand: bool):
 
 FAMILIES.setdefault("cp-packed-window", _packed_window(False))
 FAMILIES.setdefault("cp-packed-window-hand", _packed_window(True))
+
+
+def reused_document_id_on(rank: int, world: int, runs: list) -> list[dict]:
+    """Rank function: for each (model family, mesh keywords) of `runs` (packed models whose
+    inputs are (ids, doc, pos, ...)), train_step given a row whose ids come back to an earlier
+    document: its refusal, then the loss of the batch repaired (the ranks go on together)."""
+    from datetime import timedelta
+
+    import autopart
+    from autopart.errors import AutopartError
+    from tests.workers.common import Case, build
+    import tests.workers.packed_experts  # noqa: F401  (registers packed-mixtral)
+    out = []
+    for family, mesh in runs:
+        model, loss_fn, inputs, y = build(Case("bad", model=family, batch=4, seq=16))
+        pm = autopart.parallelize(model, autopart.Mesh(**mesh), inputs, loss_fn=loss_fn,
+                                  target=y, microbatches=2 if mesh.get("pp", 1) > 1 else 1,
+                                  timeout=timedelta(seconds=60))
+        bad = inputs[1].clone()
+        bad[1] = torch.tensor([5] * 4 + [6] * 6 + [5] * 6)     # document 5 again after 6
+        try:
+            pm.train_step(inputs[0], bad, *inputs[2:], target=y)
+            refused = None
+        except AutopartError as e:
+            refused = str(e)
+        out.append({"rank": rank, "mesh": mesh, "refused": refused,
+                    "documents": pm.compiled.program.cp.documents,
+                    "loss": float(pm.train_step(*inputs, target=y))})
+    return out

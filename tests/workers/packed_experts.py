@@ -4,45 +4,25 @@ document mask and per-document positions, registered in tests/workers/common.FAM
 and the spawned ranks' function that imports it first."""
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-
 from tests.workers.common import FAMILIES
-from tests.workers.cp import _token_loss, packed_batch
+from tests.workers.cp import _token_loss
 from tests.workers.equivalence import run_cases
 
 
-class PackedMixtral(nn.Module):
-    """Mixtral on packed rows: (ids, doc, pos) -> logits. The attention mask is built from the
-    documents' ids (causal within each document, a (batch, 1, seq, seq) boolean mask, which
-    Hugging Face's masking takes as given) and RoPE reads `pos`, each document's positions
-    from 0. The experts route every token, padding included, as the plain model does."""
-
-    def __init__(self):
-        super().__init__()
-        from tests.workers.moe import hf_moe
-        self.model = hf_moe("hf-mixtral")
-
-    def forward(self, idx, doc, pos):
-        t = idx.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
-        mask = (doc[:, :, None] == doc[:, None, :])[:, None] & causal
-        return self.model(input_ids=idx, attention_mask=mask, position_ids=pos,
-                          use_cache=False).logits
-
-
 def _packed_mixtral(case, seed, device):
-    """Rows packed with documents of random lengths (the last row ends in padding: id -1,
-    labels -100), and the per-token mean loss over the labelled tokens."""
+    """Mixtral on packed rows: (ids, doc, pos) -> logits, through tests/workers/flex.py's
+    DocMaskHF (the document mask, causal within each document, built from `doc` and passed as
+    a 4-D attention_mask, which Hugging Face takes as given; RoPE reads `pos`, each document's
+    positions from 0). Rows packed with documents of random lengths, the last row's tail
+    padding (id -1, labels -100); the per-token mean loss. The experts route every token,
+    padding included, as the plain model does."""
     import transformers
+
+    from tests.workers.flex import DocMaskHF, _packed_batch
+    from tests.workers.moe import hf_moe
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randint(0, 128, (case.batch, case.seq), generator=g)
-    doc, pos = packed_batch(case.batch, case.seq, g)
-    y = torch.randint(0, 128, (case.batch, case.seq), generator=g).masked_fill(doc < 0, -100)
-    return PackedMixtral().to(device), _token_loss, \
-        (x.to(device), doc.to(device), pos.to(device)), y.to(device)
+    x, doc, pos, y = _packed_batch(case, seed, device)
+    return DocMaskHF(hf_moe("hf-mixtral")).to(device), _token_loss, (x, doc, pos), y
 
 
 FAMILIES.setdefault("packed-mixtral", _packed_mixtral)
