@@ -6,7 +6,9 @@ and dp=2 as the plain model trains: the loss of every step, the first step's gra
 parameters after 3 optimizer steps, fp32 (tests/workers/equivalence.py). The plain model is the
 same model and weights with attn_implementation="sdpa" (tests/workers/flex.py PackedHF.
 plain_twin: torch refuses flex_attention's backward on the CPU in eager mode), whose mask HF
-builds from the same position_ids. Context parallelism refuses flex_attention by name.
+builds from the same position_ids. Context parallelism refuses flex_attention by name; the
+remedy it names (attn_implementation="sdpa", the documents' mask from an id input passed as a
+4-D attention_mask) trains at cp=2 as the plain model does.
 
 Fast tier (the tp=2 case): python -m pytest -m "not full" tests/test_flex_attention.py
 """
@@ -26,6 +28,9 @@ GROUPS = {
     ("flex", 2): [Case("flex-packed-tp2", tp=2, optim="adamw", ignored="uneven", **SEQ)],
     ("flex-full", 2): [Case("flex-packed-pp2", pp=2, microbatches=2, **SEQ),
                        Case("flex-packed-dp2", dp=2, optim="adam", **SEQ)],
+    # the remedy cp's refusal names: HF's SDPA with the documents' mask from an id input
+    ("hf-doc-mask-full", 2): [Case("hf-sdpa-doc-mask-cp2-ring", cp=2, model="hf-sdpa-doc-mask",
+                                   batch=4, seq=32)],
 }
 _GROUP_OF = {c.name: k for k, cases in GROUPS.items() for c in cases}
 

@@ -48,17 +48,45 @@ class PackedHF(nn.Module):
         return twin
 
 
-def _packed_flex(case, seed, device):
+class DocMaskHF(nn.Module):
+    """The remedy cp's refusal of flex_attention names: attn_implementation="sdpa", the
+    documents given as ids and their mask passed as a 4-D attention_mask (HF passes it
+    through), the positions as position_ids."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, doc, pos):
+        t = idx.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+        mask = (doc[:, :, None] == doc[:, None, :])[:, None] & causal
+        return self.model(input_ids=idx, attention_mask=mask, position_ids=pos,
+                          use_cache=False).logits
+
+
+def _packed_batch(case, seed, device):
+    """(token ids, doc, pos, labels) of packed rows, labels -100 on the padding."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, 128, (case.batch, case.seq), generator=g)
     doc, pos = packed_batch(case.batch, case.seq, g)
     y = torch.randint(0, 128, (case.batch, case.seq), generator=g).masked_fill(doc < 0, -100)
-    return PackedHF(flex_llama()).to(device), _token_loss, (x.to(device), pos.to(device)), \
-        y.to(device)
+    return x.to(device), doc.to(device), pos.to(device), y.to(device)
+
+
+def _packed_flex(case, seed, device):
+    x, _, pos, y = _packed_batch(case, seed, device)
+    return PackedHF(flex_llama()).to(device), _token_loss, (x, pos), y
+
+
+def _doc_mask_sdpa(case, seed, device):
+    x, doc, pos, y = _packed_batch(case, seed, device)
+    return DocMaskHF(flex_llama("sdpa")).to(device), _token_loss, (x, doc, pos), y
 
 
 FAMILIES.setdefault("hf-flex-packed", _packed_flex)
+FAMILIES.setdefault("hf-sdpa-doc-mask", _doc_mask_sdpa)
 
 
 def run_flex_cases(rank: int, world: int, cases: list) -> list[dict]:
