@@ -20,6 +20,10 @@ WIDER = [ZCase("gpt4-pp2-dp2-zero3", model="gpt4", pp=2, dp=2, microbatches=2),
          ZCase("gpt4-tp2-dp2-zero3", model="gpt4", tp=2, dp=2, microbatches=2, noise="tp")]
 BROKEN = ZCase("gpt4-dp2-zero3-local-amax", model="gpt4", dp=2, microbatches=2,
                broken="local-amax")
+# recompute="full": the linears run inside each layer's checkpoint call, replayed in backward
+RECOMPUTE = ZCase("gpt4-dp2-zero3-recompute-full", model="gpt4", dp=2, microbatches=2,
+                  recompute="full")
+DP2_FULL = [BROKEN, RECOMPUTE]
 
 
 def _problems(ranks) -> list[str]:
@@ -56,8 +60,8 @@ def test_zero3_fp8_matches_the_recipe_with_pp_and_tp(name, spawn_cache):
 def test_a_slice_scaled_by_its_own_amax_fails_the_recipe(spawn_cache):
     """The feature broken (each rank casts its slices with their local amax, no all-reduce):
     the same comparison fails on the gradients."""
-    ranks = run_group(spawn_cache, "fp8-zero3-broken", [BROKEN], rank_fn=run_zero3_cases,
-                      timeout=600)[BROKEN.name]
+    ranks = run_group(spawn_cache, "fp8-zero3-dp2-full", DP2_FULL, rank_fn=run_zero3_cases,
+                      timeout=900)[BROKEN.name]
     print("\n".join(_problems(ranks)))      # the measured errors (pytest -s)
     assert any(p.startswith("grad: relative error") for r in ranks for p in r["problems"]), \
         _problems(ranks)
@@ -80,3 +84,16 @@ def test_explain_shows_the_fp8_cast_before_the_gather_and_the_amax_all_reduce():
     assert "before each cast one max all-reduce of the slices' amaxes per gathered group over " \
            "dp (4 groups), then one over tp (15 tensor-parallel shards)" in text, text
     assert "amax max-all-reduces over tp per microbatch: 15 (15 of activations" in text, text
+
+
+@pytest.mark.full
+def test_zero3_fp8_with_full_recompute_gathers_fp8_into_the_regions(spawn_cache):
+    """recompute="full": each layer's linears read their weights inside its checkpoint call
+    (gathered_in_fp8 follows them into the region's body), replayed in backward with the
+    weights gathered in FP8 again: the recipe's values and the FP8 bytes as without."""
+    ranks = run_group(spawn_cache, "fp8-zero3-dp2-full", DP2_FULL, rank_fn=run_zero3_cases,
+                      timeout=900)[RECOMPUTE.name]
+    assert len(ranks) == 2, ranks
+    assert not _problems(ranks), "\n".join(_problems(ranks))
+    for r in ranks:     # the measured figures (pytest -s)
+        print(f"rank {r['rank']}: errors {r['errors']}, from the bf16 recipe {r['apart']}")

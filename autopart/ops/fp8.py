@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autopart.ops import tp as tp_ops
@@ -320,22 +321,44 @@ LINEARS = (fp8_linear, fp8_linear_tp, fp8_gather_linear_sp)     # (x, w, b, scal
 
 def gathered_in_fp8(gm: fx.GraphModule) -> tuple[dict[str, str | None], set[str]]:
     """zero=3, by dataflow: ({parameter: the get_attr of its TPComm when its amax spans tp, else
-    None} for those `gm` reads only as the weight of tensorwise FP8 linears, {the parameters it
-    reads otherwise}). A parameter in both (over a rank's chunks) is gathered in fp32."""
+    None} for those `gm` reads only as the weight of tensorwise FP8 linears, directly or in a
+    recomputed region's body (a checkpoint call's), {the parameters it reads otherwise}). A
+    parameter in both (over a rank's chunks) is gathered in fp32."""
     found: dict[str, str | None] = {}
     read: set[str] = set()
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or not isinstance(_target(gm, node.target), nn.Parameter):
-            continue
-        for user in node.users:
-            a = user.args
-            if user.target in LINEARS and a[1] is node and a[3] == "tensorwise" and \
-                    node not in (a[0], a[2]):
-                split = user.target is not fp8_linear and (a[5] or a[6])
-                found.setdefault(node.target, a[7].target if split else None)
-            else:
+        if node.op == "get_attr" and isinstance(_target(gm, node.target), nn.Parameter):
+            comms = _weight_reads(gm, node, lambda n: n)
+            if comms is None:
                 read.add(node.target)
+            else:
+                found.setdefault(node.target, next((c for c in comms if c), None))
     return {k: v for k, v in found.items() if k not in read}, read
+
+
+def _weight_reads(gm: fx.GraphModule, node: fx.Node, outer) -> list | None:
+    """Per read of `node`, the get_attr target of the tp comm its FP8 linear reduces over (None:
+    no split); None if a read is not an FP8 linear's weight. `outer` maps a region body's
+    placeholder to the caller's node (the identity at the chunk's top)."""
+    out: list = []
+    for user in node.users:
+        a = user.args
+        if user.target is torch.utils.checkpoint.checkpoint and node not in a[:1]:
+            body = _target(gm, a[0].target)
+            holes = [n for n in body.graph.nodes if n.op == "placeholder"]
+            for hole, arg in zip(holes, a[1:]):
+                inner = _weight_reads(body, hole, lambda n: outer(a[1 + holes.index(n)])
+                                      if n.op == "placeholder" else n) if arg is node else []
+                if inner is None:
+                    return None
+                out += inner
+        elif user.target in LINEARS and a[1] is node and a[3] == "tensorwise" and \
+                node not in (a[0], a[2]):
+            split = user.target is not fp8_linear and (a[5] or a[6])
+            out.append(outer(a[7]).target if split else None)
+        else:
+            return None
+    return out
 
 
 def _target(gm: nn.Module, target: str):

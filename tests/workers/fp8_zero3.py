@@ -9,6 +9,8 @@ parameters, and when it is freed: "forward" gathers twice a microbatch, forward 
 "backward" once a microbatch, "step" once a step) and the layout's per-rank chunk of each
 parameter: the weights of the linears the recipe converts (the test's own list, by module name)
 as uint8 (FP8 bytes: Gloo has no FP8 type), 1 byte an element, every other parameter as fp32.
+And after the steps each FP8 weight as gathered (e4m3 and scale) is bitwise the recipe's cast of
+the whole weight, its amax taken over every rank's share here (cast_problems).
 """
 from __future__ import annotations
 
@@ -55,11 +57,14 @@ def gathered_bytes(pm, converted: list[str]):
         got = Counter()
         for dtype, n in seen:
             got[str(dtype)] += n
-        want = expected(pm, {f"{m}.weight" for m in converted}, steps[0])
+        fp8_names = {f"{m}.weight" for m in converted}
+        want = expected(pm, fp8_names, steps[0])
+        problems = cast_problems(pm, fp8_names)
         if got != want or not want["torch.uint8"]:
-            return [f"zero=3 all-gathers carried {dict(got)} elements by dtype, not {dict(want)} "
-                    f"(the FP8 weights as uint8, 1 byte an element; the others fp32)"]
-        return []
+            problems.append(f"zero=3 all-gathers carried {dict(got)} elements by dtype, not "
+                            f"{dict(want)} (the FP8 weights as uint8, 1 byte an element; the "
+                            "others fp32)")
+        return problems
 
     param_shards._all_gather_into = recorded
     pm.train_step = counted
@@ -80,6 +85,31 @@ def expected(pm, fp8_names: set[str], steps: int) -> Counter:
                 dtype = "torch.uint8" if names[id(p)] in fp8_names else "torch.float32"
                 want[dtype] += times * lay.chunks[i]
     return want
+
+
+def cast_problems(pm, fp8_names: set[str]) -> list[str]:
+    """After the steps: each FP8 weight as the runtime gathers it (e4m3 and scale) bitwise the
+    recipe's cast of the whole weight (tests/workers/fp8._q: scale = 448 / the amax over every
+    rank's share, over dp and tp, gathered here as objects; not autopart's all-reduce)."""
+    import torch.distributed as dist
+    from tests.workers.fp8 import E4, _q
+    mine = {n: p for n, p in pm.named_parameters() if n in fp8_names}
+    with pm._all_gathered():        # fp32, this rank's tp shard whole
+        whole = {n: p.detach().clone() for n, p in mine.items()}
+    amaxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(amaxes, {n: float(w.abs().max()) for n, w in whole.items()})
+    problems = []
+    pm._sharded.gather(list(mine.values()))
+    for name, p in mine.items():
+        amax = torch.tensor(max(a[name] for a in amaxes if name in a))
+        w8, scale = pm._sharded.fp8_weight(p)
+        want8, want_scale = _q(whole[name], amax, E4, False)
+        if not (torch.equal(scale, want_scale) and torch.equal(w8.view(torch.uint8),
+                                                                want8.view(torch.uint8))):
+            problems.append(f"{name}: gathered e4m3 weight (scale {float(scale)!r}) is not the "
+                            f"recipe's cast of the whole weight (scale {float(want_scale)!r})")
+    pm._sharded.release(list(mine.values()))
+    return problems
 
 
 def zero3_equivalence(case: ZCase, rank: int) -> dict:
