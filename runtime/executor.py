@@ -142,13 +142,16 @@ def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
     """{i: j} for each compute i whose chunk has a paired program (passes/overlap_experts.py)
     and whose next compute j is the same kind (F or B) of the same chunk, with only receives
     between (posted before the pair: a post never waits). Not under zero=2's per-backward
-    windows, nor where a gradient bucket is final after i (the pair's backward is one)."""
+    windows, nor where a gradient bucket is final after i (the pair's backward is one), nor
+    for a chunk run by Inductor (compile=True: its segments are compiled one microbatch each)."""
     pairs, layout = {}, getattr(ctx.grads, "layout", None)
     computes = [i for i, a in enumerate(actions) if a.kind not in _COMM]
     for i, j in zip(computes, computes[1:]):
         a, b = actions[i], actions[j]
+        chunk = ctx.chunks[a.chunk]
         if a.kind not in ("F", "B") or (a.kind, a.chunk) != (b.kind, b.chunk) \
-                or getattr(ctx.chunks[a.chunk], "paired", None) is None or i in pairs.values():
+                or getattr(chunk, "paired", None) is None or chunk.gm.meta.get(COMPILED) \
+                or i in pairs.values():
             continue
         if any(actions[k].kind not in ("RECV_F", "RECV_B") for k in range(i + 1, j)):
             continue
