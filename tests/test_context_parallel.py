@@ -519,7 +519,8 @@ def test_window_documents_and_padding_are_proved_in_one_core():
 
 # -- document ids that are not contiguous, refused on every axis ----------------------------------
 
-@pytest.mark.parametrize("mesh", [dict(dp=2), pytest.param(dict(tp=2), marks=pytest.mark.full)])
+@pytest.mark.parametrize("mesh", [pytest.param(dict(dp=2), id="dp2"),
+                                  pytest.param(dict(tp=2), id="tp2", marks=pytest.mark.full)])
 def test_the_documents_are_found_without_a_cp_axis(mesh):
     """Without cp nothing is rewritten, but the mask is proved as under cp and `doc` recorded
     (ContextParallelPlan(1, ..., documents=('doc',))) so that train_step checks its ids;
