@@ -41,6 +41,14 @@ def _place(fn, inputs, placements: dict, op, tp=2):
     raise AssertionError(f"{op} not in the exported graph:\n{ep.graph}")
 
 
+def _flex(q, k, v, score_mod=None):
+    """flex_attention with a causal BlockMask built in forward, as Hugging Face builds it."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, q.shape[2], k.shape[2],
+                             device=q.device)
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
+
+
 def x(*shape, dtype=torch.float32):
     return torch.randn(*shape).to(dtype)
 
@@ -199,6 +207,18 @@ ROWS = [
      S(1)),
     ("sdpa-needs-kv", lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
      [x(2, 4, 8, 8), x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(1)}, aten.scaled_dot_product_attention.default, "need1:1"),
+    # flex_attention (Hugging Face's attn_implementation="flex_attention") is per head while
+    # its mods do not read the head index: out, log-sum-exp and max split by heads
+    ("flex-heads", lambda q, k, v: _flex(q, k, v),
+     [x(2, 4, 8, 8), x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(1), 1: S(1), 2: S(1)},
+     torch.ops.higher_order.flex_attention, (S(1),) * 3),
+    ("flex-needs-kv", lambda q, k, v: _flex(q, k, v),
+     [x(2, 4, 8, 8), x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(1)},
+     torch.ops.higher_order.flex_attention, "need1:1"),
+    ("flex-score-mod-reads-the-head",
+     lambda q, k, v: _flex(q, k, v, lambda s, b, h, i, j: s - h),
+     [x(2, 4, 8, 8), x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(1), 1: S(1), 2: S(1)},
+     torch.ops.higher_order.flex_attention, NoRule),
     ("matmul-per-head-alibi", lambda q, k: q @ k.transpose(-1, -2), [x(2, 4, 8, 8), x(2, 4, 8, 8)],
      {0: S(1), 1: S(1)}, aten.matmul.default, S(1)),
     ("matmul-contracting-shard", lambda a, b: a @ b, [x(2, 4, 8, 8), x(2, 4, 8, 8)], {0: S(3), 1: S(2)},
