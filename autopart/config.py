@@ -86,7 +86,8 @@ class Config:
     fp8_linears: Fp8Linears = "auto"           # precision="fp8" only
     zero: Zero = 0
     cp_attention: CpAttention = "ring"
-    # tp's input-gradient all-reduce behind the weight gradients (passes/overlap_collectives.py)
+    # tp's input-gradient all-reduce behind the weight gradients (passes/overlap_collectives.py);
+    # ep's all-to-alls behind the other microbatch of a pair (passes/overlap_experts.py)
     overlap: bool = True
     # runtime-only: read by parallelize's ParallelModel, not by the compiler
     nonfinite: Nonfinite = "raise"
