@@ -21,9 +21,9 @@ what they compute with anyway), fp32 for the others (norms, embeddings: the bf16
 them in fp32). FSDP2's MixedPrecisionPolicy casts every parameter: a recipe of its own.
 
 Under precision="fp8" (tensorwise) the weights read only as FP8 linears' weights
-(passes/fp8_linears.gathered_in_fp8) are cast before their all-gather: each rank takes the amax
+(autopart/ops/fp8.gathered_in_fp8) are cast before their all-gather: each rank takes the amax
 of its own slices, one max all-reduce over the replicas (and, for a tensor-parallel shard, one
-over tp) of every such weight of the gathered run gives the whole weight's amax, each rank casts
+over tp) of every such weight the gather posts gives the whole weight's amax, each rank casts
 its slices to e4m3 with that scale (autopart/ops/fp8.py's, bitwise the recipe's cast of the whole
 weight: the cast is elementwise, the scale global) and the all-gather moves the FP8 bytes, 1 an
 element. The parameter then holds a full-shaped fp32 tensor with no storage (autograd's input,

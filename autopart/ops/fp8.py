@@ -47,6 +47,8 @@ w, in forward and, re-gathered, in backward (the recipe's "forward's e4m3 w": th
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -83,7 +85,8 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype):
                                 out_dtype=out_dtype)
 
 
-# zero=3: parameter -> the runtime's ShardedParameters that gathers it in FP8 (hold_in_fp8)
+# zero=3: parameter -> the runtime's ShardedParameters that gathers it in FP8 (hold_in_fp8), both
+# weakly: the owner holds its parameters, so a strong value would keep every entry alive
 _HELD = WeakIdKeyDictionary()
 
 
@@ -91,13 +94,13 @@ def hold_in_fp8(params, owner) -> None:
     """The FP8 linears read `params`' weights from `owner.fp8_weight(p)` ((e4m3 weight, scale),
     or None while not gathered in FP8: then they cast w as usual)."""
     for p in params:
-        _HELD[p] = owner
+        _HELD[p] = weakref.ref(owner)
 
 
 def _gathered(w: torch.Tensor, w_out_dim: int):
     """For w gathered in FP8 now: a function giving (its e4m3 w[N, K], scale), which backward
     calls again (after the re-gather); else None."""
-    owner = _HELD.get(w)
+    owner = _HELD[w]() if w in _HELD else None
     if owner is None or owner.fp8_weight(w) is None:
         return None
 
