@@ -207,7 +207,7 @@ def _export(wrapper: nn.Module, args: tuple):
     if seq is not None:  # some models tie the sequence to a fixed size: keep only the batch symbolic
         seq_static = (tuple(({0: batch} if a.shape[0] > 1 else None) for a in args),)
         attempts.insert(1, (seq_static, True))
-    last_error, printed = None, ""
+    last_error, printed, frozen = None, "", [False]
     for dyn, dynamic in attempts:
         out = io.StringIO()
         try:
@@ -215,7 +215,7 @@ def _export(wrapper: nn.Module, args: tuple):
             # says what matters (with the user's line, read from that print when needed)
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), \
                     _quiet("torch.fx.experimental.symbolic_shapes"):
-                ep = _export_frozen_if_needed(wrapper, args, dyn)
+                ep = _export_frozen_if_needed(wrapper, args, dyn, frozen)
             return ep, dynamic and args[0].shape[0] > 1
         except AutopartError:
             raise                 # ours, from inside forward (e.g. no loss): already explained
@@ -226,18 +226,20 @@ def _export(wrapper: nn.Module, args: tuple):
     raise _capture_error(last_error, printed) from last_error
 
 
-def _export_frozen_if_needed(wrapper: nn.Module, args: tuple, dyn):
+def _export_frozen_if_needed(wrapper: nn.Module, args: tuple, dyn, frozen: list):
     """torch.export.export; again with the parameters not requiring grad when torch's
     flex_attention front end refused them on the CPU ("does not support backward on CPU": it
-    has no fused CPU backward, torch/nn/attention/flex_attention.py _validate_device). The
-    graph is the same (export records no autograd); the op it holds,
-    torch.ops.higher_order.flex_attention, runs forward and backward on the CPU by its dense
-    reference, which is what the ranks then call."""
-    try:
-        return torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
-    except NotImplementedError as e:
-        if "does not support backward on CPU" not in str(e):
-            raise
+    has no fused CPU backward, torch/nn/attention/flex_attention.py _validate_device), and so
+    at once in later attempts (`frozen[0]` set). The graph is the same (export records no
+    autograd); the op it holds, torch.ops.higher_order.flex_attention, runs forward and
+    backward on the CPU by its dense reference, which is what the ranks then call."""
+    if not frozen[0]:
+        try:
+            return torch.export.export(wrapper, args, dynamic_shapes=dyn, strict=False)
+        except NotImplementedError as e:
+            if "does not support backward on CPU" not in str(e):
+                raise
+        frozen[0] = True
     grads = [(p, p.requires_grad) for p in wrapper.parameters()]
     try:
         for p, _ in grads:
@@ -269,10 +271,10 @@ def _is_shape_error(e: Exception) -> bool:
 
 
 def _raised_in_symbolic_sizes(e: Exception) -> bool:
-    """Raised by torch's own code for symbolic sizes (torch 2.13 fails to trace
-    flex_attention's mask with batch and sequence both symbolic: "TypeError: mul expected 2
-    arguments, got 3" in proxy_tensor._build_proxy_for_sym_expr); fewer symbolic sizes may go
-    through."""
+    """Raised by torch's own code for symbolic sizes (torch 2.13 fails to trace a
+    flex_attention mask_mod that indexes a tensor by batch and query with both sizes symbolic:
+    "TypeError: mul expected 2 arguments, got 3" in proxy_tensor._build_proxy_for_sym_expr);
+    fewer symbolic sizes may go through."""
     tb = traceback.extract_tb(e.__traceback__)
     return bool(tb) and tb[-1].filename.endswith(("fx/experimental/proxy_tensor.py",
                                                   "fx/experimental/sym_node.py"))

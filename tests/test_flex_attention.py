@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import autopart
 from autopart.errors import AutopartError
@@ -90,3 +91,54 @@ def test_context_parallelism_refuses_flex_attention_by_name():
               'attn_implementation="sdpa"', "doc[:, :, None] == doc[:, None, :]",
               "drop the cp axis"]:
         assert s in text, (s, text)
+
+
+class _FlexDocs(torch.nn.Module):
+    """flex_attention written directly: a BlockMask built in forward from a document-id input
+    (create_block_mask vmaps the mask_mod), heads from one linear; `sdpa` the same function
+    with SDPA and a boolean mask."""
+
+    def __init__(self, sdpa: bool = False):
+        super().__init__()
+        self.qkv, self.sdpa = torch.nn.Linear(16, 48), sdpa
+
+    def forward(self, x, doc):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        if self.sdpa:
+            mask = (doc[:, :, None] == doc[:, None, :])[:, None] & \
+                torch.ones(t, t, dtype=torch.bool).tril()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+        def same_doc(bi, h, i, j):
+            return (i >= j) & (doc[bi, i] == doc[bi, j])
+        block = create_block_mask(same_doc, b, None, t, t, device=x.device)
+        return flex_attention(q, k, v, block_mask=block).sum()
+
+
+@pytest.mark.full      # ~35 s on 2 busy cores: four exports (the CPU refusal, the sizes)
+def test_capture_folds_the_block_masks_vmap_and_trains_on_the_cpu():
+    """The vmap create_block_mask traces inline becomes one node (no functorch level call
+    left for a pass to drop), the parameters' CPU backward refusal is passed, and the captured
+    program's loss and gradients are SDPA's with the same document mask."""
+    from autopart.capture import capture
+    from autopart.vmap_regions import run_vmap_region
+    torch.manual_seed(0)
+    model, x = _FlexDocs(), torch.randn(2, 16, 16)
+    doc = torch.tensor([[0] * 5 + [1] * 11, [2] * 16])
+    program = capture(model, (x, doc))
+    targets = [n.target for n in program.gm.graph.nodes]
+    assert run_vmap_region in targets and torch.ops.higher_order.flex_attention in targets
+    assert not [t for t in targets if "vmap" in getattr(t, "__name__", "") and
+                t is not run_vmap_region]
+    loss = program.gm(x, doc)
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    loss.backward()
+    plain = _FlexDocs(sdpa=True)
+    plain.load_state_dict(model.state_dict())
+    ref = plain(x, doc)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
