@@ -149,13 +149,28 @@ class ShardLayout:
         n, grads = e - s, [p.grad for p in self.params]
         dtype = next((g.dtype for g in grads if g is not None), self.dtype)
         bucket = torch.empty(self.size * n, dtype=dtype, device=self.device)
-        for k in range(self.size):
-            self.read(grads, k, s, bucket[k * n:(k + 1) * n])
+        whole = self._whole(s, e)
+        if whole is not None and all(g is not None and g.dtype == dtype for g in grads[whole]):
+            # whole parameters (a layer group): one op lays out every replica's row, each
+            # gradient cut in `size` chunks, zero-padded (FSDP2's copy-in), not a copy per
+            # parameter and replica
+            torch._chunk_cat([g.detach().reshape(-1) for g in grads[whole]], 0, self.size,
+                             out=bucket.view(self.size, n))
+        else:
+            for k in range(self.size):
+                self.read(grads, k, s, bucket[k * n:(k + 1) * n])
         mine = bucket[self.index * n:(self.index + 1) * n]
         work = None
         if self.group is not None:   # in place: this rank's row receives the sum (NCCL's form)
             work = dist.reduce_scatter_tensor(mine, bucket, group=self.group, async_op=async_op)
         return work, mine, bucket
+
+    def _whole(self, s: int, e: int) -> slice | None:
+        """The parameters whose chunks are exactly slice range [s, e) (several), else None."""
+        i, j = bisect.bisect_left(self.offsets, s), bisect.bisect_left(self.offsets, e)
+        if j < len(self.offsets) and self.offsets[i] == s and self.offsets[j] == e and i < j:
+            return slice(i, j)
+        return None
 
     def take_reduced(self, s: int, mine: torch.Tensor, keep_full: bool) -> None:
         """A waited reduce-scatter's row: into the parameters' `.grad` (zero=1: full-shaped,
