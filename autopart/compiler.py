@@ -124,9 +124,11 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
 
 def pairs_microbatches(config: Config, mesh: Mesh) -> bool:
     """Whether the schedule takes microbatches two at a time (overlap_experts): ep > 1 with
-    the overlap on, an even number of microbatches, and a schedule whose backward is one B."""
+    the overlap on, an even number of microbatches, a schedule whose backward is one B, and
+    not zero=3 (the runtime swaps its chunk programs' parameters for gathered shards:
+    runtime/param_shards.py; a paired program built before would read the slices)."""
     return bool(config.overlap and mesh.ep > 1 and config.microbatches % 2 == 0
-                and config.schedule in ("1f1b", "gpipe", "interleaved-1f1b"))
+                and config.schedule in ("1f1b", "gpipe", "interleaved-1f1b") and config.zero != 3)
 
 
 def takes_pairs(schedule: sched.Schedule | None) -> bool:

@@ -10,7 +10,11 @@ them back to back in each round (forward + backward + SGD), so that the machine'
 in the per-round ratio; the figure is the median of those ratios. With the overlap the schedule
 runs the microbatches two at a time (1F1B over 2 pairs: a larger bubble) and each pair's
 all-to-alls wait behind the other microbatch's compute; without it, 1F1B over 4 microbatches.
-Before timing, both layouts' first-step losses are checked against the plain model's.
+A third side, "serial", isolates the overlap from the pairing: the same paired schedule and
+paired programs with each microbatch's ops in order (a's whole forward, then b's: every wait
+right after its post), made by replacing passes/overlap_experts.py `interleave` in this
+benchmark's processes only. Before timing, every side's first-step loss is checked against the
+plain model's.
 On CPU the all-to-alls run on Gloo's threads, which share the cores with the ranks' compute:
 what hides there is the transfer's latency, not its bandwidth.
 """
@@ -53,11 +57,15 @@ def run(rank: int, world: int, args) -> dict:
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     with torch.no_grad():
         plain = _loss(_mixtral(args)(input_ids=x), x).item()
-    sides = {}
-    for name, overlap in (("overlap", True), ("no_overlap", False)):
+    from autopart.passes import overlap_experts as oe
+    interleave, sides = oe.interleave, {}
+    for name, overlap in (("overlap", True), ("no_overlap", False), ("serial", True)):
+        if name == "serial":        # a's items, then b's: each wait right after its post
+            oe.interleave = lambda items: [(mb, it) for mb in (0, 1) for it in items]
         pm = autopart.parallelize(_mixtral(args), autopart.Mesh(pp=2, dp=2, ep=2), (x,),
                                   loss_fn=_loss, target=x, microbatches=args.microbatches,
                                   overlap=overlap)
+        oe.interleave = interleave
         sides[name] = (pm, torch.optim.SGD(pm.parameters(), lr=1e-2))
 
     def step(name):
@@ -73,7 +81,7 @@ def run(rank: int, world: int, args) -> dict:
             step(name)
     times = {name: [] for name in sides}
     for r in range(args.steps):
-        for name in (sides if r % 2 == 0 else reversed(list(sides))):   # alternate who's first
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):   # alternate the order
             dist.barrier()
             start = time.perf_counter()
             step(name)
@@ -97,27 +105,31 @@ def main(argv=None) -> int:
     from autopart.runtime.launch import spawn
     outs = spawn(run, 4, args, timeout=args.timeout)
     first = outs[-1]["first_loss"]          # the last pipeline stage's ranks hold the loss
-    ok = all(abs(first[k] - first["plain"]) < 1e-4 for k in ("overlap", "no_overlap"))
+    sides = ("overlap", "no_overlap", "serial")
+    ok = all(abs(first[k] - first["plain"]) < 1e-4 for k in sides)
     # a step ends when its slowest rank's does: per round, the slowest rank's time
-    steps = {k: [max(o["times"][k][i] for o in outs) for i in range(args.steps)]
-             for k in ("overlap", "no_overlap")}
-    ratios = [a / b for a, b in zip(steps["overlap"], steps["no_overlap"])]
+    steps = {k: [max(o["times"][k][i] for o in outs) for i in range(args.steps)] for k in sides}
+
+    def ratio(a, b):
+        return statistics.median(x / y for x, y in zip(steps[a], steps[b]))
     result = {"bench": "moe_overlap", "mesh": "pp=2,dp=2,ep=2", "microbatches": args.microbatches,
               "model": f"HF Mixtral h={args.hidden} layers={args.layers} 4 experts top-2",
               "batch": [args.batch, args.seq], "first_step_loss": first, "losses_match": ok,
-              "step_seconds": steps, "ratio_overlap_over_no_overlap": statistics.median(ratios)}
+              "step_seconds": steps, "ratio_overlap_over_no_overlap": ratio("overlap", "no_overlap"),
+              "ratio_overlap_over_serial": ratio("overlap", "serial")}
     if args.json:
         print(json.dumps(result))
     else:
         print(f"HF Mixtral h={args.hidden}, {args.layers} layers, 4 experts top-2; pp=2 x dp=2, "
               f"ep=2, {args.microbatches} microbatches, batch {args.batch}x{args.seq}, 4 ranks, "
               "Gloo, 1 thread per rank")
-        print(f"first-step loss: plain {first['plain']:.6f}  overlap {first['overlap']:.6f}  "
-              f"no overlap {first['no_overlap']:.6f}  ({'match' if ok else 'MISMATCH'})")
+        print(f"first-step loss: plain {first['plain']:.6f}  " + "  ".join(
+            f"{k} {first[k]:.6f}" for k in sides) + f"  ({'match' if ok else 'MISMATCH'})")
         med = {k: statistics.median(v) for k, v in steps.items()}
-        print(f"median step: overlap {med['overlap'] * 1e3:.1f} ms  no overlap "
-              f"{med['no_overlap'] * 1e3:.1f} ms  median per-round ratio "
-              f"{result['ratio_overlap_over_no_overlap']:.3f}")
+        print("median step: " + "  ".join(f"{k} {med[k] * 1e3:.1f} ms" for k in sides))
+        print(f"median per-round ratio overlap / no overlap "
+              f"{result['ratio_overlap_over_no_overlap']:.3f}, overlap / serial pairs "
+              f"{result['ratio_overlap_over_serial']:.3f}")
     return 0 if ok else 1
 
 

@@ -130,7 +130,10 @@ def _zero(out: dict) -> dict:
 
 def _moe_overlap(out: dict) -> dict:
     t = out["step_seconds"]
-    return {"ep overlap / no overlap": _per_round(t["overlap"], t["no_overlap"])}
+    rows = {"ep overlap / no overlap": _per_round(t["overlap"], t["no_overlap"])}
+    if "serial" in t:
+        rows["ep overlap / serial pairs"] = _per_round(t["overlap"], t["serial"])
+    return rows
 
 
 def _cp(out: dict) -> dict:
@@ -254,7 +257,10 @@ BENCHMARKS = [
                                       "pp=2 x dp=2 with ep=2, HF Mixtral h=64 4 layers 4 experts "
                                       "top-2, batch 16x64, 4 microbatches, the slowest rank per "
                                       "round, paired rounds (issue 52's target <= 0.85)"},
-          _moe_overlap, timeout=1800),
+          _moe_overlap, timeout=1800,
+          optional={"ep overlap / serial pairs": "autopart overlap=True / the same paired "
+                    "schedule and programs with each microbatch's ops in order (every wait "
+                    "right after its post): the overlap's own share, paired rounds"}),
     Bench("cp", "cp_attention.py", lambda r: ["--rounds", str(r)],
           {"cp ring / allgather": "autopart cp=2 ring attention / all-gather attention step "
                                   "(fwd+bwd+AdamW), GPT 2 layers n_embd=128 vocab 1024, "

@@ -142,8 +142,8 @@ def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
     """{i: j} for each compute i whose chunk has a paired program (passes/overlap_experts.py)
     and whose next compute j is the same kind (F or B) of the same chunk, with only receives
     between (posted before the pair: a post never waits). Not under zero=2's per-backward
-    windows, nor where a gradient bucket is final after i (the pair's backward is one), nor
-    for a chunk run by Inductor (compile=True: its segments are compiled one microbatch each)."""
+    windows, nor where a gradient bucket is final after i (the pair's backward is one), nor B
+    under bf16 (below), nor for a chunk run by Inductor (compile=True: its segments are compiled one microbatch each)."""
     pairs, layout = {}, getattr(ctx.grads, "layout", None)
     computes = [i for i, a in enumerate(actions) if a.kind not in _COMM]
     for i, j in zip(computes, computes[1:]):
@@ -154,6 +154,11 @@ def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
                 or i in pairs.values():
             continue
         if any(actions[k].kind not in ("RECV_F", "RECV_B") for k in range(i + 1, j)):
+            continue
+        if a.kind == "B" and ctx.reduced is not None:
+            # bf16: both microbatches read autocast's one bf16 copy of each weight, so one
+            # backward would sum their weight gradients in bf16 before the fp32 .grad (measured:
+            # 1.5e-3 off the recipe); each backward alone accumulates in fp32, as unpaired
             continue
         if layout is not None and (i in layout.final_after or i in layout.window_after
                                    or j in layout.window_after):

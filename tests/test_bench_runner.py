@@ -195,3 +195,7 @@ def test_moe_overlap_rows_pair_the_overlap_with_its_absence_round_by_round():
     rows = bench.values({"step_seconds": {"overlap": [1.0, 3.0], "no_overlap": [2.0, 4.0]}})
     assert rows == {"ep overlap / no overlap": [0.5, 0.75]}
     assert set(rows) == set(bench.rows)
+    rows = bench.values({"step_seconds": {"overlap": [1.0, 3.0], "no_overlap": [2.0, 4.0],
+                                          "serial": [1.0, 6.0]}})
+    assert rows["ep overlap / serial pairs"] == [1.0, 0.5]
+    assert set(rows) - set(bench.rows) <= set(bench.optional)

@@ -312,7 +312,7 @@ class CostModel(Fp8Pricing):
         """Whether autopart's runtime runs the microbatches two at a time, each pair's expert
         all-to-alls behind the other's compute (autopart/compiler.py pairs_microbatches)."""
         m = self.microbatches(lay)
-        return (self.runtime == "autopart" and lay.ep > 1 and m % 2 == 0
+        return (self.runtime == "autopart" and lay.ep > 1 and m % 2 == 0 and lay.zero != 3
                 and lay.schedule in ("1f1b", "gpipe", "interleaved-1f1b")
                 and (lay.schedule != "interleaved-1f1b" or (m // 2) % lay.pp == 0))
 
