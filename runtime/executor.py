@@ -143,7 +143,8 @@ def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
     and whose next compute j is the same kind (F or B) of the same chunk, with only receives
     between (posted before the pair: a post never waits). Not under zero=2's per-backward
     windows, nor where a gradient bucket is final after i (the pair's backward is one), nor B
-    under bf16 (below), nor for a chunk run by Inductor (compile=True: its segments are compiled one microbatch each)."""
+    under bf16 (below), nor for a chunk run by Inductor (compile=True: its segments are
+    compiled for one microbatch each)."""
     pairs, layout = {}, getattr(ctx.grads, "layout", None)
     computes = [i for i, a in enumerate(actions) if a.kind not in _COMM]
     for i, j in zip(computes, computes[1:]):

@@ -1,5 +1,5 @@
-"""Rank functions of tests/test_ep_overlap.py: the equivalence harness (tests/workers/equivalence.py)
-on cases that set overlap=, each result with how this process's computes ran
+"""Rank functions of tests/test_ep_overlap.py: the equivalence harness
+(tests/workers/equivalence.py) on cases that set overlap=, each result with how this process's computes ran
 (runtime/executor.py PATHS: "paired F" counts the forwards run by a paired program)."""
 from __future__ import annotations
 
