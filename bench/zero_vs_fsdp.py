@@ -13,6 +13,10 @@ and lasting as long as its slowest rank:
   autopart_zero3/2/1/0  parallelize(..., Mesh(dp=2), microbatches=M, zero=k), pm.optimizer(AdamW)
   autopart_zero3_noprefetch  zero=3 with the runtime's one-group-ahead all-gather off (each
                       group gathered where the program needs it): the A/B of the prefetch
+  autopart_zero3_chunk_reduce  (only when named in --sides) zero=3 with its gradient
+                      reduce-scatters cut per pipeline chunk as before issue 52 (one, posted
+                      once the chunk's whole backward is done) instead of per layer group
+                      (each posted as that layer's backward ends): the A/B of the grouping
   fsdp2_reshard       fully_shard as below but reshard_after_forward=True and resharded after
                       every microbatch's backward: parameters gathered for each layer's forward
                       and again for its backward, ZeRO-3's work, the peer of autopart_zero3
@@ -58,7 +62,10 @@ from examples.gpt import GPT, config, lm_loss  # noqa: E402
 STEP_CONFIG = "tiny,n_layer=4,n_embd=256,n_head=4,vocab_size=8192,block_size=128"
 SIDES = ("autopart_zero3", "autopart_zero3_noprefetch", "autopart_zero2", "autopart_zero1",
          "autopart_zero0", "fsdp2", "fsdp2_reshard")
+# named in --sides only: not in the default run (bench/run_all.py reads the default sides)
+OPTIONAL = ("autopart_zero3_chunk_reduce",)
 PEER = {"autopart_zero3": "fsdp2_reshard", "autopart_zero3_noprefetch": "fsdp2_reshard",
+        "autopart_zero3_chunk_reduce": "fsdp2_reshard",
         "autopart_zero2": "fsdp2", "autopart_zero1": "fsdp2", "autopart_zero0": "fsdp2"}
 LR = 1e-3
 
@@ -93,6 +100,16 @@ def without_prefetch(pm):
     sharded = pm._sharded
     gather = type(sharded).gather
     sharded.gather = lambda params, next_group=None: gather(sharded, params)
+    return pm
+
+
+def chunk_reduce(pm):
+    """`pm` (zero=3) reduce-scattering its gradients in the optimizer's buckets (a pipeline
+    chunk's parameters, cut by zero_bucket_size), the layout before the per-layer groups
+    (runtime/gradients.py reduce_groups): the A/B of the grouping, on the same program."""
+    for lay in pm._grads.zero_layouts:
+        lay.reduce_ranges = lay.ranges
+    pm._grads._layout = None     # laid out again from the ranges at the next step
     return pm
 
 
@@ -168,6 +185,10 @@ def step_rank(rank: int, world: int, opts: dict) -> dict:
         pm, opt = autopart_side(copy.deepcopy(plain), autopart.Mesh(dp=world), x, m, 3)
         without_prefetch(pm)
         steps["autopart_zero3_noprefetch"] = lambda pm=pm, opt=opt: autopart_step(pm, opt, x)
+    if "autopart_zero3_chunk_reduce" in sides:
+        pm, opt = autopart_side(copy.deepcopy(plain), autopart.Mesh(dp=world), x, m, 3)
+        chunk_reduce(pm)
+        steps["autopart_zero3_chunk_reduce"] = lambda pm=pm, opt=opt: autopart_step(pm, opt, x)
     for name, reshard in (("fsdp2", False), ("fsdp2_reshard", True)):
         if name in sides:
             fsdp, fsdp_opt = fsdp2_side(plain, world, reshard)
@@ -205,6 +226,9 @@ def step_mode(a) -> int:
     if "autopart_zero3_noprefetch" in times and "autopart_zero3" in times:
         ratios["prefetch"] = statistics.median(_per_round(times["autopart_zero3"],
                                                           times["autopart_zero3_noprefetch"]))
+    if "autopart_zero3_chunk_reduce" in times and "autopart_zero3" in times:
+        ratios["layer_groups"] = statistics.median(_per_round(
+            times["autopart_zero3"], times["autopart_zero3_chunk_reduce"]))
     result = {"bench": "zero_vs_fsdp", "dp": 2, "config": a.config, "params": out["params"],
               "batch": a.batch, "microbatches": a.microbatches, "steps": a.steps,
               "warmup": a.warmup, "equal_work": out["check"], "step_seconds": times,
@@ -224,12 +248,15 @@ def step_table(r: dict) -> str:
              f"equal work: plain first-step loss {c['plain']:.6f}; " + ", ".join(
                  f"{k} {v:.6f}" for k, v in c["first"].items()) + " (match)", "",
              f"{'side':<26}{'median s':>10}{'/ peer':>10}  peer"]
-    for side in [s for s in SIDES if s in r["step_seconds"]]:
+    for side in [s for s in SIDES + OPTIONAL if s in r["step_seconds"]]:
         ratio = r["median_ratio_to_fsdp2"].get(side)
         lines.append(f"{side:<26}{statistics.median(r['step_seconds'][side]):>10.3f}"
                      f"{'' if ratio is None else f'{ratio:.3f}':>10}  {PEER.get(side, '')}")
     if "prefetch" in r["median_ratio_to_fsdp2"]:
         lines.append(f"{'zero3 prefetch / no prefetch':<26}{r['median_ratio_to_fsdp2']['prefetch']:.3f}")
+    if "layer_groups" in r["median_ratio_to_fsdp2"]:
+        lines.append(f"{'zero3 per-layer / per-chunk reduce-scatters':<44}"
+                     f"{r['median_ratio_to_fsdp2']['layer_groups']:.3f}")
     lines += ["", "/ peer: median of the per-round ratios (lower: autopart faster)",
               f"load average {r['load_before']:.1f} before, {r['load_after']:.1f} after, on "
               f"{os.cpu_count()} cpus"]
@@ -351,8 +378,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fsdp2", action="store_true",
                     help="memory mode: also FSDP2 with reshard_after_forward=True (ZeRO-3's peer)")
     ap.add_argument("--sides", default=",".join(SIDES),
-                    help="step mode: which of " + ", ".join(SIDES) + " (default all; a ratio "
-                    "needs the side and its peer)")
+                    help="step mode: which of " + ", ".join(SIDES + OPTIONAL) + " (default: "
+                    "all but " + ", ".join(OPTIONAL) + "; a ratio needs the side and its peer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", action="store_true",
@@ -362,7 +389,7 @@ def main(argv=None) -> int:
     a.batch = a.batch or (4 if a.memory else 8)
     a.microbatches = a.microbatches or (1 if a.memory else 2)
     a.levels = sorted({int(v) for v in a.levels.split(",")})
-    a.sides = tuple(s for s in SIDES if s in a.sides.split(","))
+    a.sides = tuple(s for s in SIDES + OPTIONAL if s in a.sides.split(","))
     if not a.sides or not set(a.sides) & {"fsdp2", "fsdp2_reshard"}:
         ap.error(f"--sides: name at least one FSDP2 side and others of {', '.join(SIDES)}")
     if not set(a.levels) <= {0, 1, 2, 3}:
