@@ -10,7 +10,8 @@ builds from the same position_ids. Context parallelism refuses flex_attention by
 remedy it names (attn_implementation="sdpa", the documents' mask from an id input passed as a
 4-D attention_mask) trains at cp=2 as the plain model does.
 
-Fast tier (the tp=2 case): python -m pytest -m "not full" tests/test_flex_attention.py
+Fast tier (the capture of a hand-written flex model, its loss and gradients against SDPA's; the
+tp=2 training case, ~110 s, is in the full tier): python -m pytest -m "not full" tests/test_flex_attention.py
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tests.workers.flex import _packed_flex, run_flex_cases
 
 SEQ = dict(model="hf-flex-packed", batch=4, seq=32)
 GROUPS = {
-    ("flex", 2): [Case("flex-packed-tp2", tp=2, optim="adamw", ignored="uneven", **SEQ)],
+    ("flex-tp-full", 2): [Case("flex-packed-tp2", tp=2, optim="adamw", ignored="uneven", **SEQ)],
     ("flex-full", 2): [Case("flex-packed-pp2", pp=2, microbatches=2, **SEQ),
                        Case("flex-packed-dp2", dp=2, optim="adam", **SEQ)],
     # the remedy cp's refusal names: HF's SDPA with the documents' mask from an id input
@@ -116,7 +117,7 @@ class _FlexDocs(torch.nn.Module):
         return flex_attention(q, k, v, block_mask=block).sum()
 
 
-@pytest.mark.full      # ~35 s on 2 busy cores: four exports (the CPU refusal, the sizes)
+# fast tier: 13 s (35 s on 2 busy cores): four exports (the CPU refusal, the sizes)
 def test_capture_folds_the_block_masks_vmap_and_trains_on_the_cpu():
     """The vmap create_block_mask traces inline becomes one node (no functorch level call
     left for a pass to drop), the parameters' CPU backward refusal is passed, and the captured
