@@ -213,9 +213,7 @@ class ShardedParameters:
         """How p is gathered: FP8 (cast first), REDUCED (in gather_dtype, if any) or FULL."""
         if id(p) in self.fp8 and self.fp8_on:
             return FP8
-        # without a gather dtype every non-FP8 run moves the parameters' own dtype: one kind,
-        # so a group's neighbours go in one all-gather, not one per weight / norm alternation
-        return REDUCED if id(p) in self.reduced and self.gather_dtype is not None else FULL
+        return REDUCED if id(p) in self.reduced else FULL
 
     def _fp8_scales(self, lay, indices: list[int]) -> dict[int, torch.Tensor]:
         """Parameter index -> the e4m3 scale of its whole weight: the amaxes of this rank's
