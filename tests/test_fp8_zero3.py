@@ -17,13 +17,18 @@ from tests.workers.fp8_zero3 import ZCase, run_zero3_cases
 # the example GPT (tests/test_fp8.py's): 4 layers, n_embd 32, 3 SGD steps
 DP2 = ZCase("gpt4-dp2-zero3", model="gpt4", dp=2, microbatches=2)
 WIDER = [ZCase("gpt4-pp2-dp2-zero3", model="gpt4", pp=2, dp=2, microbatches=2),
-         ZCase("gpt4-tp2-dp2-zero3", model="gpt4", tp=2, dp=2, microbatches=2, noise="tp")]
+         ZCase("gpt4-tp2-dp2-zero3", model="gpt4", tp=2, dp=2, microbatches=2, noise="tp"),
+         # sequence parallelism: the column-parallel linears gather their input in FP8 too
+         ZCase("gpt4-tp2-sp-dp2-zero3", model="gpt4", tp=2, dp=2, microbatches=2, noise="tp",
+               sequence_parallel=True)]
 BROKEN = ZCase("gpt4-dp2-zero3-local-amax", model="gpt4", dp=2, microbatches=2,
                broken="local-amax")
 # recompute="full": the linears run inside each layer's checkpoint call, replayed in backward
 RECOMPUTE = ZCase("gpt4-dp2-zero3-recompute-full", model="gpt4", dp=2, microbatches=2,
                   recompute="full")
-DP2_FULL = [BROKEN, RECOMPUTE]
+# HF GPT-2's Conv1D: addmm with w[K, N], the gathered e4m3 weight read transposed
+HF_GPT2 = ZCase("hf-gpt2-dp2-zero3", model="c-hf-gpt2-untied", dp=2, microbatches=2)
+DP2_FULL = [BROKEN, RECOMPUTE, HF_GPT2]
 
 
 def _problems(ranks) -> list[str]:
@@ -87,12 +92,14 @@ def test_explain_shows_the_fp8_cast_before_the_gather_and_the_amax_all_reduce():
 
 
 @pytest.mark.full
-def test_zero3_fp8_with_full_recompute_gathers_fp8_into_the_regions(spawn_cache):
+@pytest.mark.parametrize("name", [RECOMPUTE.name, HF_GPT2.name])
+def test_zero3_fp8_with_full_recompute_and_hf_gpt2(name, spawn_cache):
     """recompute="full": each layer's linears read their weights inside its checkpoint call
     (gathered_in_fp8 follows them into the region's body), replayed in backward with the
-    weights gathered in FP8 again: the recipe's values and the FP8 bytes as without."""
+    weights gathered in FP8 again; HF GPT-2: its Conv1D weights w[K, N] gathered in FP8 and
+    read transposed. The recipe's values and the FP8 bytes as the dp=2 case."""
     ranks = run_group(spawn_cache, "fp8-zero3-dp2-full", DP2_FULL, rank_fn=run_zero3_cases,
-                      timeout=900)[RECOMPUTE.name]
+                      timeout=900)[name]
     assert len(ranks) == 2, ranks
     assert not _problems(ranks), "\n".join(_problems(ranks))
     for r in ranks:     # the measured figures (pytest -s)

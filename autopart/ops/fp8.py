@@ -112,6 +112,9 @@ def _gathered(w: torch.Tensor, w_out_dim: int):
                                "must re-gather it: passes/gather_parameters.py)")
         w8, scale = held
         return (w8 if w_out_dim == 0 else w8.t()), scale
+    # w[K, N] reaches the op as is (a view of a parameter without storage cannot be made): its
+    # gradient is transposed back
+    fetch.flip = w_out_dim == 1
     return fetch
 
 
@@ -180,7 +183,12 @@ class _Fp8Linear(torch.autograd.Function):
         g8 = to_fp8(g, sg, E5M2)
         grad_x = scaled_mm(g8, w8, sg, sw, torch.bfloat16)
         grad_w = scaled_mm(g8.t(), x8, sg, sx, torch.bfloat16)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, _oriented(grad_w, ctx.fetch), None, None, None, None, None, None
+
+
+def _oriented(grad_w: torch.Tensor, fetch) -> torch.Tensor:
+    """grad_w[N, K] as the op's w input has it (zero=3's FP8 weight w[K, N] comes untransposed)."""
+    return grad_w.t() if fetch is not None and fetch.flip else grad_w
 
 
 def _forward_gathered(ctx, x, fetch, k_split: bool, n_split: bool, comm):
@@ -237,7 +245,7 @@ class _Fp8GatherLinear(torch.autograd.Function):
         ctx.dim, ctx.comm, ctx.fetch = dim, comm, fetch
         full = _gather_fp8(x8, dim, comm)
         y = scaled_mm(full.reshape(-1, full.shape[-1]), w8.t(), sx, sw, torch.bfloat16)
-        return y.reshape(*full.shape[:-1], w.shape[0])
+        return y.reshape(*full.shape[:-1], w8.shape[0])
 
     @staticmethod
     def backward(ctx, g):
@@ -254,7 +262,7 @@ class _Fp8GatherLinear(torch.autograd.Function):
         full = tp_ops._finish(*gathering).view(E4M3)
         scattering = tp_ops._start_reduce_scatter(grad_full, ctx.dim, ctx.comm)
         grad_w = scaled_mm(g8.t(), full.reshape(-1, full.shape[-1]), sg, sx, torch.bfloat16)
-        return tp_ops._finish(*scattering), grad_w, None, None, None, None
+        return tp_ops._finish(*scattering), _oriented(grad_w, ctx.fetch), None, None, None, None
 
 
 def _gather_fp8(x8: torch.Tensor, dim: int, comm) -> torch.Tensor:
@@ -266,10 +274,10 @@ def _apply(x, w, b, scaling, w_out_dim, k_split, n_split, comm, w_amax=None):
     # scaling: Config.fp8_scaling's value, checked where the user wrote it (autopart/config.py;
     # zero=3 gathers in FP8 for tensorwise only)
     fetch = _gathered(w, w_out_dim)
-    w = w if w_out_dim == 0 else w.t()
+    w = w if w_out_dim == 0 or fetch is not None else w.t()
     y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w, scaling, k_split, n_split, comm, w_amax,
                          fetch)
-    y = y.reshape(*x.shape[:-1], w.shape[0])
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if b is None else y + b.to(y.dtype)
 
 
@@ -291,7 +299,7 @@ def fp8_gather_linear_sp(x, w, b, scaling: str, w_out_dim: int, k_split: bool, n
     a column-parallel linear, so k_split False and n_split True; rowwise is refused at
     compile: autopart/compiler.py)."""
     fetch = _gathered(w, w_out_dim)
-    w = w if w_out_dim == 0 else w.t()
+    w = w if w_out_dim == 0 or fetch is not None else w.t()
     y = _Fp8GatherLinear.apply(x, w, seq_dim, comm, w_amax, fetch)
     return y if b is None else y + b.to(y.dtype)
 

@@ -117,6 +117,8 @@ def zero3_equivalence(case: ZCase, rank: int) -> dict:
     amax (tests/test_fp8_zero3.py shows the comparison then fails)."""
     from autopart.ops import fp8 as fp8_ops
     from autopart.runtime.param_shards import ShardedParameters
+    if case.model.startswith("c-"):
+        import tests.composition  # noqa: F401  (registers the matrix's models, c-hf-gpt2-...)
     if case.broken != "local-amax":
         return fp8_equivalence(case, rank, watch=gathered_bytes)
     right = ShardedParameters._fp8_scales
