@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError
-from autopart.ir import Plan
+from autopart.ir import META_LAYER, Plan
 from autopart.runtime.buckets import Bucket, BucketLayout, StepBuckets, copy_back, in_a_bucket
 
 BUCKET_BYTES = 25 * 2 ** 20     # gradient bytes per overlapped all-reduce (DDP's bucket_cap_mb)
@@ -92,14 +92,17 @@ def _first_readers(chunk) -> dict[str, tuple[int, object]]:
 
 
 def layer_groups(chunk) -> dict[str, str]:
-    """{name: the group its gradient is reduce-scattered with}: the layer (analysis.layer_of,
-    dataflow marks) of the first node reading it, as passes/gather_parameters.py groups zero=3's
-    gathers; a parameter first read outside every layer (an embedding, a final norm) by the
-    node's name, so that node's parameters go together."""
-    from autopart.analysis import layer_of
+    """{name: the group its gradient is reduce-scattered with}: the layer (the dataflow mark
+    analysis.detect_layers leaves, META_LAYER, as runtime/compiled.py reads it) of the first node
+    reading it, as passes/gather_parameters.py groups zero=3's gathers; a parameter first read
+    outside every layer (an embedding, a final norm), or by a node a later pass made without the
+    mark, by the node's name, so that node's parameters go together."""
     layers = set(getattr(chunk, "layers", ()) or ())
-    return {name: layer_of(node, layers) or node.name
-            for name, (_, node) in _first_readers(chunk).items()}
+
+    def group(node):
+        layer = node.meta.get(META_LAYER)
+        return layer if layer is not None and layer in layers else node.name
+    return {name: group(node) for name, (_, node) in _first_readers(chunk).items()}
 
 
 def reduce_groups(actions, chunks: dict, early) -> list[tuple[int, str, list[str]]]:
