@@ -146,6 +146,8 @@ def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
     under bf16 (below), nor for a chunk run by Inductor (compile=True: its segments are
     compiled for one microbatch each)."""
     pairs, layout = {}, getattr(ctx.grads, "layout", None)
+    if all(getattr(c, "paired", None) is None for c in ctx.chunks.values()):
+        return pairs        # the common case: no scan of the step's actions
     computes = [i for i, a in enumerate(actions) if a.kind not in _COMM]
     for i, j in zip(computes, computes[1:]):
         a, b = actions[i], actions[j]
