@@ -145,7 +145,12 @@ class FCase(BCase):
 # others, "update" <= 0.048; the same case in bf16 shows the same pattern against its recipe
 # (0.0079 there, 0.0034-0.0057 elsewhere): noise, as large as the bf16 recipe's distance, hence
 # "tp" 5e-2 (and BF16_APART, the bitwise tp_linear_problems as above).
-BOUNDS = {"none": 1e-6, "tp": 5e-2}
+# HF Mixtral (routed, the composition matrix's hf-mixtral-tied-interleaved-1f1b-tp1-dp1-fp8, pp=2,
+# no tp): "grad" 1.3e-2 and 9.4e-3 on the two ranks, "update" <= 1.7e-2, loss 2.7e-5, against
+# 4.5e-2 from the bf16 recipe; in bf16 the same model is 2.3e-3-3.9e-3 from its recipe (its fp32
+# router's top-2 choices flip on one rounding: tests/workers/precision.py), which FP8's coarser
+# roundings widen. "moe" 2e-2 still tells FP8 from bf16 (BF16_APART below checks FP8 ran).
+BOUNDS = {"none": 1e-6, "tp": 5e-2, "moe": 2e-2}
 UPDATE_BOUND, LOSS_BOUND = 5e-2, 2e-4
 BF16_APART = 1e-2      # "grad": the run is this far from the bf16 recipe at least (FP8 ran)
 
