@@ -331,6 +331,34 @@ def test_refuses_a_mask_from_the_inputs_that_is_not_key_padding_nor_documents():
         _compile(_FromIds("doc"), torch.randint(1, 96, (2, 32)))
 
 
+class _DocsAndPadding(torch.nn.Module):
+    """One mask from two inputs: packed documents' ids and a padding mask, and-ed."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(96, 16), torch.nn.Linear(16, 96)
+
+    def forward(self, idx, doc, keep):
+        x = self.emb(idx).view(idx.shape[0], idx.shape[1], 2, 8).transpose(1, 2)
+        mask = ((doc[:, :, None] == doc[:, None, :]) & keep.bool()[:, None, :])[:, None]
+        y = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return self.head(y.transpose(1, 2).reshape(idx.shape[0], idx.shape[1], 16))
+
+
+def test_refuses_one_mask_from_two_inputs_naming_both_and_the_remedy():
+    from tests.workers.cp import _lm_loss
+    x = torch.randint(1, 96, (2, 32))
+    doc, keep = torch.arange(32).repeat(2, 1) // 8, torch.ones(2, 32, dtype=torch.long)
+    with pytest.raises(AutopartError) as err:
+        autopart.compile(_DocsAndPadding(), autopart.Mesh(cp=2), (x, doc, keep),
+                         loss_fn=_lm_loss, target=torch.zeros_like(x))
+    text = str(err.value)
+    for s in ["computed from the input(s) 'doc', 'keep', not from one (batch, sequence) input",
+              "give the padding a document id of its own", "node:   scaled_dot_product_attention",
+              "test_context_parallel.py", "remedy:"]:
+        assert s in text, (s, text)
+
+
 def _packed_compile(cp_attention="ring"):
     from tests.workers.cp import _packed
     model, loss_fn, inputs, y = _packed(Case("c", batch=2, seq=32), 0, "cpu")

@@ -94,6 +94,21 @@ def test_context_parallelism_refuses_flex_attention_by_name():
         assert s in text, (s, text)
 
 
+def test_context_parallelism_refuses_hf_sdpa_packed_by_position_ids_alone():
+    """HF's SDPA path finds packed documents from position_ids with a cumsum over the row: no
+    chunk can compute it, so cp refuses it, naming the cumsum and the 4-D mask remedy (the
+    remedy itself trains at cp=2: the case hf-sdpa-doc-mask-cp2-ring)."""
+    model, loss_fn, (x, pos), y = _packed_flex(Case("c", **SEQ), 0, "cpu")
+    model.model.set_attn_implementation("sdpa")
+    with pytest.raises(AutopartError) as e:
+        autopart.compile(model, autopart.Mesh(cp=2), (x, pos), loss_fn=loss_fn, target=y)
+    text = str(e.value)
+    for s in ["depends on the input 'pos'", "numbers the documents by a cumsum along the row",
+              "node:   scaled_dot_product_attention (", "modeling_llama.py",
+              "doc[:, :, None] == doc[:, None, :]", "remedy:"]:
+        assert s in text, (s, text)
+
+
 class _FlexDocs(torch.nn.Module):
     """flex_attention written directly: a BlockMask built in forward from a document-id input
     (create_block_mask vmaps the mask_mod), heads from one linear; `sdpa` the same function

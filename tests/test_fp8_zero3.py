@@ -35,19 +35,25 @@ def _problems(ranks) -> list[str]:
     return [f"rank {r['rank']}: {p}" for r in ranks for p in r["problems"]]
 
 
+def _assert_ranks_match_the_recipe(ranks, world: int, label: str = "") -> None:
+    """Every one of the `world` ranks reported, none found a problem; the measured figures are
+    printed (pytest -s)."""
+    assert len(ranks) == world, ranks
+    assert not _problems(ranks), "\n".join(_problems(ranks))
+    for r in ranks:
+        print(f"{label}rank {r['rank']}: errors {r['errors']}, from the bf16 recipe {r['apart']}")
+
+
 def test_zero3_fp8_dp2_matches_the_recipe_and_gathers_fp8_bytes(spawn_cache):
     """dp=2: within the pipeline/dp bound (1e-6: only fp32 sums reorder) of the recipe on the
     plain model, > 1e-2 from the bf16 recipe, and every all-gather of the 15 FP8 weights handed
     the collective 1 byte an element (uint8), every other parameter 4 (fp32)."""
     ranks = run_group(spawn_cache, "fp8-zero3-dp2", [DP2], rank_fn=run_zero3_cases,
                       timeout=600)[DP2.name]
-    assert len(ranks) == 2, ranks
-    assert not _problems(ranks), "\n".join(_problems(ranks))
+    _assert_ranks_match_the_recipe(ranks, 2)
     assert all(len(r["converted"]) == 15 for r in ranks), ranks[0]["converted"]
     assert "zero=3 chunk 0: 15 FP8 weights cast to e4m3 before their all-gather" in \
         ranks[0]["explain"], ranks[0]["explain"]
-    for r in ranks:     # the measured figures (pytest -s)
-        print(f"rank {r['rank']}: errors {r['errors']}, from the bf16 recipe {r['apart']}")
 
 
 @pytest.mark.full
@@ -55,10 +61,7 @@ def test_zero3_fp8_dp2_matches_the_recipe_and_gathers_fp8_bytes(spawn_cache):
 def test_zero3_fp8_matches_the_recipe_with_pp_and_tp(name, spawn_cache):
     ranks = run_group(spawn_cache, "fp8-zero3-world4", WIDER, rank_fn=run_zero3_cases,
                       timeout=1500)[name]
-    assert len(ranks) == 4, ranks
-    assert not _problems(ranks), "\n".join(_problems(ranks))
-    for r in ranks:     # the measured figures (pytest -s)
-        print(f"{name} rank {r['rank']}: errors {r['errors']}, from the bf16 recipe {r['apart']}")
+    _assert_ranks_match_the_recipe(ranks, 4, f"{name} ")
 
 
 @pytest.mark.full
@@ -100,7 +103,4 @@ def test_zero3_fp8_with_full_recompute_and_hf_gpt2(name, spawn_cache):
     read transposed. The recipe's values and the FP8 bytes as the dp=2 case."""
     ranks = run_group(spawn_cache, "fp8-zero3-dp2-full", DP2_FULL, rank_fn=run_zero3_cases,
                       timeout=900)[name]
-    assert len(ranks) == 2, ranks
-    assert not _problems(ranks), "\n".join(_problems(ranks))
-    for r in ranks:     # the measured figures (pytest -s)
-        print(f"rank {r['rank']}: errors {r['errors']}, from the bf16 recipe {r['apart']}")
+    _assert_ranks_match_the_recipe(ranks, 2)

@@ -191,7 +191,9 @@ def _sequence_input(reads: list):
             not isinstance(val.shape[1], torch.SymInt):
         names = ", ".join(repr(r.name) for r in reads)
         raise NotProvable(f"it is computed from the input(s) {names}, not from one (batch, "
-                          "sequence) input (a padding mask, or packed documents' ids)")
+                          "sequence) input (a padding mask, or packed documents' ids; packed "
+                          "rows with padding: give the padding a document id of its own, e.g. "
+                          "-1, and build the mask from the ids alone)")
     return reads[0].name, val.dtype
 
 
@@ -205,7 +207,21 @@ def _from_input(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int
         except NotProvable as documents:
             if str(documents) == str(padding):
                 raise
-            raise NotProvable(f"{padding}; nor as packed documents' ids: {documents}") from None
+            raise NotProvable(f"{padding}; nor as packed documents' ids: {documents}"
+                              f"{_scanned_documents(mask)}") from None
+
+
+def _scanned_documents(mask: fx.Node) -> str:
+    """Why, when the mask numbers documents by a running sum along the row: Hugging Face's
+    packed path finds a new document wherever position_ids is not the previous one + 1 and
+    cumsums those starts, which a rank holding two chunks of the row cannot compute."""
+    if not any(n.target == aten.cumsum.default for n in _ancestors(mask)):
+        return ""
+    return ("; it numbers the documents by a cumsum along the row (as Hugging Face does from "
+            "position_ids alone), which no chunk of the sequence can compute: give the document "
+            "ids as an input and pass attention_mask=(doc[:, :, None] == doc[:, None, :])[:, "
+            "None] & causal (Hugging Face passes a 4-D mask through), with position_ids as the "
+            "positions")
 
 
 def _key_padding(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int):
