@@ -208,20 +208,25 @@ def _from_input(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int
             if str(documents) == str(padding):
                 raise
             raise NotProvable(f"{padding}; nor as packed documents' ids: {documents}"
-                              f"{_scanned_documents(mask)}") from None
+                              f"{_scanned_documents(mask, reads)}") from None
 
 
-def _scanned_documents(mask: fx.Node) -> str:
-    """Why, when the mask numbers documents by a running sum along the row: Hugging Face's
-    packed path finds a new document wherever position_ids is not the previous one + 1 and
-    cumsums those starts, which a rank holding two chunks of the row cannot compute."""
-    if not any(n.target == aten.cumsum.default for n in _ancestors(mask)):
+# the 4-D document mask Hugging Face passes through to SDPA, which cp proves and splits
+HF_DOCUMENT_MASK = "attention_mask=(doc[:, :, None] == doc[:, None, :])[:, None] & causal"
+
+
+def _scanned_documents(mask: fx.Node, reads: list) -> str:
+    """Why, when the mask numbers documents by a running sum of its input along the row:
+    Hugging Face's packed path finds a new document wherever position_ids is not the previous
+    one + 1 and cumsums those starts, which a rank holding two chunks of the row cannot
+    compute."""
+    if not any(n.target == aten.cumsum.default and set(reads) & _ancestors(n)
+               for n in _ancestors(mask)):
         return ""
     return ("; it numbers the documents by a cumsum along the row (as Hugging Face does from "
             "position_ids alone), which no chunk of the sequence can compute: give the document "
-            "ids as an input and pass attention_mask=(doc[:, :, None] == doc[:, None, :])[:, "
-            "None] & causal (Hugging Face passes a 4-D mask through), with position_ids as the "
-            "positions")
+            f"ids as an input and pass {HF_DOCUMENT_MASK} (Hugging Face passes a 4-D mask "
+            "through), with position_ids as the positions")
 
 
 def _key_padding(core, mask: fx.Node, how: str, reads: list, gm, inputs, seq: int):

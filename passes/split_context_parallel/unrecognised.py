@@ -21,7 +21,7 @@ from autopart.ops import aten_groups as G
 
 from .check import _has_seq
 from .find import CASTS, MASKS, SCALES, upstream
-from .masks import NotProvable, _window, input_reads, visibility
+from .masks import HF_DOCUMENT_MASK, NotProvable, _window, input_reads, visibility
 
 aten = torch.ops.aten
 
@@ -74,10 +74,9 @@ def refuse_flex_attention(program: Program, cp: int) -> None:
         "\"flex_attention\"): its BlockMask and mask_mod are built over the whole sequence, and "
         "the ring and all-gather kernels compute SDPA's masks only",
         "attn_implementation=\"sdpa\" with packed documents given as a (batch, sequence) input "
-        "of document ids and the mask attention_mask=(doc[:, :, None] == doc[:, None, :])[:, "
-        "None] & causal (proved and applied per block under cp; HF's own mask from "
-        "position_ids alone is a cumsum over the row, not provable per chunk), or drop the cp "
-        "axis: tp, pp and dp split flex_attention")
+        f"of document ids and the mask {HF_DOCUMENT_MASK} (proved and applied per block under "
+        "cp; HF's own mask from position_ids alone is a cumsum over the row, not provable per "
+        "chunk), or drop the cp axis: tp, pp and dp split flex_attention")
 
 
 def _between(core) -> set[fx.Node]:
