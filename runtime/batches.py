@@ -133,23 +133,36 @@ class Given:
     length: int | None
     local: bool
     whole: dict
-    ids: tuple = ()     # IdRange per input of embedding ids: checked in agree's one read
+    ids: tuple = ()     # IdRange per input of embedding ids: checked in the step's one read
 
 
 @dataclass(frozen=True)
 class IdRange:
     """The smallest and largest id of a train_step input fed straight to embeddings (`tables`:
-    (table name, rows) pairs), as tensors: `agree` adds whether they are out of range to its
-    one all-reduce, and only a rank whose ids are out of range reads them, for the message."""
+    (table name, rows) pairs), as tensors, never read in a step that passes: the step runs on
+    the ids clamped into the tables (`clamp`), whether they were out of range rides the step's
+    one all-reduce of [loss, flags] (runtime/state.py step_results), and only when it says so
+    is the step thrown away and a rank whose ids are out of range reads them, for the message."""
     name: str
     tables: tuple
     low: torch.Tensor
     high: torch.Tensor
 
+    @property
+    def rows(self) -> int:
+        """The rows of the smallest table the ids index."""
+        return min(r for _, r in self.tables)
+
     def out_of_range(self) -> torch.Tensor:
         """1 (int64, a 0-dim tensor beside the ids) when an id indexes past a table; no host read."""
-        rows = min(r for _, r in self.tables)
-        return ((self.low < 0) | (self.high >= rows)).to(torch.int64)
+        return ((self.low < 0) | (self.high >= self.rows)).to(torch.int64)
+
+    def clamp(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` (this input's share, on the device) clamped into [0, rows): a step given ids
+        out of range computes on these instead of indexing past a table (on CUDA an
+        out-of-bounds index is a device-side assert, and on CPU an IndexError on one rank
+        only), and is then refused on every rank (runtime/parallel_model.py)."""
+        return ids.clamp(0, self.rows - 1)
 
     def error(self) -> AutopartError | None:
         """The refusal naming the table, the ids and the remedy (reads the two ids)."""
@@ -162,6 +175,14 @@ class IdRange:
                     f"use ids in [0, {rows}) (the model's vocabulary), or build the model "
                     f"with at least {high + 1} rows")
         return None
+
+
+def ids_out_of_range(ids: tuple, device) -> torch.Tensor | None:
+    """How many of `ids` (IdRanges) index past a table: an int64 0-dim tensor on `device`
+    (None where there are none), for the step's one all-reduce; no host read."""
+    if not ids:
+        return None
+    return torch.stack([r.out_of_range().to(device) for r in ids]).sum()
 
 
 class LocalInputs:
@@ -302,7 +323,7 @@ class LocalInputs:
         return out
 
 
-# -- what the ranks agree on each step: the token count and the sequence length ------------------
+# -- what the ranks agree on each step: refusals, the token count and the sequence length --------
 
 aten = torch.ops.aten
 # ops of a token count that is a sum over elements, so the ranks' counts of their shares add up
@@ -323,16 +344,19 @@ def count_not_elementwise(counter):
 
 def share_count(counter, values: dict, microbatch: int) -> torch.Tensor:
     """The tokens `counter` (a TokenCount) counts in `values` (name -> this rank's share, or
-    its rows of the whole sequence), microbatch by microbatch as the programs see them: an int64
-    scalar tensor (read by agree's one host sync, not here). A count that is a function of its
-    inputs' shapes alone (by dataflow: `counts_values`) is counted once per shape and kept."""
+    its rows of the whole sequence), microbatch by microbatch as the programs see them. A count
+    of the values (`labels != -100`) is an int64 0-dim tensor beside them, never read on the
+    host: summed over the ranks and turned into the loss scale on the device
+    (runtime/parallel_model.py). A count that is a function of its inputs' shapes alone (by
+    dataflow: `counts_values`) is an int, counted (and read) once per shape and kept: the
+    ranks sum it among the host values agree agrees on."""
     tensors = [values[n] for n in counter.inputs]
     if _counts_values(counter.gm):
         return _count(counter, tensors, microbatch)
     key = (microbatch, *((tuple(t.shape), t.dtype, t.device) for t in tensors))
     kept = _SHAPE_COUNTS.setdefault(counter.gm, {})
     if key not in kept:
-        kept[key] = _count(counter, tensors, microbatch)
+        kept[key] = int(_count(counter, tensors, microbatch))   # once per shape
     return kept[key]
 
 
@@ -372,27 +396,22 @@ def _counts_values(gm: fx.GraphModule) -> bool:
     return _VALUED[gm]
 
 
-def agree(count, length: int | None, refused: Exception | None, group, device, step: int,
-          ids: tuple = ()) -> tuple[int, int | None]:
-    """One all-reduce over `group` (every rank), read by the step's one host sync before it
-    runs: whether a rank refused its tensors (`refused`, its error, or ids out of an embedding's
-    range, `ids`: IdRanges: then every rank raises, naming them, rather than leave the others
-    waiting in the step's first collective), the token counts summed, and the one sequence
-    length the ranks that know one were given (an error naming the ranks if they differ)."""
+def agree(count: int, length: int | None, refused: Exception | None, group,
+          step: int) -> tuple[int, int | None]:
+    """One all-reduce of host integers over `group` (every rank; a CPU group: RankGroups.host,
+    Gloo), before the step runs and reading no device value: whether a rank refused its
+    tensors (`refused`, its error: then every rank raises, naming it, rather than leave the
+    others waiting in the step's first collective), the token counts known on the host (`count`:
+    a count of the batch's shapes alone, share_count; 0 elsewhere) summed, and the one sequence
+    length the ranks that know one were given (an error naming the ranks if they differ). What
+    lives on the device (a count of the labels' values, the embedding ids' range) stays there:
+    runtime/parallel_model.py train_step."""
     import torch.distributed as dist
     n = length or 0
-    t = torch.tensor([int(refused is not None), 0, int(length is not None), n, n * n],
-                     dtype=torch.int64, device=device)
-    t[1] = count        # a tensor on the device, or 0
-    if ids and refused is None:
-        t[0] = torch.stack([r.out_of_range().to(device) for r in ids]).sum()
-    if group is not None:
-        dist.all_reduce(t, group=group)
-    bad, total, known, s, s2 = t.tolist()
+    bad, total, known, s, s2 = host_sum(
+        [int(refused is not None), int(count), int(length is not None), n, n * n], group)
     if bad:
-        if refused is None:     # this rank's ids, or another rank's refusal
-            refused = next((e for e in (r.error() for r in ids) if e is not None), None)
-        _refuse(refused, group, step)
+        refuse(refused, group, step)
     if not known:
         return total, None
     if known * s2 != s * s:      # equal only when every length is the same (Cauchy-Schwarz)
@@ -410,7 +429,31 @@ def agree(count, length: int | None, refused: Exception | None, group, device, s
     return total, s // known
 
 
-def _refuse(refused: Exception | None, group, step: int) -> None:
+def host_sum(values: list[int], group) -> list[int]:
+    """`values` (host integers) summed over `group` (None: this rank alone): one all-reduce of
+    a CPU tensor made here from them, over a CPU group (Gloo), read back. It holds no device
+    value, so reading it waits on no device stream: not a host sync of the step."""
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.int64)
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def device_loss_scale(count, group, device) -> torch.Tensor:
+    """1 / the token count summed over `group` (every rank; `count`: this rank's share, a
+    device tensor of share_count, or 0 where it counts none), or 0 if none counts: a float32
+    0-dim tensor on `device`, computed there (one all-reduce on the device, no host read). The
+    same float32 as the host's 1.0 / count: the quotient is taken in float64, then rounded."""
+    import torch.distributed as dist
+    t = torch.as_tensor(count, dtype=torch.int64).to(device).reshape(1).clone()
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    total = t.reshape(()).double()
+    return torch.where(total > 0, 1.0 / total.clamp(min=1), 0.0).float()
+
+
+def refuse(refused: Exception | None, group, step: int) -> None:
     """Raise on every rank: its own error where it refused, else the refusing ranks' errors."""
     import torch.distributed as dist
     errors: list = [None] * (dist.get_world_size(group) if group is not None else 1)
@@ -425,5 +468,6 @@ def _refuse(refused: Exception | None, group, step: int) -> None:
         + "\n".join(f"rank {r}: {e}" for r, e in sorted(bad.items())))
 
 
-__all__ = ["BatchShard", "Given", "IdRange", "LocalInputs", "agree", "counts_values", "batch_shard", "count_not_elementwise", "data_reads",
-           "pipeline_reads", "share_count"]
+__all__ = ["BatchShard", "Given", "IdRange", "LocalInputs", "agree", "counts_values", "batch_shard",
+           "count_not_elementwise", "data_reads", "device_loss_scale", "host_sum",
+           "ids_out_of_range", "pipeline_reads", "refuse", "share_count"]

@@ -35,6 +35,10 @@ class RankGroups:
     ep_replica: object = None  # ranks holding the same experts: same pp, tp, dp % ep
     timeout: timedelta | None = None   # the model's, which `world` was made with
     cp: object = None     # ranks sharing one sequence (context parallelism): same pp, dp, tp
+    # every rank, for host values only (CPU tensors: Gloo): `world` itself where it is Gloo, a
+    # Gloo group of the same ranks and timeout beside an NCCL world, so that agreeing on host
+    # facts (runtime/batches.py agree) never waits on a device stream
+    host: object = None
 
 
 def barrier(group=None) -> None:
@@ -66,6 +70,8 @@ def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
     ep = _mine(mesh.ep_groups(), rank, timeout)
     ep_replica = _mine(mesh.ep_replica_groups(), rank, timeout) if mesh.ep > 1 else None
     cp = _mine(mesh.groups("cp"), rank, timeout) if mesh.cp > 1 else None
+    host = world if world is None or "gloo" in dist.get_backend(world) else \
+        _mine([tuple(range(mesh.world_size))], rank, timeout, backend="gloo")
     shared = {}
     for name in sorted(plan.shared_params):
         pp_ranks = sorted({plan.chunk_ranks[c] for c in plan.shared_params[name]})
@@ -76,7 +82,8 @@ def build_groups(mesh: Mesh, plan: Plan, timeout: timedelta) -> RankGroups:
         group = _mine(groups, rank, timeout)
         if group is not None:
             shared[name] = group
-    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica, timeout, cp)
+    return RankGroups(rank, mesh, world, dp, pp, shared, tp, model, ep, ep_replica, timeout, cp,
+                      host)
 
 
 def enter_together(groups: RankGroups, what: str) -> None:
@@ -217,10 +224,11 @@ def check_world_size(mesh: Mesh) -> None:
             f"{mesh.world_size}), or choose a mesh whose pp*dp*cp*tp = {world}")
 
 
-def _mine(groups: list[tuple[int, ...]], rank: int, timeout: timedelta):
+def _mine(groups: list[tuple[int, ...]], rank: int, timeout: timedelta, backend=None):
     mine = None
     for ranks in groups:
-        g = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
+        g = dist.new_group(list(ranks), timeout=timeout, backend=backend) if len(ranks) > 1 \
+            else None
         if rank in ranks:
             mine = g
     return mine

@@ -2,11 +2,12 @@
 with the step, the pipeline stage and the microbatch (Megatron checks the same by default).
 
 Each rank's verdict on its gradients is written by one multi-tensor finiteness check (`local_flag`,
-no host sync) straight into the step's one all-reduce buffer of [loss, flags] (runtime/state.py
-`step_results`). The losses need no check of their own: a non-finite microbatch loss makes the
-reduced global loss non-finite on every rank. The one host sync per step reads that buffer
-(`flagged`), which must happen before train_step returns (the user's optimizer steps next). Only
-when it says so do the ranks look for the details and exchange them for the message.
+no host sync) straight into the step's one all-reduce buffer of [loss, flags, ids out of range]
+(runtime/state.py `step_results`). The losses need no check of their own: a non-finite
+microbatch loss makes the reduced global loss non-finite on every rank. The one host sync per
+step reads that buffer (`flagged` judges it), which must happen before train_step returns (the
+user's optimizer steps next). Only when it says so do the ranks look for the details and
+exchange them for the message.
 """
 from __future__ import annotations
 
@@ -71,10 +72,11 @@ def local_flag(grads: list[torch.Tensor], found: torch.Tensor) -> None:
         _check(grads, found)
 
 
-def flagged(reduced: torch.Tensor) -> bool:
-    """Whether the step's reduced [global loss, number of ranks that flagged] says something is
-    non-finite somewhere: the one host sync of a checked step."""
-    loss, flags = reduced.tolist()
+def flagged(reduced) -> bool:
+    """Whether the step's reduced [global loss, number of ranks that flagged, ...] says
+    something is non-finite somewhere: a tensor (read here) or its values, read once by
+    runtime/state.py step_results (the one host sync of a checked step)."""
+    loss, flags = (reduced.tolist() if isinstance(reduced, torch.Tensor) else list(reduced))[:2]
     return flags > 0 or not math.isfinite(loss)
 
 

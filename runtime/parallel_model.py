@@ -27,7 +27,8 @@ from autopart.runtime import nonfinite
 from autopart.runtime.state import StateGatherer
 from autopart.schedule_lowering import hoist_receives
 from autopart.runtime.batches import (BatchShard, agree, batch_shard, count_not_elementwise,
-                                      share_count)
+                                      counts_values, device_loss_scale, ids_out_of_range,
+                                      refuse, share_count)
 from autopart.runtime.step import StepDriver
 from autopart.runtime.step_watch import watch_for
 from autopart.runtime.trace import Recorder
@@ -108,6 +109,12 @@ class ParallelModel:
         self._zero_optimizers = weakref.WeakSet()     # pm.optimizer's, zero=1: see load()
         # the sequence length of the last batch checked alike on every rank (train_step)
         self._batch_length: tuple | None = None
+        # the same on every rank: the token count reads the labels' values (summed and inverted
+        # on the device each step), and some input indexes an embedding (its ids' range rides
+        # the step's one host read, runtime/state.py step_results)
+        counter = compiled.program.loss_count
+        self._count_on_device = counter is not None and counts_values(counter.gm)
+        self._reads_ids = any(s.embeddings for s in compiled.input_specs)
 
     # -- training ---------------------------------------------------------------------------
     def train_step(self, *inputs: torch.Tensor | None, target: torch.Tensor | None = None,
@@ -134,41 +141,56 @@ class ParallelModel:
             given, refused = self._step.check_inputs(inputs, target, local), None
         except AutopartError as e:
             given, refused = None, e
-        count, length = self._agree(given, refused)
+        scale, length = self._agree(given, refused)
         relearn = (length,) != self._batch_length
         every = self.compiled.config.batch_check_every
         if relearn or (self.steps + 1) % every == 0:   # one all-gather of hashes
             check_same_batch(given, self._groups, self.steps + 1)
             self._batch_length = (length,)
+        batch = self._step.replica_rows(given, length)
+        for ids in given.ids:    # never index past a table: a step given such ids is refused
+            if batch.get(ids.name) is not None:     # below, after it ran
+                batch[ids.name] = ids.clamp(batch[ids.name])
         earlier = self._grads.set_aside()
         self.steps += 1
         with self._step.watch.watching(self.steps):
-            scale = self.compiled.plan.loss_scale
-            if self.compiled.program.loss_count is not None:
-                scale = 1.0 / count if count else 0.0
-            ctx = self._step.run(self._step.replica_rows(given, length), self.steps,
-                                 loss_scale=scale)
+            ctx = self._step.run(batch, self.steps, loss_scale=scale)
+            batch.clear()   # the step's watch keeps ctx, whose microbatch closure reads this
+            # dict, until the next step: let go of the clamped ids' copy now
             if self._sharded is not None:
                 self._sharded.end_step()
             if self._trace is not None:
                 self._trace.end_step()
             self._grads.reduce()
             check = None if self.nonfinite == "ignore" else self._grads.local_grads()
-            loss, self.last_stats, flagged = self._state.step_results(ctx.losses, scale, ctx.stats,
-                                                                      check, relearn)
-            if flagged:
+            loss, stats, flagged, bad_ids = self._state.step_results(
+                ctx.losses, scale, ctx.stats, check, relearn,
+                ids_out_of_range(given.ids, self.device), self._reads_ids)
+            if bad_ids:         # in every nonfinite mode: the step is thrown away, below
+                self._grads.drop_grads()
+            else:
+                self.last_stats = stats
+            if flagged and not bad_ids:
                 mine = nonfinite.local_problems(ctx.losses, self._grads.named_grads(),
                                                 self.coords["pp"])
                 report = nonfinite.gather_report(self.steps, mine, self.rank, self._groups.world)
                 if nonfinite.handle(report, self.nonfinite, self._grads.drop_grads):
                     self.skipped_steps.append(self.steps)
         self._grads.add_back(earlier)
+        if bad_ids:         # as if refused before it ran: .grad and the step count as they were
+            self.steps -= 1
+            refuse(next((e for e in (r.error() for r in given.ids) if e is not None), None),
+                   self._groups.host, self.steps + 1)
         return loss
 
-    def _agree(self, given, refused) -> tuple[int, int | None]:
-        """(the global batch's token count, its sequence length), or every rank raises if one
-        refused its tensors: one all-reduce (runtime/batches.py agree). The count is the sum of
-        each share's, counted by the last stage's tp rank 0 of each (dp, cp) share."""
+    def _agree(self, given, refused) -> tuple[float | torch.Tensor, int | None]:
+        """(each microbatch loss's factor, the global batch's sequence length), or every rank
+        raises if one refused its tensors: one all-reduce of host values (runtime/batches.py
+        agree, over the CPU group). The token count is the sum of each share's, counted by the
+        last stage's tp rank 0 of each (dp, cp) share: a count of the batch's shapes alone
+        (an int, counted once per shape) is summed there and inverted on the host; a count of
+        the labels' values stays on the device (one all-reduce there, device_loss_scale) and
+        the factor is a 0-dim tensor, never read on the host."""
         plan, counter = self.compiled.plan, self.compiled.program.loss_count
         count = 0
         if refused is None and counter is not None and self.coords["pp"] == plan.last_rank \
@@ -177,9 +199,15 @@ class ParallelModel:
                 count = self._count(counter, given)
             except AutopartError as e:
                 refused = e
-        return agree(count, given.length if given is not None else None, refused,
-                     self._groups.world, self.device, self.steps + 1,
-                     given.ids if given is not None else ())
+        on_device = self._count_on_device
+        total, length = agree(0 if on_device else count,
+                              given.length if given is not None else None, refused,
+                              self._groups.host, self.steps + 1)
+        if counter is None:
+            return plan.loss_scale, length
+        if on_device:
+            return device_loss_scale(count, self._groups.world, self.device), length
+        return (1.0 / total if total else 0.0), length
 
     def _count(self, counter, given):
         """This rank's share of the token count. Under cp a count that is not elementwise (it

@@ -40,24 +40,35 @@ class StateGatherer:
         self.holds_loss = coords["pp"] == plan.last_rank and coords["tp"] == 0
         self._stat_meta: list | None = None      # [(shape, dtype)] of the statistics outputs
 
-    def step_results(self, losses: list[torch.Tensor], scale: float | None = None,
-                     per_microbatch: list[tuple] = (), check: list | None = None,
-                     relearn: bool = False) -> tuple[torch.Tensor, dict, bool | None]:
+    def step_results(self, losses: list[torch.Tensor], scale=None, per_microbatch: list[tuple] = (),
+                     check: list | None = None, relearn: bool = False,
+                     ids: torch.Tensor | None = None, read_ids: bool = False
+                     ) -> tuple[torch.Tensor, dict, bool | None, bool | None]:
         """The step's global-batch loss (the microbatch losses, each times `scale`, default
-        plan.loss_scale; runtime/step.py step_loss_scale), its statistics summed over the global
-        batch, and whether a loss or a gradient (`check`: this rank's gradients, None when not
-        checked) was non-finite on any rank, on every rank. One all-reduce of [loss, flags], one
-        more per dtype of the statistics (`relearn`: the batch shapes changed, so the statistics'
-        shapes are gathered again: one all_gather_object); one host sync, only when checked."""
-        total = torch.zeros(2, dtype=torch.float32, device=self.device)
+        plan.loss_scale, a float or a 0-dim device tensor; runtime/step.py step_loss_scale), its
+        statistics summed over the global batch, whether a loss or a gradient (`check`: this
+        rank's gradients, None when not checked) was non-finite on any rank, and whether any
+        rank was given embedding ids out of range (`ids`: this rank's count of such inputs, an
+        int64 0-dim device tensor, runtime/batches.py ids_out_of_range; `read_ids`: whether the
+        model has such inputs at all, the same on every rank), each on every rank (None when not
+        checked). One all-reduce of [loss, flags, ids], one more per dtype of the statistics
+        (`relearn`: the batch shapes changed, so the statistics' shapes are gathered again: one
+        all_gather_object); one host read, only when something is checked: the step's one."""
+        total = torch.zeros(3, dtype=torch.float32, device=self.device)
         if self.holds_loss:
             scale = self.plan.loss_scale if scale is None else scale
             total[0] += torch.stack(losses).float().sum() * scale
         if check is not None:
-            nonfinite.local_flag(check, total[1:])
+            nonfinite.local_flag(check, total[1:2])
+        if ids is not None:
+            total[2] += ids.to(self.device)
         dist.all_reduce(total, group=self.groups.world)
         stats = self._stats(per_microbatch, relearn) if self.plan.stats else {}
-        return total[0], stats, (nonfinite.flagged(total) if check is not None else None)
+        if check is None and not read_ids:
+            return total[0], stats, None, None
+        values = total.tolist()     # the step's one host read (the optimizer steps next)
+        return (total[0], stats, nonfinite.flagged(values) if check is not None else None,
+                values[2] > 0 if read_ids else None)
 
     def _stats(self, per_microbatch: list[tuple], relearn: bool) -> dict[str, torch.Tensor]:
         """The statistics outputs summed over the global batch (their shapes and dtypes are the

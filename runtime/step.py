@@ -58,11 +58,13 @@ class StepDriver:
         self.watch = None       # a runtime.step_watch.StepWatch: names what a failure waited for
         self.documents = ()     # inputs of packed documents' ids, checked (runtime/document_ids.py)
 
-    def run(self, batch: dict, step: int = 0, loss_scale: float | None = None) -> StepContext:
+    def run(self, batch: dict, step: int = 0,
+            loss_scale: float | torch.Tensor | None = None) -> StepContext:
         """Forward and backward of every microbatch of this replica (`batch`: replica_rows');
         returns the step's context (microbatch losses, statistics). `step` numbers the
         train_step for error messages; `loss_scale`: each microbatch loss's factor (default
-        plan.loss_scale; step_loss_scale)."""
+        plan.loss_scale; step_loss_scale), a float or, for a count of the labels' values, a
+        float32 0-dim tensor on the device (runtime/batches.py device_loss_scale)."""
         plan, mesh = self.plan, self.plan.mesh
         mbs = plan.microbatch_size
         ctx = StepContext(
@@ -121,9 +123,11 @@ class StepDriver:
 def step_loss_scale(plan, counter, names: list[str], values: list) -> float:
     """The factor of each microbatch loss of the whole global batch `values` counted in one
     process (tests and tools; train_step counts each rank's share and sums the counts over the
-    ranks, runtime/batches.py agree): 1 / (microbatches * dp), or for a token-weighted loss
-    (passes/weigh_loss_by_tokens.py, `counter` its TokenCount) 1 / the elements counted over the
-    global batch, microbatch by microbatch as the program sees them; 0 if none counts."""
+    ranks: runtime/batches.py agree on the host for a count of shapes alone, device_loss_scale
+    on the device for a count of the labels' values): 1 / (microbatches * dp), or for a
+    token-weighted loss (passes/weigh_loss_by_tokens.py, `counter` its TokenCount) 1 / the
+    elements counted over the global batch, microbatch by microbatch as the program sees them;
+    0 if none counts."""
     if counter is None:
         return plan.loss_scale
     total = int(share_count(counter, dict(zip(names, values)), plan.microbatch_size))
@@ -135,7 +139,8 @@ def check_step_inputs(values: list, specs: tuple) -> tuple[IdRange, ...]:
     autopart/capture.py InputSpec): its dims; each size after the batch equal to the example's,
     or at most it where the capture left it symbolic (a sequence); integer where the example
     was. Returns the range of the ids fed straight to an embedding (one aminmax per such input,
-    not read here): runtime/batches.py agree refuses them, in its one host read, if they index
+    not read here): train_step runs on them clamped into the tables and refuses the step on
+    every rank, after the step's one host read (runtime/state.py step_results), if they index
     past a table's rows (torch's bare "index out of range in self" would come from inside a
     chunk on one rank)."""
     ids = []

@@ -180,13 +180,15 @@ def test_dropless_dispatch_syncs_the_host_once_per_moe_layer_and_microbatch():
     per-expert row counts on the host: one sync per MoE layer per microbatch in the forward;
     the combine of the same rows and both backwards reuse that plan. Counted on a real step
     (Tensor.item/tolist/__int__... patched: tests/workers/overlap.counted_syncs), besides the
-    step's one agreement of the ranks (token count, sequence length, the ids' range:
-    runtime/batches.agree's tolist)."""
+    ranks' agreement on host values before the step (refusals, the sequence length:
+    runtime/batches.py host_sum's tolist of a CPU tensor) and the step's one read of a device
+    value after it (the reduced [loss, flags, ids out of range]: runtime/state.py
+    step_results' tolist)."""
     from autopart.runtime.launch import spawn
     from tests.workers.moe import expert_syncs
     for r in spawn(expert_syncs, 2, timeout=300):
         plans = [s for s in r["syncs"] if "(_row_plan)" in s]
         assert len(plans) == r["moe_layers"] * r["microbatches"] == 4, r["syncs"]
         others = [s for s in r["syncs"] if s not in plans]
-        assert [s.split(" at ")[0] for s in others] == ["tolist"], r["syncs"]
-        assert "(agree)" in others[-1], r["syncs"]
+        assert [s.split(" at ")[0] for s in others] == ["tolist", "tolist"], r["syncs"]
+        assert "(host_sum)" in others[0] and "(step_results)" in others[1], r["syncs"]

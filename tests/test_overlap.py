@@ -3,12 +3,13 @@ real processes, with buckets small enough (tests/workers/overlap.py SMALL_BUCKET
 test GPT into several:
 
 - the run still equals the plain model (losses, step-1 gradients, clipped norm, parameters);
-- a train_step and clip_grad_norm_ make exactly these host syncs, none for the gradients: the
-  ranks' agreement before the step (runtime/batches.py agree: the token count of the
-  token-weighted loss, the sequence length, whether a rank refused its tensors or holds ids past
-  an embedding's rows, one tolist) and, in parallelize's default configuration
-  (nonfinite="raise"), the reduced [loss, flags] read by one tolist (runtime/nonfinite.py
-  `flagged`: the step must know before the optimizer runs); with nonfinite="ignore" not that one;
+- a train_step and clip_grad_norm_ read one device value on the host, none for the gradients:
+  the reduced [loss, non-finite flags, ids out of range] (runtime/state.py step_results: the step
+  must know before the optimizer runs), under nonfinite="raise" (the default) and "ignore" alike
+  (the test GPT's input indexes an embedding, whose ids' range is read there in every mode);
+  before the step the ranks agree on host values only (runtime/batches.py agree: whether a rank
+  refused its tensors, the sequence length; one tolist of a CPU tensor over the CPU group,
+  host_sum), and the token count stays on the device;
 - the trace shows a bucket's all-reduce posted before the rank's last backward action ended,
   with pp=1 (posted from autograd's hook inside the one fused backward) and with pp=2; and
   ZeRO's reduce-scatter likewise (zero=2 at dp=2, zero=1 at pp=2 x dp=2).
@@ -36,11 +37,13 @@ GROUPS = {("overlap", 2): CASES_2, ("overlap", 4): CASES_4}
 _GROUP_OF = {c.name: key for key, cases in GROUPS.items() for c in cases}
 CASES = [pytest.param(c, id=c.name) for c in CASES_2 + CASES_4]
 
-# the one all-reduce of runtime/batches.py agree (the token count, the sequence length, whether
-# a rank refused its tensors or holds ids past an embedding's rows) read by one tolist
-EXPECTED_SYNCS = ["tolist at batches.py (agree)"]
-# the default nonfinite="raise": one more, runtime/nonfinite.py `loss, flags = reduced.tolist()`
-DEFAULT_SYNCS = EXPECTED_SYNCS + ["tolist at nonfinite.py (flagged)"]
+# the ranks' agreement on host values before the step (runtime/batches.py agree: whether a rank
+# refused its tensors, the sequence length), a CPU tensor over the CPU group: no device value
+HOST_AGREEMENT = "tolist at batches.py (host_sum)"
+# the step's one read of a device value: the reduced [loss, flags, ids out of range]; with
+# nonfinite="ignore" too, as the ids' range is read in every mode
+EXPECTED_SYNCS = [HOST_AGREEMENT, "tolist at state.py (step_results)"]
+DEFAULT_SYNCS = EXPECTED_SYNCS
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +67,7 @@ def test_equals_plain_model_with_small_buckets(case, spawn_cache, trace_dir):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_host_syncs_are_the_input_check_and_by_default_the_nonfinite_flag(case, spawn_cache,
-                                                                          trace_dir):
+def test_host_syncs_are_the_host_agreement_and_the_one_step_read(case, spawn_cache, trace_dir):
     for r in _results(case, spawn_cache, trace_dir):
         for key, expected in (("syncs_default", DEFAULT_SYNCS), ("syncs", EXPECTED_SYNCS)):
             where = [s.split(":")[0] + " " + s.split(" ")[-1] for s in r[key]]   # no line

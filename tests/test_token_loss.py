@@ -53,7 +53,7 @@ def test_ignored_labels_match_the_plain_model(case: Case, spawn_cache):
     assert_all_ranks_equal_plain(case, results[case.name])
 
 
-# -- the hot path: what a steady step reads on the host (runtime/batches.py agree) ---------------
+# -- the hot path: what a steady step reads on the host (runtime/state.py step_results) ---------
 
 def _count_program(kind: str):
     """A TokenCount over `target`: "ne" counts target != -100 (its values), "ones" sums a
@@ -89,26 +89,35 @@ def test_a_count_of_shapes_alone_is_counted_once_per_shape():
     assert runs.count("ne") == 6 and runs.count("ones") == 4, runs
 
 
-def test_a_steady_step_reads_the_host_once_before_it_runs(single_process_group):
-    """The second train_step of a token-weighted GPT (2 microbatches) reads tensors on the
-    host only in agree's one read (the token count, the sequence length, refusals and the
-    embedding ids' range: one all-reduce), plus, under the default nonfinite="raise", the
-    verdict the optimizer must wait for. The old code also read the ids' range apart (two
-    int() of an aminmax in runtime/step.py check_step_inputs) before agree."""
+# the ranks' agreement before the step: host values (refusals, the sequence length, a count of
+# shapes alone) in a CPU tensor over the CPU group, runtime/batches.py host_sum: no device value
+HOST_AGREEMENT = "tolist at batches.py (host_sum)"
+# the step's one read of a device value: the reduced [loss, non-finite flags, ids out of range]
+STEP_READ = "tolist at state.py (step_results)"
+
+
+def test_a_steady_step_reads_one_device_value_after_it_runs(single_process_group):
+    """The second train_step of a token-weighted GPT (2 microbatches, labels counted by their
+    values) reads one device value on the host: the reduced [loss, flags, ids out of range]
+    after it ran, under the default nonfinite="raise" and under "ignore" alike (its input
+    indexes an embedding: the ids' range must be read before the optimizer steps). Before the
+    step only host values are agreed on (host_sum). The token count stays on the device (the
+    loss scale is a device tensor). The old code read twice: agree's all-reduce of [refused,
+    count, length, ...] before the step, and the [loss, flags] after it."""
     from tests.workers.common import Case
     from tests.workers.overlap import counted_syncs
     case = Case("syncs-gpt4", model="gpt4", microbatches=2)
     where = {key: [s.split(":")[0] + " " + s.split(" ")[-1] for s in
                    counted_syncs(case, 0, options)]
              for key, options in (("ignore", {"nonfinite": "ignore"}), ("default", {}))}
-    assert where["ignore"] == ["tolist at batches.py (agree)"], where
-    assert sorted(where["default"]) == ["tolist at batches.py (agree)",
-                                        "tolist at nonfinite.py (flagged)"], where
+    assert sorted(where["ignore"]) == [HOST_AGREEMENT, STEP_READ], where
+    assert sorted(where["default"]) == [HOST_AGREEMENT, STEP_READ], where
 
 
-def test_ids_past_the_table_are_refused_in_agrees_read(single_process_group):
-    """The range check moved into agree's read still refuses before anything moves, naming
-    the input, the ids and the table."""
+def test_ids_past_the_table_are_refused_with_nothing_moved(single_process_group):
+    """The range check moved into the step's one read still refuses with nothing moved (the
+    step ran on the ids clamped into the table, then its gradients were dropped), naming the
+    input, the ids and the table."""
     import autopart
     import torch
     from autopart.errors import AutopartError
