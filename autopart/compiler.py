@@ -112,10 +112,14 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
           if c.overlap and mesh.tp > 1 and not _splits_backward(schedule) else []),
         # ep's all-to-alls behind the other microbatch of a pair (runtime/executor.py runs a
         # pair where the schedule has two computes of a chunk adjacent: pairs_microbatches)
+        # (pairs_microbatches), or beside another microbatch's backward where the schedule
+        # combines them (combines_forward_backward: the forwards cut into segments)
         *([Pass("overlap_experts", overlap_experts, requires=("chunks", "ep"), provides=(),
+                options=dict(segments=combines_forward_backward(c, mesh)),
                 after=("recompute_activations", "gather_parameters", "fp8_linears",
                        "overlap_collectives"))]
-          if pairs_microbatches(c, mesh) and takes_pairs(schedule) else []),
+          if combines_forward_backward(c, mesh)
+          or (pairs_microbatches(c, mesh) and takes_pairs(schedule)) else []),
         *([Pass("split_backward", split_backward, requires=("chunks",),
                 provides=("split_backward",), options=dict(microbatch_size=microbatch_size),
                 after=("recompute_activations", "fp8_linears"))] if _splits_backward(schedule) else []),
@@ -128,7 +132,17 @@ def pairs_microbatches(config: Config, mesh: Mesh) -> bool:
     not zero=3 (the runtime swaps its chunk programs' parameters for gathered shards:
     runtime/param_shards.py; a paired program built before would read the slices)."""
     return bool(config.overlap and mesh.ep > 1 and config.microbatches % 2 == 0
-                and config.schedule in ("1f1b", "gpipe", "interleaved-1f1b") and config.zero != 3)
+                and config.schedule in ("1f1b", "gpipe", "interleaved-1f1b") and config.zero != 3
+                and not combines_forward_backward(config, mesh))
+
+
+def combines_forward_backward(config: Config, mesh: Mesh) -> bool:
+    """Whether the schedule runs each steady-state forward beside another microbatch's backward
+    (autopart/schedule_lowering.py combine_forward_backward): ep > 1 with the overlap on, 1F1B
+    under pipeline parallelism, and not zero=3 (as pairs_microbatches). Megatron-Core's
+    combined 1F1B; at pp=1 the pairs of forwards serve (pairs_microbatches)."""
+    return bool(config.overlap and mesh.ep > 1 and mesh.pp > 1 and config.schedule == "1f1b"
+                and config.zero != 3)
 
 
 def takes_pairs(schedule: sched.Schedule | None) -> bool:
@@ -146,9 +160,13 @@ def takes_pairs(schedule: sched.Schedule | None) -> bool:
 
 
 def make_schedule(config: Config, mesh: Mesh) -> sched.Schedule:
-    """The schedule compile() runs: config's, or with pairs_microbatches its pair of each
-    action (autopart/schedule_lowering.py pair_microbatches) where that unit schedule exists."""
+    """The schedule compile() runs: config's; with combines_forward_backward its combined
+    forward-backward form; with pairs_microbatches its pair of each action
+    (autopart/schedule_lowering.py pair_microbatches) where that unit schedule exists."""
     args = (config.schedule, mesh.pp, config.microbatches, config.virtual_stages)
+    if combines_forward_backward(config, mesh):
+        from autopart.schedule_lowering import combine_forward_backward
+        return combine_forward_backward(mesh.pp, config.microbatches)
     if pairs_microbatches(config, mesh):
         from autopart.schedule_lowering import pair_microbatches
         try:
