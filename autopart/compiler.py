@@ -137,12 +137,19 @@ def pairs_microbatches(config: Config, mesh: Mesh) -> bool:
 
 
 def combines_forward_backward(config: Config, mesh: Mesh) -> bool:
-    """Whether the schedule runs each steady-state forward beside another microbatch's backward
-    (autopart/schedule_lowering.py combine_forward_backward): ep > 1 with the overlap on, 1F1B
-    under pipeline parallelism, and not zero=3 (as pairs_microbatches). Megatron-Core's
-    combined 1F1B; at pp=1 the pairs of forwards serve (pairs_microbatches)."""
-    return bool(config.overlap and mesh.ep > 1 and mesh.pp > 1 and config.schedule == "1f1b"
-                and config.zero != 3)
+    """Whether the runtime runs each forward that the schedule puts next to a backward of
+    another microbatch beside it, each side's all-to-alls behind the other's compute
+    (runtime/executor.py combined_computes): ep > 1 with the overlap on, the interleaved 1F1B
+    under pipeline parallelism, and not zero=3 (as pairs_microbatches). Interleaved 1F1B's
+    steady state already runs a forward of one chunk and a backward of another with no
+    transfer between them (Megatron's slots), as Megatron-Core's combined 1F1B needs (it
+    overlaps the all-to-alls under pp only with virtual stages too): no schedule change, no
+    more activations. A plain 1F1B has no such pair that a rank can run without waiting for
+    its neighbour's pair (its forward's input comes from that pair's forward, its
+    backward's gradient from that pair's end): there the microbatches go two at a time
+    (pairs_microbatches)."""
+    return bool(config.overlap and mesh.ep > 1 and mesh.pp > 1
+                and config.schedule == "interleaved-1f1b" and config.zero != 3)
 
 
 def takes_pairs(schedule: sched.Schedule | None) -> bool:
@@ -160,13 +167,9 @@ def takes_pairs(schedule: sched.Schedule | None) -> bool:
 
 
 def make_schedule(config: Config, mesh: Mesh) -> sched.Schedule:
-    """The schedule compile() runs: config's; with combines_forward_backward its combined
-    forward-backward form; with pairs_microbatches its pair of each action
-    (autopart/schedule_lowering.py pair_microbatches) where that unit schedule exists."""
+    """The schedule compile() runs: config's, or with pairs_microbatches its pair of each
+    action (autopart/schedule_lowering.py pair_microbatches) where that unit schedule exists."""
     args = (config.schedule, mesh.pp, config.microbatches, config.virtual_stages)
-    if combines_forward_backward(config, mesh):
-        from autopart.schedule_lowering import combine_forward_backward
-        return combine_forward_backward(mesh.pp, config.microbatches)
     if pairs_microbatches(config, mesh):
         from autopart.schedule_lowering import pair_microbatches
         try:

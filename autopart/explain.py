@@ -119,14 +119,19 @@ def _ep_overlap_lines(compiled) -> list[str]:
 
 
 def _combined_lines(compiled, report: dict) -> list[str]:
-    """Where the forwards are cut and which computes run combined (combine_forward_backward)."""
-    last = compiled.schedule.ranks[-1]
-    computes = [str(a) for a in last if a.kind.is_compute]
-    lines = [f"  all-to-alls overlapped across a forward and another microbatch's backward "
-             f"(overlap_experts, combined 1F1B): the last rank runs {' '.join(computes[:5])} "
-             "...; each steady-state F runs beside the B after it, its next segment each time "
-             "the B has posted a gradient's all-to-all, so each side's all-to-all moves while "
-             "the other computes. Each forward, cut after its posts:"]
+    """Where the forwards are cut, and the schedule's first forward next to another
+    microbatch's backward (compiler.combines_forward_backward)."""
+    example = next((f"{a} {b}" for r in compiled.schedule.ranks
+                    for a, b in zip([x for x in r if x.kind.is_compute],
+                                    [x for x in r if x.kind.is_compute][1:])
+                    if {str(a.kind), str(b.kind)} == {"F", "B"} and a.microbatch != b.microbatch),
+                   "none")
+    lines = ["  all-to-alls overlapped across a forward and another microbatch's backward "
+             "(overlap_experts, combined 1F1B): where the interleaved 1F1B runs a forward next "
+             f"to a backward of another microbatch (first: {example}) and both chunks hold "
+             "all-to-alls, the runtime runs the forward's next segment each time the backward "
+             "has posted a gradient's all-to-all, so each side's all-to-all moves while the "
+             "other computes. Each forward, cut after its posts:"]
     for chunk, waits in report["waits"].items():
         lines += [f"    chunk {chunk}  {w}" for w in waits]
     lines += [f"    kept: {k} ({v})" for k, v in report["kept"].items()]

@@ -136,38 +136,3 @@ def _expand(actions) -> tuple[Action, ...]:
 
 _TRANSFERS = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
 
-
-def combine_forward_backward(pp: int, microbatches: int) -> Schedule:
-    """1F1B whose steady state runs each forward beside a backward of another microbatch, with no
-    transfer between them (Megatron-Core's combined 1F1B; DualPipe's overlapped F&B): rank r
-    runs pp - r warmup forwards (one more than 1F1B), then F(i + pp - r) with B(i), then the
-    remaining backwards. Every pair's receives are posted before it and its sends after it, so
-    that the runtime can run the two as one action (runtime/executor.py combined_computes): the
-    backward's all-to-alls behind the forward's compute and the other way round
-    (passes/overlap_experts.py). The last rank, whose 1F1B runs F(i) B(i) with nothing to pair,
-    gets its pair from the extra warmup forward; each rank holds one more microbatch's
-    activations than under 1F1B.
-
-    >>> print(' '.join(map(str, combine_forward_backward(2, 4).ranks[1])))
-    1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1RECV_F2 1F2 1B1 1SEND_B1 1RECV_F3 1F3 1B2 1SEND_B2 1B3 1SEND_B3
-    """
-    ranks = []
-    for r in range(pp):
-        warm = min(pp - r, microbatches)
-        order = [[("F", i)] for i in range(warm)]
-        order += [[("F", i + warm), ("B", i)] for i in range(microbatches - warm)]
-        order += [[("B", i)] for i in range(microbatches - warm, microbatches)]
-        ranks.append(tuple(a for step in order for a in _with_transfers(r, pp, step)))
-    schedule = Schedule("1f1b", pp, microbatches, 1, tuple(ranks))
-    validate(schedule)
-    return schedule
-
-
-def _with_transfers(r: int, pp: int, step: list) -> list[Action]:
-    """One step's computes (one, or a forward-backward pair) with the receives they read before
-    them and the sends of what they produce after them."""
-    recv = {"F": (Kind.RECV_F, r > 0), "B": (Kind.RECV_B, r < pp - 1)}
-    send = {"F": (Kind.SEND_F, r < pp - 1), "B": (Kind.SEND_B, r > 0)}
-    out = [Action(r, recv[k][0], m) for k, m in step if recv[k][1]]
-    out += [Action(r, Kind(k), m) for k, m in step]
-    return out + [Action(r, send[k][0], m) for k, m in step if send[k][1]]

@@ -1,4 +1,4 @@
-"""Expert parallelism's all-to-alls overlapped across microbatches (passes/overlap_experts.py)
+"""Expert parallelism's all-to-alls overlapped across microbatch pairs (passes/overlap_experts.py)
 against the same layout without the overlap: pp=2 x dp=2 with ep=2, an unmodified Hugging Face
 Mixtral built from a config (random weights), 4 microbatches, 4 ranks (issue 52).
 
@@ -8,14 +8,17 @@ Mixtral built from a config (random weights), 4 microbatches, 4 ranks (issue 52)
 Four rank processes (Gloo, one thread each) build both layouts from the same weights and step
 them back to back in each round (forward + backward + SGD), so that the machine's drift cancels
 in the per-round ratio; the figure is the median of those ratios. With the overlap the schedule
-is the combined 1F1B (autopart/schedule_lowering.py combine_forward_backward): each
-steady-state forward runs beside another microbatch's backward, each side's all-to-alls behind
-the other's compute; without it, plain 1F1B over 4 microbatches. A third side, "serial",
-isolates the overlap from the schedule: the same combined schedule and segmented forwards, with
-each combined pair run as the backward and then the whole forward (every wait right after its
-post), made by replacing runtime/executor.py `_forward_backward` during that side's steps only.
-A fourth, "pairs", runs the microbatches two at a time instead (1F1B over 2 pairs of paired
-programs: autopart/schedule_lowering.py pair_microbatches, what compile() does at pp=1). Before timing, every side's first-step loss is checked against the
+runs the microbatches two at a time (1F1B over 2 pairs: a larger bubble) and each pair's
+all-to-alls wait behind the other microbatch's compute; without it, 1F1B over 4 microbatches.
+A third side, "serial", isolates the overlap from the pairing: the same paired schedule and
+paired programs with each microbatch's ops in order (a's whole forward, then b's: every wait
+right after its post), made by replacing passes/overlap_experts.py `interleave` in this
+benchmark's processes only. Three more sides time the interleaved 1F1B (virtual_stages=2), where
+each forward next to another microbatch's backward runs beside it (runtime/executor.py
+_forward_backward: combined F&B): "combined" (the overlap on), "combined_off" (overlap=False, the
+same schedule) and "combined_serial" (the same segmented forwards, each combined pair run as the
+backward then the whole forward: every wait right after its post, by replacing
+`_forward_backward` during that side's steps only). Before timing, every side's first-step loss is checked against the
 plain model's.
 On CPU the all-to-alls run on Gloo's threads, which share the cores with the ranks' compute:
 what hides there is the transfer's latency, not its bandwidth.
@@ -59,28 +62,31 @@ def run(rank: int, world: int, args) -> dict:
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     with torch.no_grad():
         plain = _loss(_mixtral(args)(input_ids=x), x).item()
-    from autopart import compiler
-    sides, combines = {}, compiler.combines_forward_backward
+    from autopart.passes import overlap_experts as oe
+    interleave, sides = oe.interleave, {}
     for name, overlap in (("overlap", True), ("no_overlap", False), ("serial", True),
-                          ("pairs", True)):
-        if name == "pairs":     # microbatches two at a time instead (pair_microbatches)
-            compiler.combines_forward_backward = lambda config, mesh: False
+                          ("combined", True), ("combined_off", False),
+                          ("combined_serial", True)):
+        if name == "serial":        # a's items, then b's: each wait right after its post
+            oe.interleave = lambda items: [(mb, it) for mb in (0, 1) for it in items]
+        vpp = dict(schedule="interleaved-1f1b", virtual_stages=2) \
+            if name.startswith("combined") else {}
         pm = autopart.parallelize(_mixtral(args), autopart.Mesh(pp=2, dp=2, ep=2), (x,),
                                   loss_fn=_loss, target=x, microbatches=args.microbatches,
-                                  overlap=overlap)
-        compiler.combines_forward_backward = combines
+                                  overlap=overlap, **vpp)
+        oe.interleave = interleave
         sides[name] = (pm, torch.optim.SGD(pm.parameters(), lr=1e-2))
 
     from autopart.runtime import executor as ex
     combined = ex._forward_backward
 
-    def serial(f, b, ctx):
+    def serial(f, b, ctx):          # the backward, then the whole forward
         ex._backward(b, ctx)
         ex._Segments(f, ctx).finish()
 
     def step(name):
         pm, opt = sides[name]
-        ex._forward_backward = serial if name == "serial" else combined
+        ex._forward_backward = serial if name == "combined_serial" else combined
         try:
             loss = pm.train_step(x, target=x)
         finally:
@@ -119,7 +125,7 @@ def main(argv=None) -> int:
     from autopart.runtime.launch import spawn
     outs = spawn(run, 4, args, timeout=args.timeout)
     first = outs[-1]["first_loss"]          # the last pipeline stage's ranks hold the loss
-    sides = ("overlap", "no_overlap", "serial", "pairs")
+    sides = ("overlap", "no_overlap", "serial", "combined", "combined_off", "combined_serial")
     ok = all(abs(first[k] - first["plain"]) < 1e-4 for k in sides)
     # a step ends when its slowest rank's does: per round, the slowest rank's time
     steps = {k: [max(o["times"][k][i] for o in outs) for i in range(args.steps)] for k in sides}
@@ -131,7 +137,8 @@ def main(argv=None) -> int:
               "batch": [args.batch, args.seq], "first_step_loss": first, "losses_match": ok,
               "step_seconds": steps, "ratio_overlap_over_no_overlap": ratio("overlap", "no_overlap"),
               "ratio_overlap_over_serial": ratio("overlap", "serial"),
-              "ratio_pairs_over_no_overlap": ratio("pairs", "no_overlap")}
+              "ratio_combined_over_combined_off": ratio("combined", "combined_off"),
+              "ratio_combined_over_combined_serial": ratio("combined", "combined_serial")}
     if args.json:
         print(json.dumps(result))
     else:
@@ -143,9 +150,11 @@ def main(argv=None) -> int:
         med = {k: statistics.median(v) for k, v in steps.items()}
         print("median step: " + "  ".join(f"{k} {med[k] * 1e3:.1f} ms" for k in sides))
         print(f"median per-round ratio overlap / no overlap "
-              f"{result['ratio_overlap_over_no_overlap']:.3f}, overlap / serial "
-              f"{result['ratio_overlap_over_serial']:.3f}, pairs / no overlap "
-              f"{result['ratio_pairs_over_no_overlap']:.3f}")
+              f"{result['ratio_overlap_over_no_overlap']:.3f}, overlap / serial pairs "
+              f"{result['ratio_overlap_over_serial']:.3f}")
+        print(f"interleaved 1F1B (v=2), combined F&B: combined / overlap off "
+              f"{result['ratio_combined_over_combined_off']:.3f}, combined / serial "
+              f"{result['ratio_combined_over_combined_serial']:.3f}")
     return 0 if ok else 1
 
 

@@ -24,9 +24,10 @@ all-to-alls of the same tensors. The runtime runs a paired program for two adjac
 one chunk (runtime/executor.py); compile() orders the schedule so that they are adjacent
 (autopart/schedule_lowering.py pair_microbatches).
 
-Under pipeline parallelism the schedule pairs a forward with a backward of another microbatch
-instead (autopart/schedule_lowering.py combine_forward_backward: Megatron-Core's combined 1F1B,
-DualPipe's overlapped F&B). For that the pass gives each such chunk its forward cut after every
+Under the interleaved 1F1B with pp > 1 the schedule already runs a forward next to a backward of
+another microbatch (Megatron's slots), and the runtime runs the two as one action instead
+(Megatron-Core's combined 1F1B, DualPipe's overlapped F&B; autopart/compiler.py
+combines_forward_backward). For that the pass gives each such chunk its forward cut after every
 posted all-to-all (ChunkProgram.segments, `forward_segments`): the runtime runs every forward of
 the chunk segment by segment, so its backward posts and waits apart too, and for a combined pair
 it runs the forward's next segment each time the backward has posted a gradient's all-to-all
@@ -57,7 +58,7 @@ MICROBATCHES = ("a", "b")
 
 def overlap_experts(program: Program, segments: bool = False):
     """Return (program whose chunks with expert all-to-alls have .paired, or with `segments`
-    (a schedule of combined forward-backward pairs) .segments, report)."""
+    (the runtime combines forwards with backwards) .segments, report)."""
     report: dict = {"paired_chunks": [], "waits": {}, "kept": {}, "segmented_chunks": []}
     chunks = tuple(_pair_chunk(c, report, segments) for c in program.chunks)
     return program.replace(chunks=chunks), report

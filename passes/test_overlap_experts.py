@@ -223,14 +223,13 @@ def _assert_between(log: list[str], expect_mm: bool, posts: int) -> None:
         assert ("mm" in between) == expect_mm, (p, log)
 
 
-def test_under_pp_compile_combines_forwards_with_backwards_and_cuts_the_forwards():
-    """pp=2 x dp=2, ep=2, 1f1b: the schedule is combine_forward_backward's (not pairs), every
+def test_under_interleaved_pp_compile_cuts_the_forwards_and_keeps_the_schedule():
+    """pp=2 x dp=2, ep=2, interleaved-1f1b: the schedule is the configured one (not pairs), every
     chunk holding all-to-alls has segments whose pieces end at a post, and explain() names the
-    combined order; overlap=False: 1F1B as configured, no segments."""
+    first forward next to another microbatch's backward; overlap=False: no segments."""
     from examples.switch import SwitchGPT, config
 
     from autopart.schedule import make_schedule
-    from autopart.schedule_lowering import combine_forward_backward
     idx = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
     runs = {}
     for overlap in (True, False):
@@ -239,10 +238,11 @@ def test_under_pp_compile_combines_forwards_with_backwards_and_cuts_the_forwards
             warnings.simplefilter("ignore")
             runs[overlap] = autopart.compile(SwitchGPT(config(SWITCH)),
                                              autopart.Mesh(pp=2, dp=2, ep=2), (idx, idx),
-                                             microbatches=4, overlap=overlap)
+                                             microbatches=4, overlap=overlap,
+                                             schedule="interleaved-1f1b", virtual_stages=2)
     on, off = runs[True], runs[False]
-    assert on.schedule.ranks == combine_forward_backward(2, 4).ranks
-    assert off.schedule.ranks == make_schedule("1f1b", 2, 4).ranks
+    plain = make_schedule("interleaved-1f1b", 2, 4, 2).ranks
+    assert on.schedule.ranks == plain and off.schedule.ranks == plain
     chunks = list(on.program.chunks)
     assert all(c.paired is None for c in chunks)
     cut = [c for c in chunks if c.segments is not None]
@@ -250,4 +250,4 @@ def test_under_pp_compile_combines_forwards_with_backwards_and_cuts_the_forwards
     for c in cut:
         assert all(s.pending for s in c.segments[:-1]) and not c.segments[-1].pending
     text = on.explain()
-    assert "combined 1F1B" in text and "1F1 1B0" in text, text
+    assert "combined 1F1B" in text and "(first: 0F2 2B0)" in text, text

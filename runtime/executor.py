@@ -27,6 +27,7 @@ they are waited on at the end of the list, after the sends.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import time
 import weakref
@@ -177,11 +178,11 @@ def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
 
 
 def combined_computes(actions, ctx: StepContext) -> dict[int, int]:
-    """{i: j} for the computes run together (the schedule's combined forward-backward pairs:
-    autopart/schedule_lowering.py combine_forward_backward): an F and a B of other
-    microbatches, next to each other but for receives (posted before the pair: a post never
-    waits), both chunks' forwards segmented (passes/overlap_experts.py), and no gradient bucket
-    final or windowed between them (both finish as one action)."""
+    """{i: j} for the computes run together (autopart/compiler.py combines_forward_backward:
+    the interleaved 1F1B's slots): an F and a B of other microbatches, next to each other but
+    for receives (posted before the pair: a post never waits), both chunks' forwards segmented
+    (passes/overlap_experts.py), and no gradient bucket final or windowed between them (both
+    finish as one action)."""
     if all(getattr(c, "segments", None) is None for c in ctx.chunks.values()):
         return {}
     layout, out = getattr(ctx.grads, "layout", None), {}
@@ -284,7 +285,9 @@ class _Segments:
         args = [env[n] for n in seg.inputs]
         for n in seg.drops:
             del env[n]
-        with torch.enable_grad():       # also when called from inside a backward
+        # also when called from inside a backward: grad mode on, and bf16's autocast where the
+        # backward runs on another thread (CUDA's device threads) without the step's
+        with torch.enable_grad(), _step_autocast(self.ctx):
             out = executable(seg.gm, self.chunk.gm, autocast=self.ctx.reduced)(args)
             env.update(zip(seg.outputs, out))
             self.posted += [env[n] for n in seg.pending]
@@ -295,6 +298,13 @@ class _Segments:
     def finish(self) -> None:
         while self.k < len(self.chunk.segments):
             self.advance()
+
+
+def _step_autocast(ctx: StepContext):
+    device = ctx.device.type
+    if ctx.reduced is None or torch.is_autocast_enabled(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, dtype=ctx.reduced)
 
 
 def _run_pair(actions, i: int, j: int, ctx: StepContext, sends: list) -> int:

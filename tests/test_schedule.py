@@ -551,29 +551,3 @@ def test_docstring_examples():
 
     assert doctest.testmod(autopart.schedule, optionflags=doctest.ELLIPSIS).failed == 0
 
-
-@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
-def test_the_combined_1f1b_puts_each_steady_forward_beside_another_microbatchs_backward(pp):
-    """schedule_lowering.combine_forward_backward (ep's overlap under pp): validated for every
-    m; rank r runs pp - r warmup forwards, then F(i + pp - r) and B(i) with no transfer between
-    them, then the remaining backwards; 1F1B's makespan at unit costs, one more microbatch in
-    flight per rank (at most m). The module's doctest holds."""
-    import doctest
-
-    from autopart import schedule_lowering
-    from autopart.schedule_lowering import combine_forward_backward
-    for m in range(1, 3 * pp + 2):
-        s = combine_forward_backward(pp, m)
-        for r, actions in enumerate(s.ranks):
-            warm = min(pp - r, m)
-            computes = [a for a in actions if a.kind.is_compute]
-            assert [str(a) for a in computes[:warm]] == [f"{r}F{i}" for i in range(warm)]
-            pairs = [(actions[i], actions[i + 1]) for i in range(len(actions) - 1)
-                     if actions[i].kind is Kind.F and actions[i + 1].kind is Kind.B
-                     and actions[i].microbatch != actions[i + 1].microbatch]
-            assert [(f.microbatch, b.microbatch) for f, b in pairs] == \
-                [(i + warm, i) for i in range(m - warm)]
-        plain = make_schedule("1f1b", pp, m)
-        assert in_flight(s).peak_in_flight == tuple(
-            min(n + 1, m) for n in in_flight(plain).peak_in_flight)
-    assert doctest.testmod(schedule_lowering).failed == 0

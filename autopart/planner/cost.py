@@ -311,20 +311,24 @@ class CostModel(Fp8Pricing):
         return 2 * c.latency_s + nbytes / lay.tp / self.link(False) + gather
 
     def combines_forward_backward(self, lay: Layout) -> bool:
-        """Whether autopart's runtime runs 1F1B's steady-state forwards beside another
-        microbatch's backward, each side's all-to-alls behind the other's compute (autopart/
-        compiler.py combines_forward_backward); each rank then holds one more microbatch."""
+        """Whether autopart's runtime runs interleaved 1F1B's steady-state forwards beside the
+        backward of another microbatch next to them, each side's all-to-alls behind the other's
+        compute (autopart/compiler.py combines_forward_backward)."""
         return (self.runtime == "autopart" and lay.ep > 1 and lay.zero != 3 and lay.pp > 1
-                and lay.schedule == "1f1b")
+                and lay.schedule == "interleaved-1f1b")
 
     def experts_overlapped(self, lay: Layout) -> float:
-        """The fraction of microbatches whose all-to-alls run behind another's compute: all when
-        pairs_microbatches; under combines_forward_backward those of the steady state on the
-        first rank (m - pp of m: its warmup forwards and cooldown backwards run alone)."""
+        """The fraction of microbatch-chunks whose all-to-alls run behind another's compute: all
+        when pairs_microbatches; under combines_forward_backward the steady state's on the first
+        rank, whose (v - 1) * pp + 2 * (pp - 1) warmup forwards (Megatron's) and as many
+        cooldown backwards run alone."""
         if self.pairs_microbatches(lay):
             return 1.0
-        m = self.microbatches(lay)
-        return max(0, m - lay.pp) / m if self.combines_forward_backward(lay) else 0.0
+        if not self.combines_forward_backward(lay):
+            return 0.0
+        total = self.microbatches(lay) * lay.virtual_stages
+        warmup = (lay.virtual_stages - 1) * lay.pp + 2 * (lay.pp - 1)
+        return max(0, total - warmup) / total
 
     def pairs_microbatches(self, lay: Layout) -> bool:
         """Whether autopart's runtime runs the microbatches two at a time, each pair's expert
@@ -579,8 +583,6 @@ class CostModel(Fp8Pricing):
         else:
             makespan, in_flight = pipeline_formula(lay.pp, lay.virtual_stages, m // k, *units)
         in_flight = tuple(k * n for n in in_flight)
-        if self.combines_forward_backward(lay):    # one more warmup forward per rank
-            in_flight = tuple(min(n + 1, m) for n in in_flight)
         after = self.after_pipeline(lay, fwd, bwd)
         step = makespan + sum(after.values())
         mem = self.memory(lay, in_flight)
