@@ -112,10 +112,14 @@ def pass_list(mesh: Mesh, config: Config = Config(), *, microbatch_size: int,
           if c.overlap and mesh.tp > 1 and not _splits_backward(schedule) else []),
         # ep's all-to-alls behind the other microbatch of a pair (runtime/executor.py runs a
         # pair where the schedule has two computes of a chunk adjacent: pairs_microbatches)
+        # (pairs_microbatches), or beside another microbatch's backward where the schedule
+        # combines them (combines_forward_backward: the forwards cut into segments)
         *([Pass("overlap_experts", overlap_experts, requires=("chunks", "ep"), provides=(),
+                options=dict(segments=combines_forward_backward(c, mesh)),
                 after=("recompute_activations", "gather_parameters", "fp8_linears",
                        "overlap_collectives"))]
-          if pairs_microbatches(c, mesh) and takes_pairs(schedule) else []),
+          if combines_forward_backward(c, mesh)
+          or (pairs_microbatches(c, mesh) and takes_pairs(schedule)) else []),
         *([Pass("split_backward", split_backward, requires=("chunks",),
                 provides=("split_backward",), options=dict(microbatch_size=microbatch_size),
                 after=("recompute_activations", "fp8_linears"))] if _splits_backward(schedule) else []),
@@ -128,7 +132,24 @@ def pairs_microbatches(config: Config, mesh: Mesh) -> bool:
     not zero=3 (the runtime swaps its chunk programs' parameters for gathered shards:
     runtime/param_shards.py; a paired program built before would read the slices)."""
     return bool(config.overlap and mesh.ep > 1 and config.microbatches % 2 == 0
-                and config.schedule in ("1f1b", "gpipe", "interleaved-1f1b") and config.zero != 3)
+                and config.schedule in ("1f1b", "gpipe", "interleaved-1f1b") and config.zero != 3
+                and not combines_forward_backward(config, mesh))
+
+
+def combines_forward_backward(config: Config, mesh: Mesh) -> bool:
+    """Whether the runtime runs each forward that the schedule puts next to a backward of
+    another microbatch beside it, each side's all-to-alls behind the other's compute
+    (runtime/executor.py combined_computes): ep > 1 with the overlap on, the interleaved 1F1B
+    under pipeline parallelism, and not zero=3 (as pairs_microbatches). Interleaved 1F1B's
+    steady state already runs a forward of one chunk and a backward of another with no
+    transfer between them (Megatron's slots), as Megatron-Core's combined 1F1B needs (it
+    overlaps the all-to-alls under pp only with virtual stages too): no schedule change, no
+    more activations. A plain 1F1B has no such pair that a rank can run without waiting for
+    its neighbour's pair (its forward's input comes from that pair's forward, its
+    backward's gradient from that pair's end): there the microbatches go two at a time
+    (pairs_microbatches)."""
+    return bool(config.overlap and mesh.ep > 1 and mesh.pp > 1
+                and config.schedule == "interleaved-1f1b" and config.zero != 3)
 
 
 def takes_pairs(schedule: sched.Schedule | None) -> bool:

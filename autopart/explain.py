@@ -102,6 +102,8 @@ def _ep_overlap_lines(compiled) -> list[str]:
     """Where each all-to-all's wait sits in the paired programs (passes/overlap_experts.py)."""
     report = next((p.report for p in compiled.passes if p.name == "overlap_experts"), None)
     paired = compiled.schedule.ranks[0]
+    if report is not None and report.get("segmented_chunks"):
+        return _combined_lines(compiled, report)
     if report is None or not report["paired_chunks"]:
         why = ("overlap=False" if not compiled.config.overlap else
                "needs an even number of microbatches and a 1f1b, gpipe or interleaved-1f1b "
@@ -110,6 +112,26 @@ def _ep_overlap_lines(compiled) -> list[str]:
     lines = [f"  all-to-alls overlapped across microbatch pairs (overlap_experts): the schedule "
              f"runs microbatches two at a time ({' '.join(map(str, paired[:4]))} ...); in each "
              "chunk's paired program each wait sits after the other microbatch's ops:"]
+    for chunk, waits in report["waits"].items():
+        lines += [f"    chunk {chunk}  {w}" for w in waits]
+    lines += [f"    kept: {k} ({v})" for k, v in report["kept"].items()]
+    return lines
+
+
+def _combined_lines(compiled, report: dict) -> list[str]:
+    """Where the forwards are cut, and the schedule's first forward next to another
+    microbatch's backward (compiler.combines_forward_backward)."""
+    example = next((f"{a} {b}" for r in compiled.schedule.ranks
+                    for a, b in zip([x for x in r if x.kind.is_compute],
+                                    [x for x in r if x.kind.is_compute][1:])
+                    if {str(a.kind), str(b.kind)} == {"F", "B"} and a.microbatch != b.microbatch),
+                   "none")
+    lines = ["  all-to-alls overlapped across a forward and another microbatch's backward "
+             "(overlap_experts, combined 1F1B): where the interleaved 1F1B runs a forward next "
+             f"to a backward of another microbatch (first: {example}) and both chunks hold "
+             "all-to-alls, the runtime runs the forward's next segment each time the backward "
+             "has posted a gradient's all-to-all, so each side's all-to-all moves while the "
+             "other computes. Each forward, cut after its posts:"]
     for chunk, waits in report["waits"].items():
         lines += [f"    chunk {chunk}  {w}" for w in waits]
     lines += [f"    kept: {k} ({v})" for k, v in report["kept"].items()]

@@ -266,6 +266,9 @@ class ChunkProgram:
     # overlap_experts: two microbatches' forwards interleaved, expert all-to-alls posted and
     # waited behind the other microbatch's compute (inputs a's then b's, outputs likewise)
     paired: fx.GraphModule | None = None
+    # overlap_experts: the forward cut after each posted all-to-all, so that the runtime can run
+    # one microbatch's forward between another's backward posts (combined F&B)
+    segments: tuple[ForwardSegment, ...] | None = None
 
     @property
     def code(self) -> str:
@@ -278,6 +281,19 @@ class ChunkProgram:
             text += (f"# chunk {self.chunk}, two microbatches a and b (overlap_experts: each "
                      "ep_wait after the other's compute)\n" + self.paired.code.strip() + "\n")
         return text + self.backward.code if self.backward is not None else text
+
+
+@dataclass(frozen=True)
+class ForwardSegment:
+    """One piece of a chunk's forward (overlap_experts forward_segments): a program that takes
+    the values named `inputs` (the chunk's placeholders, or outputs of earlier segments) and
+    returns those named `outputs`; `pending`: which outputs are posted all-to-alls (Pending);
+    `drops`: the inputs no later segment reads. The last segment returns the chunk's outputs."""
+    gm: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    pending: tuple[str, ...] = ()
+    drops: tuple[str, ...] = ()
 
 
 @dataclass

@@ -135,3 +135,4 @@ def _expand(actions) -> tuple[Action, ...]:
 
 
 _TRANSFERS = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
+

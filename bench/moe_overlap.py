@@ -13,7 +13,12 @@ all-to-alls wait behind the other microbatch's compute; without it, 1F1B over 4 
 A third side, "serial", isolates the overlap from the pairing: the same paired schedule and
 paired programs with each microbatch's ops in order (a's whole forward, then b's: every wait
 right after its post), made by replacing passes/overlap_experts.py `interleave` in this
-benchmark's processes only. Before timing, every side's first-step loss is checked against the
+benchmark's processes only. Three more sides time the interleaved 1F1B (virtual_stages=2), where
+each forward next to another microbatch's backward runs beside it (runtime/executor.py
+_forward_backward: combined F&B): "combined" (the overlap on), "combined_off" (overlap=False, the
+same schedule) and "combined_serial" (the same segmented forwards, each combined pair run as the
+backward then the whole forward: every wait right after its post, by replacing
+`_forward_backward` during that side's steps only). Before timing, every side's first-step loss is checked against the
 plain model's.
 On CPU the all-to-alls run on Gloo's threads, which share the cores with the ranks' compute:
 what hides there is the transfer's latency, not its bandwidth.
@@ -59,18 +64,33 @@ def run(rank: int, world: int, args) -> dict:
         plain = _loss(_mixtral(args)(input_ids=x), x).item()
     from autopart.passes import overlap_experts as oe
     interleave, sides = oe.interleave, {}
-    for name, overlap in (("overlap", True), ("no_overlap", False), ("serial", True)):
+    for name, overlap in (("overlap", True), ("no_overlap", False), ("serial", True),
+                          ("combined", True), ("combined_off", False),
+                          ("combined_serial", True)):
         if name == "serial":        # a's items, then b's: each wait right after its post
             oe.interleave = lambda items: [(mb, it) for mb in (0, 1) for it in items]
+        vpp = dict(schedule="interleaved-1f1b", virtual_stages=2) \
+            if name.startswith("combined") else {}
         pm = autopart.parallelize(_mixtral(args), autopart.Mesh(pp=2, dp=2, ep=2), (x,),
                                   loss_fn=_loss, target=x, microbatches=args.microbatches,
-                                  overlap=overlap)
+                                  overlap=overlap, **vpp)
         oe.interleave = interleave
         sides[name] = (pm, torch.optim.SGD(pm.parameters(), lr=1e-2))
 
+    from autopart.runtime import executor as ex
+    combined = ex._forward_backward
+
+    def serial(f, b, ctx):          # the backward, then the whole forward
+        ex._backward(b, ctx)
+        ex._Segments(f, ctx).finish()
+
     def step(name):
         pm, opt = sides[name]
-        loss = pm.train_step(x, target=x)
+        ex._forward_backward = serial if name == "combined_serial" else combined
+        try:
+            loss = pm.train_step(x, target=x)
+        finally:
+            ex._forward_backward = combined
         opt.step()
         opt.zero_grad()
         return loss.item()
@@ -105,7 +125,7 @@ def main(argv=None) -> int:
     from autopart.runtime.launch import spawn
     outs = spawn(run, 4, args, timeout=args.timeout)
     first = outs[-1]["first_loss"]          # the last pipeline stage's ranks hold the loss
-    sides = ("overlap", "no_overlap", "serial")
+    sides = ("overlap", "no_overlap", "serial", "combined", "combined_off", "combined_serial")
     ok = all(abs(first[k] - first["plain"]) < 1e-4 for k in sides)
     # a step ends when its slowest rank's does: per round, the slowest rank's time
     steps = {k: [max(o["times"][k][i] for o in outs) for i in range(args.steps)] for k in sides}
@@ -116,7 +136,9 @@ def main(argv=None) -> int:
               "model": f"HF Mixtral h={args.hidden} layers={args.layers} 4 experts top-2",
               "batch": [args.batch, args.seq], "first_step_loss": first, "losses_match": ok,
               "step_seconds": steps, "ratio_overlap_over_no_overlap": ratio("overlap", "no_overlap"),
-              "ratio_overlap_over_serial": ratio("overlap", "serial")}
+              "ratio_overlap_over_serial": ratio("overlap", "serial"),
+              "ratio_combined_over_combined_off": ratio("combined", "combined_off"),
+              "ratio_combined_over_combined_serial": ratio("combined", "combined_serial")}
     if args.json:
         print(json.dumps(result))
     else:
@@ -130,6 +152,9 @@ def main(argv=None) -> int:
         print(f"median per-round ratio overlap / no overlap "
               f"{result['ratio_overlap_over_no_overlap']:.3f}, overlap / serial pairs "
               f"{result['ratio_overlap_over_serial']:.3f}")
+        print(f"interleaved 1F1B (v=2), combined F&B: combined / overlap off "
+              f"{result['ratio_combined_over_combined_off']:.3f}, combined / serial "
+              f"{result['ratio_combined_over_combined_serial']:.3f}")
     return 0 if ok else 1
 
 

@@ -133,6 +133,10 @@ def _moe_overlap(out: dict) -> dict:
     rows = {"ep overlap / no overlap": _per_round(t["overlap"], t["no_overlap"])}
     if "serial" in t:
         rows["ep overlap / serial pairs"] = _per_round(t["overlap"], t["serial"])
+    if "combined" in t:
+        rows["ep combined F&B / overlap off (interleaved)"] = _per_round(t["combined"],
+                                                                         t["combined_off"])
+        rows["ep combined F&B / serial"] = _per_round(t["combined"], t["combined_serial"])
     return rows
 
 
@@ -253,14 +257,20 @@ BENCHMARKS = [
                        "checkpoint load": out["round_ratios"]["load"],
                        "checkpoint load (sizes only)": out["round_ratios"]["load_noverify"]}),
     Bench("moe-overlap", "moe_overlap.py", lambda r: ["--steps", str(r)],
-          {"ep overlap / no overlap": "autopart overlap=True / overlap=False step (fwd+bwd+SGD), "
+          {"ep overlap / no overlap": "autopart overlap=True (pairs) / overlap=False "
+                                      "step (fwd+bwd+SGD), "
                                       "pp=2 x dp=2 with ep=2, HF Mixtral h=64 4 layers 4 experts "
                                       "top-2, batch 16x64, 4 microbatches, the slowest rank per "
                                       "round, paired rounds (issue 52's target <= 0.85)"},
           _moe_overlap, timeout=1800,
           optional={"ep overlap / serial pairs": "autopart overlap=True / the same paired "
                     "schedule and programs with each microbatch's ops in order (every wait "
-                    "right after its post): the overlap's own share, paired rounds"}),
+                    "right after its post): the overlap's own share, paired rounds",
+                    "ep combined F&B / overlap off (interleaved)": "the same layout under "
+                    "interleaved-1f1b v=2: overlap=True (each forward run beside the backward "
+                    "next to it) / overlap=False, paired rounds",
+                    "ep combined F&B / serial": "interleaved-1f1b v=2: combined / each combined "
+                    "pair run as the backward then the whole forward, paired rounds"}),
     Bench("cp", "cp_attention.py", lambda r: ["--rounds", str(r)],
           {"cp ring / allgather": "autopart cp=2 ring attention / all-gather attention step "
                                   "(fwd+bwd+AdamW), GPT 2 layers n_embd=128 vocab 1024, "

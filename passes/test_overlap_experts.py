@@ -163,3 +163,91 @@ def test_a_run_posts_computes_then_waits_and_equals_the_unpaired_program(compile
     assert got[1].keys() == want[1].keys() and got[1]
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_combined_forward_and_backward_hide_each_others_all_to_alls(compiled, monkeypatch):
+    """The chunk's forward cut after each post (forward_segments), run as the runtime runs a
+    combined pair (runtime/executor.py _forward_backward: F1 beside B0, with a stand-in
+    all-to-all): every post of either side, the backward's gradient all-to-alls and the
+    forward's, is followed by matmuls before its wait; a forward run alone posts and waits
+    with nothing between (no other work to run); losses and gradients are the plain
+    program's."""
+    import dataclasses
+
+    from autopart.passes.overlap_experts import forward_segments
+    from autopart.runtime import executor as ex
+    from autopart.schedule import Action
+    rank = compiled[False].programs.instantiate(0)
+    chunk = rank.chunks[0]
+    chunk.gm.get_submodule("ep_comm").bind(object(), 0)
+    g = torch.Generator().manual_seed(3)
+    inputs = [[torch.randint(0, 128, (2, 16), generator=g) for _ in chunk.inputs]
+              for _ in range(2)]
+    log: list[str] = []
+    monkeypatch.setattr(dist, "all_to_all_single", _Peers(log))
+    want = _run(chunk, False, inputs)
+    segmented = dataclasses.replace(chunk, segments=forward_segments(chunk.gm))
+    assert len(segmented.segments) == 2 * 2 + 1      # cut after each of 4 posts
+    for p in chunk.gm.parameters():
+        p.grad = None
+    ctx = ex.StepContext(chunks={0: segmented}, peer=None, batch=2, seq=16,
+                         device=torch.device("cpu"), loss_scale=1.0,
+                         microbatch=lambda m: dict(zip(chunk.inputs, inputs[m])))
+    log.clear()
+    with _Matmuls(log):
+        ex._forward(Action(0, "F", 0), ctx)
+        alone = list(log)
+        log.clear()
+        ex._forward_backward(Action(0, "F", 1), Action(0, "B", 0), ctx)
+        combined = list(log)
+        ex._backward(Action(0, "B", 1), ctx)
+    _assert_between(alone, expect_mm=False, posts=4)
+    _assert_between(combined, expect_mm=True, posts=8)       # F1's 4 and B0's 4
+    params = dict(chunk.gm.named_parameters())
+    got = {n: p.grad for n, p in params.items() if p.grad is not None}
+    assert got.keys() == want[1].keys() and got
+    for a, b in zip(ctx.losses, want[0]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert torch.isfinite(a)
+    for name in want[1]:
+        torch.testing.assert_close(got[name], want[1][name], rtol=1e-5, atol=1e-6)
+
+
+def _assert_between(log: list[str], expect_mm: bool, posts: int) -> None:
+    """Each post in `log` is waited on in `log`, with matmuls between (or none)."""
+    found = [e for e in log if e.startswith("post")]
+    assert len(found) == posts, log
+    for p in found:
+        k = p.split()[1]
+        between = log[log.index(p) + 1:log.index(f"wait {k}")]
+        assert ("mm" in between) == expect_mm, (p, log)
+
+
+def test_under_interleaved_pp_compile_cuts_the_forwards_and_keeps_the_schedule():
+    """pp=2 x dp=2, ep=2, interleaved-1f1b: the schedule is the configured one (not pairs), every
+    chunk holding all-to-alls has segments whose pieces end at a post, and explain() names the
+    first forward next to another microbatch's backward; overlap=False: no segments."""
+    from examples.switch import SwitchGPT, config
+
+    from autopart.schedule import make_schedule
+    idx = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs[overlap] = autopart.compile(SwitchGPT(config(SWITCH)),
+                                             autopart.Mesh(pp=2, dp=2, ep=2), (idx, idx),
+                                             microbatches=4, overlap=overlap,
+                                             schedule="interleaved-1f1b", virtual_stages=2)
+    on, off = runs[True], runs[False]
+    plain = make_schedule("interleaved-1f1b", 2, 4, 2).ranks
+    assert on.schedule.ranks == plain and off.schedule.ranks == plain
+    chunks = list(on.program.chunks)
+    assert all(c.paired is None for c in chunks)
+    cut = [c for c in chunks if c.segments is not None]
+    assert cut and all(c.segments is None for c in off.program.chunks)
+    for c in cut:
+        assert all(s.pending for s in c.segments[:-1]) and not c.segments[-1].pending
+    text = on.explain()
+    assert "combined 1F1B" in text and "(first: 0F2 2B0)" in text, text

@@ -27,6 +27,7 @@ they are waited on at the end of the list, after the sends.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import time
 import weakref
@@ -80,6 +81,8 @@ class StepContext:
     watch: object = None    # runtime.step_watch.StepWatch: told after each action
     grads: object = None    # runtime.gradients.StepBuckets: gradient all-reduces posted as the
                             # backward finishes them (told before and after each compute)
+    pending: dict = field(default_factory=dict)    # (chunk, mb) -> the all-to-alls (Pending) its
+                                                   # segmented forward posted, until its B
 
 
 def posts_never_wait(device: torch.device) -> bool:
@@ -100,10 +103,14 @@ def run_actions(actions, ctx: StepContext) -> list[torch.Tensor]:
     if ctx.grads is not None:   # a failed bucket names the step and what it waited for
         ctx.grads.bind(lambda work, what: _wait(work, what, ctx), lambda: _now(ctx))
     pairs = paired_computes(actions, ctx)
+    combined = combined_computes(actions, ctx)
     i = 0
     while i < len(actions):
         if i in pairs:      # two microbatches in one program (passes/overlap_experts.py)
             i = _run_pair(actions, i, pairs[i], ctx, sends)
+            continue
+        if i in combined:   # a forward beside another microbatch's backward
+            i = _run_combined(actions, i, combined[i], ctx, sends)
             continue
         if actions[i].kind in _COMM:
             j = i
@@ -168,6 +175,136 @@ def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
             continue
         pairs[i] = j
     return pairs
+
+
+def combined_computes(actions, ctx: StepContext) -> dict[int, int]:
+    """{i: j} for the computes run together (autopart/compiler.py combines_forward_backward:
+    the interleaved 1F1B's slots): an F and a B of other microbatches, next to each other but
+    for receives (posted before the pair: a post never waits), both chunks' forwards segmented
+    (passes/overlap_experts.py), and no gradient bucket final or windowed between them (both
+    finish as one action)."""
+    if all(getattr(c, "segments", None) is None for c in ctx.chunks.values()):
+        return {}
+    layout, out = getattr(ctx.grads, "layout", None), {}
+    computes = [i for i, a in enumerate(actions) if a.kind not in _COMM]
+    for i, j in zip(computes, computes[1:]):
+        a, b = actions[i], actions[j]
+        if {str(a.kind), str(b.kind)} != {"F", "B"} or a.microbatch == b.microbatch \
+                or i in out.values() or not all(_segmented(ctx.chunks[x.chunk]) for x in (a, b)):
+            continue
+        if any(actions[k].kind not in ("RECV_F", "RECV_B") for k in range(i + 1, j)):
+            continue
+        if layout is not None and (i in layout.final_after or i in layout.window_after
+                                   or j in layout.window_after):
+            continue
+        out[i] = j
+    return out
+
+
+def _segmented(chunk) -> bool:
+    return getattr(chunk, "segments", None) is not None and not chunk.gm.meta.get(COMPILED)
+
+
+def _run_combined(actions, i: int, j: int, ctx: StepContext, sends: list) -> int:
+    """Run computes i and j (one F, one B) as one action; returns j + 1."""
+    if j > i + 1:
+        sends += _communicate(actions[i + 1:j], ctx)
+    pair = (actions[i], actions[j])
+    f, b = pair if str(pair[0].kind) == "F" else pair[::-1]
+    _wait_received(ctx, (ctx.acts, (f.chunk, f.microbatch)))
+    _wait_received(ctx, (ctx.grads_in, (b.chunk, b.microbatch)))
+    if ctx.grads is not None:
+        ctx.grads.before(i)
+        ctx.grads.before(j)
+    if ctx.watch is not None:
+        ctx.watch.begin(pair[0])
+    start = _now(ctx)
+    PATHS["combined", "F"] += 1
+    PATHS["combined", "B"] += 1
+    try:
+        _forward_backward(f, b, ctx)
+    except PeerFailure:
+        raise
+    except RuntimeError as e:     # an all-to-all inside a chunk timed out
+        raise PeerFailure(f"rank {dist.get_rank()} failed in {f} and {b} at step "
+                          f"{ctx.step}: {e}") from e
+    if ctx.trace is not None:
+        end = _now(ctx)
+        ctx.trace.record(f, start, end)
+        ctx.trace.record(b, start, end)
+    for act in pair:
+        _hand_over(act, str(act.kind), ctx)
+    if ctx.grads is not None:
+        ctx.grads.after(i)
+        ctx.grads.after(j)
+    if ctx.watch is not None:
+        ctx.watch.progress()
+    return j + 1
+
+
+def _forward_backward(f, b, ctx: StepContext) -> None:
+    """F of one microbatch run segment by segment inside B of another: its first segment (up to
+    its first post) before the backward, the next one each time the backward has posted a
+    gradient's all-to-all (the Pending's `after_post`), so that each side's all-to-all moves
+    while the other computes; what is left after the backward."""
+    run = _Segments(f, ctx)
+    run.advance()
+    posts = ctx.pending.pop((b.chunk, b.microbatch), [])
+    for p in posts:
+        p.after_post = run.advance
+    try:
+        _backward(b, ctx)
+    finally:
+        for p in posts:
+            p.after_post = None
+    run.finish()
+
+
+class _Segments:
+    """One forward run piece by piece (ChunkProgram.segments); `advance` runs the next piece,
+    `finish` the rest and keeps the outputs as _forward does."""
+
+    def __init__(self, action, ctx: StepContext):
+        self.action, self.ctx, self.k = action, ctx, 0
+        key = (action.chunk, action.microbatch)
+        chunk = self.chunk = ctx.chunks[action.chunk]
+        received = [t.requires_grad_(True) if s.differentiable else t
+                    for s, t in zip(chunk.recvs, ctx.acts.get(key, []))]
+        ctx.acts[key] = received
+        inputs = ctx.microbatch(action.microbatch)
+        names = [n.name for n in chunk.gm.graph.nodes if n.op == "placeholder"]
+        self.env = dict(zip(names, [*received, *(inputs[name] for name in chunk.inputs)]))
+        self.posted = ctx.pending.setdefault(key, [])
+
+    def advance(self) -> None:
+        segments = self.chunk.segments
+        if self.k >= len(segments):
+            return
+        seg, env = segments[self.k], self.env
+        self.k += 1
+        args = [env[n] for n in seg.inputs]
+        for n in seg.drops:
+            del env[n]
+        # also when called from inside a backward: grad mode on, and bf16's autocast where the
+        # backward runs on another thread (CUDA's device threads) without the step's
+        with torch.enable_grad(), _step_autocast(self.ctx):
+            out = executable(seg.gm, self.chunk.gm, autocast=self.ctx.reduced)(args)
+            env.update(zip(seg.outputs, out))
+            self.posted += [env[n] for n in seg.pending]
+            if self.k == len(segments):     # (the loss scaled in grad mode too)
+                _keep_outputs(self.chunk, (self.action.chunk, self.action.microbatch),
+                              tuple(out), self.ctx)
+
+    def finish(self) -> None:
+        while self.k < len(self.chunk.segments):
+            self.advance()
+
+
+def _step_autocast(ctx: StepContext):
+    device = ctx.device.type
+    if ctx.reduced is None or torch.is_autocast_enabled(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, dtype=ctx.reduced)
 
 
 def _run_pair(actions, i: int, j: int, ctx: StepContext, sends: list) -> int:
@@ -378,6 +515,9 @@ def _on_wire(t: torch.Tensor, ctx: StepContext) -> torch.Tensor:
 def _forward(action, ctx: StepContext) -> None:
     key = (action.chunk, action.microbatch)
     chunk = ctx.chunks[action.chunk]
+    if _segmented(chunk):     # its backward then posts and waits apart (_forward_backward)
+        _Segments(action, ctx).finish()
+        return
     received = ctx.acts.get(key, [])
     received = [t.requires_grad_(True) if s.differentiable else t for s, t in zip(chunk.recvs, received)]
     ctx.acts[key] = received
@@ -436,6 +576,7 @@ def _backward_pair(a, b, ctx: StepContext) -> None:
 def _backward(action, ctx: StepContext) -> None:
     key = (action.chunk, action.microbatch)
     chunk = ctx.chunks[action.chunk]
+    ctx.pending.pop(key, None)
     outs = ctx.outs.pop(key)
     if chunk.is_last:
         torch.autograd.backward(outs[0])

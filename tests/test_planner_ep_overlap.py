@@ -47,3 +47,23 @@ def test_a_paired_layout_steps_faster_at_pp1_and_holds_twice_the_microbatches_pe
     assert not CostModel(profile, SELENE, 6).pairs_microbatches(Layout(1, 1, 2, 1, ep=2))  # m=3
     megatron = CostModel(profile, SELENE, 16, runtime="megatron")
     assert not megatron.pairs_microbatches(lay)
+
+
+def test_under_interleaved_pp_the_steady_states_all_to_alls_are_hidden(profile):
+    """pp > 1 with the interleaved 1F1B: forwards beside other microbatches' backwards
+    (combines_forward_backward), not pairs; the steady state's share hidden (8 microbatches x 2
+    chunks, rank 0's (2 - 1) * 2 + 2 * (2 - 1) = 4 warmup forwards alone); the same activations
+    as the same layout with nothing overlapped, and a faster step."""
+    model = CostModel(profile, SELENE, 32)
+    lay = Layout(1, 2, 2, 2, virtual_stages=2, schedule="interleaved-1f1b", ep=2,
+                 recompute="none")                       # pp=2, 8 microbatches per replica
+    assert model.combines_forward_backward(lay) and not model.pairs_microbatches(lay)
+    assert model.experts_overlapped(lay) == pytest.approx((16 - 4) / 16)
+    combined = model.estimate(lay)
+    model.combines_forward_backward = lambda lay: False
+    model.pairs_microbatches = lambda lay: False
+    plain = model.estimate(lay)
+    assert combined.step_time < plain.step_time
+    assert combined.memory["activations"] == plain.memory["activations"]
+    assert not model.combines_forward_backward(Layout(1, 2, 2, 2, ep=2))     # 1f1b: pairs
+    assert not CostModel(profile, SELENE, 32, runtime="megatron").combines_forward_backward(lay)

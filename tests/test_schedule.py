@@ -550,3 +550,4 @@ def test_docstring_examples():
     import autopart.schedule
 
     assert doctest.testmod(autopart.schedule, optionflags=doctest.ELLIPSIS).failed == 0
+

@@ -32,11 +32,15 @@ class Pending:
     """One posted all-to-all of a dispatch or combine: the forward's work and receive buffer,
     the backward's, and how to turn the buffers into the op's result (`post`) and back."""
 
-    __slots__ = ("comm", "form", "work", "buf", "bwork", "bbuf")
+    __slots__ = ("comm", "form", "work", "buf", "bwork", "bbuf", "after_post")
 
     def __init__(self, comm: EPComm, form: "_Form"):
         self.comm, self.form = comm, form
         self.work = self.buf = self.bwork = self.bbuf = None
+        # set by the runtime for a combined forward-backward (runtime/executor.py
+        # _forward_backward): run after the backward posted this gradient's all-to-all, before
+        # it is waited on (the other microbatch's forward, up to its next post)
+        self.after_post = None
 
 
 class _Form:
@@ -92,6 +96,8 @@ class _Wait(torch.autograd.Function):
         p.bbuf = send.new_empty((sum(p.form.in_splits), *send.shape[1:])
                                 if p.form.in_splits is not None else send.shape)
         p.bwork = _post(send, p.bbuf, p.form.in_splits, p.form.out_splits, p.comm)
+        if p.after_post is not None:
+            p.after_post()
         return send, None       # its value is not read: the start's backward reads p.bbuf
 
 

@@ -188,7 +188,7 @@ class CostModel(Fp8Pricing):
 
     def part_times(self, part: Part, tp: int, b: int, ep: int = 1, cp: int = 1,
                    schedule: str = "1f1b", fp8: tuple | None = None,
-                   paired: bool = False) -> tuple[float, float, float]:
+                   paired: float = 0.0) -> tuple[float, float, float]:
         """(forward, backward, communication) of one part for one microbatch; with cp > 1 on one
         context-parallel rank: 1/cp of the tokens, plus the ring's exposed time. Under autopart's
         runtime the forward's tp collectives are exposed and the backward's run behind the
@@ -196,9 +196,10 @@ class CostModel(Fp8Pricing):
         part's GEMM time), except under schedules that split the backward (I/W), where the pass
         does not run; under Megatron-LM's (tp-comm-overlap) they run chunked behind the part's
         GEMMs, exposed only where longer. `fp8`: which GEMMs run in FP8 (fp8_mask; default: the
-        part as a layer), with their casts and amax all-reduces (fp8_costs). `paired`
-        (pairs_microbatches): the expert all-to-alls run behind the other microbatch's compute of
-        the part (passes/overlap_experts.py), exposed only where longer."""
+        part as a layer), with their casts and amax all-reduces (fp8_costs). `paired`: the
+        fraction of microbatches whose expert all-to-alls run behind another microbatch's compute
+        of the part (passes/overlap_experts.py; experts_overlapped), exposed only where longer;
+        the others' are exposed whole."""
         c = self.cluster
         mask = self.fp8_mask(part) if fp8 is None else fp8
         # a linear's M (tokens) is 1/cp; an attention core runs cp blocks of s/cp queries by
@@ -223,7 +224,8 @@ class CostModel(Fp8Pricing):
         ring_f, ring_b = self.ring_times(part, tp, b, cp)
         a2a_f = a2a_b = a2a
         if paired and self.runtime == "autopart":
-            a2a_f, a2a_b = max(0.0, a2a - gemm - att_f - mem), max(0.0, a2a - 2 * (gemm + mem) - att_b)
+            hid_f, hid_b = max(0.0, a2a - gemm - att_f - mem), max(0.0, a2a - 2 * (gemm + mem) - att_b)
+            a2a_f, a2a_b = (paired * hid + (1 - paired) * a2a for hid in (hid_f, hid_b))
         return (gemm + att_f + mem + ar_f + a2a_f + ring_f + cast_f + amax_f,
                 2 * (gemm + mem) + att_b + ar_b + a2a_b + ring_b + cast_b + amax_b,
                 ar_f + ar_b + 2 * a2a + ring_f + ring_b + amax_f + amax_b)
@@ -257,7 +259,7 @@ class CostModel(Fp8Pricing):
         parts = self.parts(lay)
         b = lay.microbatch_size
         lf, lb, _ = self.part_times(parts["layer"], lay.tp, b, lay.ep, lay.cp, lay.schedule,
-                                    paired=self.pairs_microbatches(lay))
+                                    paired=self.experts_overlapped(lay))
         again = 0.0
         if lay.recompute == "full":
             again = lf                    # the layer's forward once more before its backward
@@ -308,12 +310,33 @@ class CostModel(Fp8Pricing):
         gather = (lay.tp - 1) / lay.tp * nbytes / self.link(True) if lay.tp > 1 else 0.0
         return 2 * c.latency_s + nbytes / lay.tp / self.link(False) + gather
 
+    def combines_forward_backward(self, lay: Layout) -> bool:
+        """Whether autopart's runtime runs interleaved 1F1B's steady-state forwards beside the
+        backward of another microbatch next to them, each side's all-to-alls behind the other's
+        compute (autopart/compiler.py combines_forward_backward)."""
+        return (self.runtime == "autopart" and lay.ep > 1 and lay.zero != 3 and lay.pp > 1
+                and lay.schedule == "interleaved-1f1b")
+
+    def experts_overlapped(self, lay: Layout) -> float:
+        """The fraction of microbatch-chunks whose all-to-alls run behind another's compute: all
+        when pairs_microbatches; under combines_forward_backward the steady state's on the first
+        rank, whose (v - 1) * pp + 2 * (pp - 1) warmup forwards (Megatron's) and as many
+        cooldown backwards run alone."""
+        if self.pairs_microbatches(lay):
+            return 1.0
+        if not self.combines_forward_backward(lay):
+            return 0.0
+        total = self.microbatches(lay) * lay.virtual_stages
+        warmup = (lay.virtual_stages - 1) * lay.pp + 2 * (lay.pp - 1)
+        return max(0, total - warmup) / total
+
     def pairs_microbatches(self, lay: Layout) -> bool:
         """Whether autopart's runtime runs the microbatches two at a time, each pair's expert
         all-to-alls behind the other's compute (autopart/compiler.py pairs_microbatches)."""
         m = self.microbatches(lay)
         return (self.runtime == "autopart" and lay.ep > 1 and m % 2 == 0 and lay.zero != 3
                 and lay.schedule in ("1f1b", "gpipe", "interleaved-1f1b")
+                and not self.combines_forward_backward(lay)
                 and (lay.schedule != "interleaved-1f1b" or (m // 2) % lay.pp == 0))
 
     def microbatches(self, lay: Layout) -> int:

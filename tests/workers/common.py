@@ -113,7 +113,8 @@ class Case:
     """One equivalence configuration; `world` ranks run it."""
     name: str
     model: str = "gpt"               # gpt (8 layers) | gpt4 (4 layers) | hf | toy | extras
-                                     # | switch | switch-top2 | mixtral (mixture of experts)
+                                     # | switch | switch-top2 | mixtral | mixtral4 (4
+                                     # layers) (mixture of experts)
     pp: int = 1
     dp: int = 1
     tp: int = 1
@@ -185,11 +186,12 @@ def _build(case: Case, seed: int = 0, device: str = "cpu"):
         model, loss_fn, vocab = SwitchGPT(config(SWITCH_SPECS[case.model])), None, 128
         if case.model == "switch-stats":
             model = WithStats(model)
-    elif case.model == "mixtral":
+    elif case.model in ("mixtral", "mixtral4"):
         from tests.workers.moe import hf_moe
         import transformers
         transformers.logging.set_verbosity_error()
-        model, loss_fn, vocab = hf_moe("hf-mixtral"), hf_loss, 128
+        layers = 4 if case.model == "mixtral4" else 2
+        model, loss_fn, vocab = hf_moe("hf-mixtral", layers), hf_loss, 128
     elif case.model == "toy":
         model, loss_fn, vocab = Toy(), None, 64
     elif case.model == "extras":

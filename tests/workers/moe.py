@@ -79,11 +79,11 @@ class GatedMoE(nn.Module):
         return loss
 
 
-def hf_moe(name: str) -> nn.Module:
+def hf_moe(name: str, layers: int = 2) -> nn.Module:
     """An unmodified Hugging Face mixture-of-experts LM built from a small config (4 experts,
     top-2, the default grouped_mm experts: rows sorted by expert, dropless)."""
     import transformers
-    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2)
     if name == "hf-mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
