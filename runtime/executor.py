@@ -60,7 +60,9 @@ class StepContext:
     batch: int                      # microbatch size
     seq: int | None
     device: torch.device
-    loss_scale: float               # 1 / (microbatches * dp): the global-batch mean
+    loss_scale: float | torch.Tensor  # each microbatch loss's factor: 1 / (microbatches * dp), the
+                                      # global-batch mean, or 1 / tokens (a 0-dim device tensor
+                                      # where the count reads the labels: never read on the host)
     group: object = None            # the pipeline's process group: its timeout bounds every wait
     trace: object = None            # a runtime.trace.Recorder, or None
     step: int = 0                   # which train_step this is (errors name it)
@@ -677,7 +679,9 @@ def _input_grad_split(action, ctx: StepContext) -> None:
     sb = chunk.backward
     outs = ctx.outs.pop(key)
     if chunk.is_last:   # d(loss * scale)/d(loss), as the fused path's multiply gives it
-        picked = [torch.full((), ctx.loss_scale, dtype=outs[0].dtype, device=outs[0].device)]
+        # as_tensor: a device tensor stays where it is (torch.full would read it on the host)
+        picked = [torch.as_tensor(ctx.loss_scale, dtype=outs[0].dtype,
+                                  device=outs[0].device).reshape(())]
     else:
         diff = [i for i, s in enumerate(chunk.sends) if s.differentiable]
         got = dict(zip(diff, ctx.grads_in.pop(key)))
