@@ -134,18 +134,24 @@ def _run(chunk, paired: bool, inputs: list) -> tuple[list, dict]:
                                           if p.grad is not None}
 
 
-def test_a_run_posts_computes_then_waits_and_equals_the_unpaired_program(compiled, monkeypatch):
-    """Rank 0's paired program with a stand-in all-to-all: every post, forward and backward, is
-    followed by matmuls before its wait (the unpaired program posts and waits at once), and its
-    losses and gradients are the unpaired program's."""
-    rank = compiled[True].programs.instantiate(0)
-    chunk = rank.chunks[0]
+def _rank0_with_stand_in(compiled, seed: int, monkeypatch) -> tuple:
+    """Rank 0's chunk, two microbatches' inputs, and the log that the stand-in all-to-all
+    (installed here) and _Matmuls write."""
+    chunk = compiled.programs.instantiate(0).chunks[0]
     chunk.gm.get_submodule("ep_comm").bind(object(), 0)
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     inputs = [[torch.randint(0, 128, (2, 16), generator=g) for _ in chunk.inputs]
               for _ in range(2)]
     log: list[str] = []
     monkeypatch.setattr(dist, "all_to_all_single", _Peers(log))
+    return chunk, inputs, log
+
+
+def test_a_run_posts_computes_then_waits_and_equals_the_unpaired_program(compiled, monkeypatch):
+    """Rank 0's paired program with a stand-in all-to-all: every post, forward and backward, is
+    followed by matmuls before its wait (the unpaired program posts and waits at once), and its
+    losses and gradients are the unpaired program's."""
+    chunk, inputs, log = _rank0_with_stand_in(compiled[True], 2, monkeypatch)
     with _Matmuls(log):
         got = _run(chunk, True, inputs)
     posts = [e for e in log if e.startswith("post")]
@@ -177,14 +183,7 @@ def test_a_combined_forward_and_backward_hide_each_others_all_to_alls(compiled, 
     from autopart.passes.overlap_experts import forward_segments
     from autopart.runtime import executor as ex
     from autopart.schedule import Action
-    rank = compiled[False].programs.instantiate(0)
-    chunk = rank.chunks[0]
-    chunk.gm.get_submodule("ep_comm").bind(object(), 0)
-    g = torch.Generator().manual_seed(3)
-    inputs = [[torch.randint(0, 128, (2, 16), generator=g) for _ in chunk.inputs]
-              for _ in range(2)]
-    log: list[str] = []
-    monkeypatch.setattr(dist, "all_to_all_single", _Peers(log))
+    chunk, inputs, log = _rank0_with_stand_in(compiled[False], 3, monkeypatch)
     want = _run(chunk, False, inputs)
     segmented = dataclasses.replace(chunk, segments=forward_segments(chunk.gm))
     assert len(segmented.segments) == 2 * 2 + 1      # cut after each of 4 posts

@@ -209,39 +209,9 @@ def _segmented(chunk) -> bool:
 
 def _run_combined(actions, i: int, j: int, ctx: StepContext, sends: list) -> int:
     """Run computes i and j (one F, one B) as one action; returns j + 1."""
-    if j > i + 1:
-        sends += _communicate(actions[i + 1:j], ctx)
     pair = (actions[i], actions[j])
     f, b = pair if str(pair[0].kind) == "F" else pair[::-1]
-    _wait_received(ctx, (ctx.acts, (f.chunk, f.microbatch)))
-    _wait_received(ctx, (ctx.grads_in, (b.chunk, b.microbatch)))
-    if ctx.grads is not None:
-        ctx.grads.before(i)
-        ctx.grads.before(j)
-    if ctx.watch is not None:
-        ctx.watch.begin(pair[0])
-    start = _now(ctx)
-    PATHS["combined", "F"] += 1
-    PATHS["combined", "B"] += 1
-    try:
-        _forward_backward(f, b, ctx)
-    except PeerFailure:
-        raise
-    except RuntimeError as e:     # an all-to-all inside a chunk timed out
-        raise PeerFailure(f"rank {dist.get_rank()} failed in {f} and {b} at step "
-                          f"{ctx.step}: {e}") from e
-    if ctx.trace is not None:
-        end = _now(ctx)
-        ctx.trace.record(f, start, end)
-        ctx.trace.record(b, start, end)
-    for act in pair:
-        _hand_over(act, str(act.kind), ctx)
-    if ctx.grads is not None:
-        ctx.grads.after(i)
-        ctx.grads.after(j)
-    if ctx.watch is not None:
-        ctx.watch.progress()
-    return j + 1
+    return _run_two(actions, i, j, ctx, sends, "combined", lambda: _forward_backward(f, b, ctx))
 
 
 def _forward_backward(f, b, ctx: StepContext) -> None:
@@ -311,32 +281,43 @@ def _step_autocast(ctx: StepContext):
 
 def _run_pair(actions, i: int, j: int, ctx: StepContext, sends: list) -> int:
     """Run computes i and j as one paired program; returns the index after j."""
+    a, b = actions[i], actions[j]
+    run = _forward_pair if str(a.kind) == "F" else _backward_pair
+    return _run_two(actions, i, j, ctx, sends, "paired", lambda: run(a, b, ctx))
+
+
+def _run_two(actions, i: int, j: int, ctx: StepContext, sends: list, how: str, run) -> int:
+    """Computes i and j as one action, `run()` ("paired" or "combined": PATHS counts each
+    compute so): the receives between them posted first, both computes' inputs waited for;
+    a gradient bucket may be final only after j (paired_computes, combined_computes). A paired
+    action's trace gives each compute half the time, a combined one's both the whole."""
     if j > i + 1:
         sends += _communicate(actions[i + 1:j], ctx)
-    a, b = actions[i], actions[j]
-    kind = str(a.kind)
-    for act in (a, b):
-        _wait_received(ctx, (ctx.acts if kind == "F" else ctx.grads_in,
+    two = (actions[i], actions[j])
+    for act in two:
+        _wait_received(ctx, (ctx.acts if str(act.kind) == "F" else ctx.grads_in,
                              (act.chunk, act.microbatch)))
     if ctx.grads is not None:
         ctx.grads.before(j)
     if ctx.watch is not None:
-        ctx.watch.begin(a)
+        ctx.watch.begin(two[0])
     start = _now(ctx)
-    PATHS["paired", kind] += 2
+    for act in two:
+        PATHS[how, str(act.kind)] += 1
     try:
-        (_forward_pair if kind == "F" else _backward_pair)(a, b, ctx)
+        run()
     except PeerFailure:
         raise
-    except RuntimeError as e:     # an all-to-all inside the chunk timed out
-        raise PeerFailure(f"rank {dist.get_rank()} failed in {a} and {b} at step "
+    except RuntimeError as e:     # an all-to-all inside a chunk timed out
+        raise PeerFailure(f"rank {dist.get_rank()} failed in {two[0]} and {two[1]} at step "
                           f"{ctx.step}: {e}") from e
     if ctx.trace is not None:
         end = _now(ctx)
-        ctx.trace.record(a, start, (start + end) / 2)
-        ctx.trace.record(b, (start + end) / 2, end)
-    for act in (a, b):
-        _hand_over(act, kind, ctx)
+        mid = (start + end) / 2 if how == "paired" else end
+        ctx.trace.record(two[0], start, mid)
+        ctx.trace.record(two[1], mid if how == "paired" else start, end)
+    for act in two:
+        _hand_over(act, str(act.kind), ctx)
     if ctx.grads is not None:
         ctx.grads.after(j)
     if ctx.watch is not None:
