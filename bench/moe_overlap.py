@@ -14,11 +14,11 @@ A third side, "serial", isolates the overlap from the pairing: the same paired s
 paired programs with each microbatch's ops in order (a's whole forward, then b's: every wait
 right after its post), made by replacing passes/overlap_experts.py `interleave` in this
 benchmark's processes only. Three more sides time the interleaved 1F1B (virtual_stages=2), where
-each forward next to another microbatch's backward runs beside it (runtime/executor.py
-_forward_backward: combined F&B): "combined" (the overlap on), "combined_off" (overlap=False, the
+each forward next to another microbatch's backward runs beside it (runtime/compute.py
+forward_backward: combined F&B): "combined" (the overlap on), "combined_off" (overlap=False, the
 same schedule) and "combined_serial" (the same segmented forwards, each combined pair run as the
 backward then the whole forward: every wait right after its post, by replacing
-`_forward_backward` during that side's steps only). Before timing, every side's first-step loss is checked against the
+`forward_backward` during that side's steps only). Before timing, every side's first-step loss is checked against the
 plain model's.
 On CPU the all-to-alls run on Gloo's threads, which share the cores with the ranks' compute:
 what hides there is the transfer's latency, not its bandwidth.
@@ -77,20 +77,20 @@ def run(rank: int, world: int, args) -> dict:
         oe.interleave = interleave
         sides[name] = (pm, torch.optim.SGD(pm.parameters(), lr=1e-2))
 
-    from autopart.runtime import executor as ex
-    combined = ex._forward_backward
+    from autopart.runtime import compute
+    combined = compute.forward_backward
 
     def serial(f, b, ctx):          # the backward, then the whole forward
-        ex._backward(b, ctx)
-        ex._Segments(f, ctx).finish()
+        compute.backward(b, ctx)
+        compute.Segments(f, ctx).finish()
 
     def step(name):
         pm, opt = sides[name]
-        ex._forward_backward = serial if name == "combined_serial" else combined
+        compute.forward_backward = serial if name == "combined_serial" else combined
         try:
             loss = pm.train_step(x, target=x)
         finally:
-            ex._forward_backward = combined
+            compute.forward_backward = combined
         opt.step()
         opt.zero_grad()
         return loss.item()

@@ -40,11 +40,12 @@ def _faults() -> int:
 
 def chunk_paths(chunk, tokens, targets, mbs: int, seq: int, m: int) -> dict:
     """{"fused": [(kind, fn)], "split": [...]}, and a fresh StepContext per run."""
+    from autopart.runtime import compute
     from autopart.runtime import executor as ex
     g = torch.Generator().manual_seed(chunk.chunk)
-    recvs = [torch.randn(ex._shape(s, mbs, seq), generator=g) if s.dtype.is_floating_point
-             else torch.zeros(ex._shape(s, mbs, seq), dtype=s.dtype) for s in chunk.recvs]
-    grads = [] if chunk.is_last else [torch.randn(ex._shape(s, mbs, seq), generator=g)
+    recvs = [torch.randn(compute.concrete_shape(s, mbs, seq), generator=g) if s.dtype.is_floating_point
+             else torch.zeros(compute.concrete_shape(s, mbs, seq), dtype=s.dtype) for s in chunk.recvs]
+    grads = [] if chunk.is_last else [torch.randn(compute.concrete_shape(s, mbs, seq), generator=g)
                                       for s in chunk.sends if s.differentiable]
     feed = {name: (tokens if i == 0 else targets)[:mbs] for i, name in enumerate(chunk.inputs)}
 
@@ -55,9 +56,9 @@ def chunk_paths(chunk, tokens, targets, mbs: int, seq: int, m: int) -> dict:
         if grads:
             ctx.grads_in[(chunk.chunk, 0)] = list(grads)
         return ctx
-    paths = {"fused": [("F", ex._forward), ("B", ex._backward)],
-             "split": [("F", ex._forward_split), ("I", ex._input_grad_split),
-                       ("W", ex._weight_grad_split)]}
+    paths = {"fused": [("F", compute.forward), ("B", compute.backward)],
+             "split": [("F", compute.forward_split), ("I", compute.input_grad_split),
+                       ("W", compute.weight_grad_split)]}
     return paths, context
 
 

@@ -31,7 +31,7 @@ combines_forward_backward). For that the pass gives each such chunk its forward 
 posted all-to-all (ChunkProgram.segments, `forward_segments`): the runtime runs every forward of
 the chunk segment by segment, so its backward posts and waits apart too, and for a combined pair
 it runs the forward's next segment each time the backward has posted a gradient's all-to-all
-(runtime/executor.py _forward_backward): the backward's all-to-all moves while the forward
+(runtime/compute.py forward_backward): the backward's all-to-all moves while the forward
 computes, the forward's while the backward computes up to its next post.
 
 Kept as they are, and named in the report: collectives inside a recomputed region (their

@@ -173,7 +173,7 @@ def test_a_run_posts_computes_then_waits_and_equals_the_unpaired_program(compile
 
 def test_a_combined_forward_and_backward_hide_each_others_all_to_alls(compiled, monkeypatch):
     """The chunk's forward cut after each post (forward_segments), run as the runtime runs a
-    combined pair (runtime/executor.py _forward_backward: F1 beside B0, with a stand-in
+    combined pair (runtime/compute.py forward_backward: F1 beside B0, with a stand-in
     all-to-all): every post of either side, the backward's gradient all-to-alls and the
     forward's, is followed by matmuls before its wait; a forward run alone posts and waits
     with nothing between (no other work to run); losses and gradients are the plain
@@ -181,6 +181,7 @@ def test_a_combined_forward_and_backward_hide_each_others_all_to_alls(compiled, 
     import dataclasses
 
     from autopart.passes.overlap_experts import forward_segments
+    from autopart.runtime import compute
     from autopart.runtime import executor as ex
     from autopart.schedule import Action
     chunk, inputs, log = _rank0_with_stand_in(compiled[False], 3, monkeypatch)
@@ -194,12 +195,12 @@ def test_a_combined_forward_and_backward_hide_each_others_all_to_alls(compiled, 
                          microbatch=lambda m: dict(zip(chunk.inputs, inputs[m])))
     log.clear()
     with _Matmuls(log):
-        ex._forward(Action(0, "F", 0), ctx)
+        compute.forward(Action(0, "F", 0), ctx)
         alone = list(log)
         log.clear()
-        ex._forward_backward(Action(0, "F", 1), Action(0, "B", 0), ctx)
+        compute.forward_backward(Action(0, "F", 1), Action(0, "B", 0), ctx)
         combined = list(log)
-        ex._backward(Action(0, "B", 1), ctx)
+        compute.backward(Action(0, "B", 1), ctx)
     _assert_between(alone, expect_mm=False, posts=4)
     _assert_between(combined, expect_mm=True, posts=8)       # F1's 4 and B0's 4
     params = dict(chunk.gm.named_parameters())

@@ -59,7 +59,7 @@ import torch.fx as fx
 from autopart.ir import META_LAYER
 from autopart.ops import aten_groups as G
 from autopart.ops import op_info
-from autopart.runtime.executor import COMPILED
+from autopart.runtime.compute import COMPILED
 
 CUDAGRAPHS = "autopart_cudagraphs"   # gm.meta key: the chunk's artifacts replay as CUDA graphs
 

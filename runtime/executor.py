@@ -27,21 +27,16 @@ they are waited on at the end of the list, after the sends.
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import time
-import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
-from autopart.runtime.executable import executable
+from autopart.runtime import compute
+from autopart.runtime.compute import StepContext
 from autopart.runtime.step_watch import PeerFailure
 
 _COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-COMPILED = "autopart_compiled"      # gm.meta key: the chunk's graph runs Inductor artifacts
 
 # How this process's compute actions ran: ("split" | "autograd", "F" | "B" | "I" | "W") -> count.
 # "split": the chunk's compile-time programs (split_backward); "autograd": the fused forward and
@@ -49,42 +44,6 @@ COMPILED = "autopart_compiled"      # gm.meta key: the chunk's graph runs Induct
 # Nothing reads it at run time; tests clear and read it to see that the programs they expect ran
 # (the fallback is silent otherwise). One dict increment per action.
 PATHS: "collections.Counter[tuple[str, str]]" = collections.Counter()
-
-
-@dataclass
-class StepContext:
-    """What one step needs: this rank's chunks, how to reach peers, and the microbatches."""
-    chunks: dict                    # chunk index -> ChunkProgram
-    peer: callable                  # pipeline rank -> global rank (same dp and tp coordinates)
-    microbatch: callable            # microbatch index -> {input name: tensor}
-    batch: int                      # microbatch size
-    seq: int | None
-    device: torch.device
-    loss_scale: float | torch.Tensor  # each microbatch loss's factor: 1 / (microbatches * dp), the
-                                      # global-batch mean, or 1 / tokens (a 0-dim device tensor
-                                      # where the count reads the labels: never read on the host)
-    group: object = None            # the pipeline's process group: its timeout bounds every wait
-    trace: object = None            # a runtime.trace.Recorder, or None
-    step: int = 0                   # which train_step this is (errors name it)
-    reduced: torch.dtype | None = None  # precision="bf16": the dtype of compute (autocast) and of
-                                        # floating transfers; None for fp32
-    acts: dict = field(default_factory=dict)       # (chunk, mb) -> received forward inputs
-    outs: dict = field(default_factory=dict)       # (chunk, mb) -> forward outputs
-    grads_in: dict = field(default_factory=dict)   # (chunk, mb) -> grads received for outputs
-    grads_out: dict = field(default_factory=dict)  # (chunk, mb) -> grads of inputs to send back
-    saved: dict = field(default_factory=dict)      # (chunk, mb) -> split forward's saved values
-    for_weight: dict = field(default_factory=dict)  # (chunk, mb) -> what W reads, after I
-    posted: list = field(default_factory=list)     # [(store, key, batch, op indices, action,
-                                                   #   posted at, specs)]
-    losses: list = field(default_factory=list)
-    stats: list = field(default_factory=list)      # per microbatch: the model's other outputs
-    batches: list = field(default_factory=list)    # every _Batch posted, in order: what a
-                                                   # failure names (runtime/step_watch.py)
-    watch: object = None    # runtime.step_watch.StepWatch: told after each action
-    grads: object = None    # runtime.gradients.StepBuckets: gradient all-reduces posted as the
-                            # backward finishes them (told before and after each compute)
-    pending: dict = field(default_factory=dict)    # (chunk, mb) -> the all-to-alls (Pending) its
-                                                   # segmented forward posted, until its B
 
 
 def posts_never_wait(device: torch.device) -> bool:
@@ -162,7 +121,7 @@ def paired_computes(actions, ctx: StepContext) -> dict[int, int]:
         a, b = actions[i], actions[j]
         chunk = ctx.chunks[a.chunk]
         if a.kind not in ("F", "B") or (a.kind, a.chunk) != (b.kind, b.chunk) \
-                or getattr(chunk, "paired", None) is None or chunk.gm.meta.get(COMPILED) \
+                or getattr(chunk, "paired", None) is None or chunk.gm.meta.get(compute.COMPILED) \
                 or i in pairs.values():
             continue
         if any(actions[k].kind not in ("RECV_F", "RECV_B") for k in range(i + 1, j)):
@@ -192,7 +151,8 @@ def combined_computes(actions, ctx: StepContext) -> dict[int, int]:
     for i, j in zip(computes, computes[1:]):
         a, b = actions[i], actions[j]
         if {str(a.kind), str(b.kind)} != {"F", "B"} or a.microbatch == b.microbatch \
-                or i in out.values() or not all(_segmented(ctx.chunks[x.chunk]) for x in (a, b)):
+                or i in out.values() \
+                or not all(compute.segmented(ctx.chunks[x.chunk]) for x in (a, b)):
             continue
         if any(actions[k].kind not in ("RECV_F", "RECV_B") for k in range(i + 1, j)):
             continue
@@ -203,86 +163,18 @@ def combined_computes(actions, ctx: StepContext) -> dict[int, int]:
     return out
 
 
-def _segmented(chunk) -> bool:
-    return getattr(chunk, "segments", None) is not None and not chunk.gm.meta.get(COMPILED)
-
-
 def _run_combined(actions, i: int, j: int, ctx: StepContext, sends: list) -> int:
     """Run computes i and j (one F, one B) as one action; returns j + 1."""
     pair = (actions[i], actions[j])
     f, b = pair if str(pair[0].kind) == "F" else pair[::-1]
-    return _run_two(actions, i, j, ctx, sends, "combined", lambda: _forward_backward(f, b, ctx))
-
-
-def _forward_backward(f, b, ctx: StepContext) -> None:
-    """F of one microbatch run segment by segment inside B of another: its first segment (up to
-    its first post) before the backward, the next one each time the backward has posted a
-    gradient's all-to-all (the Pending's `after_post`), so that each side's all-to-all moves
-    while the other computes; what is left after the backward."""
-    run = _Segments(f, ctx)
-    run.advance()
-    posts = ctx.pending.pop((b.chunk, b.microbatch), [])
-    for p in posts:
-        p.after_post = run.advance
-    try:
-        _backward(b, ctx)
-    finally:
-        for p in posts:
-            p.after_post = None
-    run.finish()
-
-
-class _Segments:
-    """One forward run piece by piece (ChunkProgram.segments); `advance` runs the next piece,
-    `finish` the rest and keeps the outputs as _forward does."""
-
-    def __init__(self, action, ctx: StepContext):
-        self.action, self.ctx, self.k = action, ctx, 0
-        key = (action.chunk, action.microbatch)
-        chunk = self.chunk = ctx.chunks[action.chunk]
-        received = [t.requires_grad_(True) if s.differentiable else t
-                    for s, t in zip(chunk.recvs, ctx.acts.get(key, []))]
-        ctx.acts[key] = received
-        inputs = ctx.microbatch(action.microbatch)
-        names = [n.name for n in chunk.gm.graph.nodes if n.op == "placeholder"]
-        self.env = dict(zip(names, [*received, *(inputs[name] for name in chunk.inputs)]))
-        self.posted = ctx.pending.setdefault(key, [])
-
-    def advance(self) -> None:
-        segments = self.chunk.segments
-        if self.k >= len(segments):
-            return
-        seg, env = segments[self.k], self.env
-        self.k += 1
-        args = [env[n] for n in seg.inputs]
-        for n in seg.drops:
-            del env[n]
-        # also when called from inside a backward: grad mode on, and bf16's autocast where the
-        # backward runs on another thread (CUDA's device threads) without the step's
-        with torch.enable_grad(), _step_autocast(self.ctx):
-            out = executable(seg.gm, self.chunk.gm, autocast=self.ctx.reduced)(args)
-            env.update(zip(seg.outputs, out))
-            self.posted += [env[n] for n in seg.pending]
-            if self.k == len(segments):     # (the loss scaled in grad mode too)
-                _keep_outputs(self.chunk, (self.action.chunk, self.action.microbatch),
-                              tuple(out), self.ctx)
-
-    def finish(self) -> None:
-        while self.k < len(self.chunk.segments):
-            self.advance()
-
-
-def _step_autocast(ctx: StepContext):
-    device = ctx.device.type
-    if ctx.reduced is None or torch.is_autocast_enabled(device):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device, dtype=ctx.reduced)
+    return _run_two(actions, i, j, ctx, sends, "combined",
+                    lambda: compute.forward_backward(f, b, ctx))
 
 
 def _run_pair(actions, i: int, j: int, ctx: StepContext, sends: list) -> int:
     """Run computes i and j as one paired program; returns the index after j."""
     a, b = actions[i], actions[j]
-    run = _forward_pair if str(a.kind) == "F" else _backward_pair
+    run = compute.forward_pair if str(a.kind) == "F" else compute.backward_pair
     return _run_two(actions, i, j, ctx, sends, "paired", lambda: run(a, b, ctx))
 
 
@@ -333,20 +225,21 @@ def _wait(work, what: str, ctx: StepContext) -> None:
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from e
 
 
+_SPLIT = {"F": compute.forward_split, "I": compute.input_grad_split,
+          "W": compute.weight_grad_split, "B": compute.backward_split}
+_AUTOGRAD = {"F": compute.forward, "I": compute.input_grad_autograd,
+             "W": compute.weight_grad_autograd, "B": compute.backward}
+
+
 def _compute(action, ctx: StepContext) -> None:
     key = (action.chunk, action.microbatch)
     kind = str(action.kind)
     _wait_received(ctx, (ctx.acts if kind == "F" else ctx.grads_in, key))
     start = _now(ctx)
     chunk = ctx.chunks[action.chunk]
-    graphs = _split_graphs(chunk, ctx)
+    graphs = compute.split_graphs(chunk, ctx)
     PATHS["split" if graphs else "autograd", kind] += 1
-    if kind == "F":
-        (_forward_split if graphs else _forward)(action, ctx)
-    elif graphs:
-        {"I": _input_grad_split, "W": _weight_grad_split, "B": _backward_split}[kind](action, ctx)
-    else:
-        {"I": _input_grad_autograd, "W": _weight_grad_autograd, "B": _backward}[kind](action, ctx)
+    (_SPLIT if graphs else _AUTOGRAD)[kind](action, ctx)
     if ctx.trace is not None:
         ctx.trace.record(action, start, _now(ctx))
     _hand_over(action, kind, ctx)
@@ -476,15 +369,11 @@ def _wait_received(ctx: StepContext, needed) -> None:
             return
 
 
-@functools.lru_cache(maxsize=4096)
-def _shape(spec, batch: int, seq: int | None) -> tuple[int, ...]:
-    return spec.concrete_shape(batch, seq)      # sympy substitution: ~0.1 ms, once per boundary
-
-
 def _empty(spec, ctx: StepContext, wire: bool = False) -> torch.Tensor:
     dtype = ctx.reduced if wire and ctx.reduced is not None and spec.dtype.is_floating_point \
         else spec.dtype
-    return torch.empty(_shape(spec, ctx.batch, ctx.seq), dtype=dtype, device=ctx.device)
+    shape = compute.concrete_shape(spec, ctx.batch, ctx.seq)
+    return torch.empty(shape, dtype=dtype, device=ctx.device)
 
 
 def _on_wire(t: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -492,233 +381,3 @@ def _on_wire(t: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     indices and masks must not be rounded)."""
     return t.to(ctx.reduced) if ctx.reduced is not None and t.is_floating_point() else t
 
-
-# -- fused backward, autograd -----------------------------------------------------------------------
-
-def _forward(action, ctx: StepContext) -> None:
-    key = (action.chunk, action.microbatch)
-    chunk = ctx.chunks[action.chunk]
-    if _segmented(chunk):     # its backward then posts and waits apart (_forward_backward)
-        _Segments(action, ctx).finish()
-        return
-    received = ctx.acts.get(key, [])
-    received = [t.requires_grad_(True) if s.differentiable else t for s, t in zip(chunk.recvs, received)]
-    ctx.acts[key] = received
-    inputs = ctx.microbatch(action.microbatch)
-    out = executable(chunk.gm, autocast=ctx.reduced)(
-        *received, *(inputs[name] for name in chunk.inputs))
-    _keep_outputs(chunk, key, out, ctx)
-
-
-def _forward_pair(a, b, ctx: StepContext) -> None:
-    """Both forwards by the chunk's paired program: a's arguments then b's, a's outputs then b's."""
-    chunk = ctx.chunks[a.chunk]
-    args = []
-    for act in (a, b):
-        key = (act.chunk, act.microbatch)
-        received = [t.requires_grad_(True) if s.differentiable else t
-                    for s, t in zip(chunk.recvs, ctx.acts.get(key, []))]
-        ctx.acts[key] = received
-        inputs = ctx.microbatch(act.microbatch)
-        args += [*received, *(inputs[name] for name in chunk.inputs)]
-    out = executable(chunk.paired, chunk.gm, autocast=ctx.reduced)(args)
-    half = len(out) // 2
-    for act, res in ((a, out[:half]), (b, out[half:])):
-        _keep_outputs(chunk, (act.chunk, act.microbatch), res, ctx)
-
-
-def _keep_outputs(chunk, key, out, ctx: StepContext) -> None:
-    if chunk.is_last:
-        ctx.losses.append(out[0].detach())
-        if len(out) > 1:
-            ctx.stats.append(tuple(o.detach() for o in out[1:]))
-        ctx.outs[key] = (out[0] * ctx.loss_scale,)
-    else:
-        ctx.outs[key] = tuple(out)
-
-
-def _backward_pair(a, b, ctx: StepContext) -> None:
-    """Both backwards in one autograd pass: autograd interleaves them as the forward did, each
-    all-to-all's gradient posted by ep_wait's backward and waited on by its start's."""
-    chunk = ctx.chunks[a.chunk]
-    outputs, grads = [], []
-    for act in (a, b):
-        o, g = _output_pairs(chunk, (act.chunk, act.microbatch), ctx)
-        outputs += o
-        grads += g if g is not None else [None] * len(o)
-    if outputs:
-        torch.autograd.backward(outputs, grads if any(g is not None for g in grads) else None)
-    for act in (a, b):
-        key = (act.chunk, act.microbatch)
-        received = ctx.acts.pop(key, [])
-        if act.chunk > 0:
-            ctx.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
-                                  for t in received]
-
-
-def _backward(action, ctx: StepContext) -> None:
-    key = (action.chunk, action.microbatch)
-    chunk = ctx.chunks[action.chunk]
-    ctx.pending.pop(key, None)
-    outs = ctx.outs.pop(key)
-    if chunk.is_last:
-        torch.autograd.backward(outs[0])
-    else:
-        grads = iter(ctx.grads_in.pop(key))
-        pairs = [(o, next(grads)) for s, o in zip(chunk.sends, outs) if s.differentiable]
-        pairs = [(o, g) for o, g in pairs if o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    received = ctx.acts.pop(key, [])
-    if action.chunk > 0:
-        ctx.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
-                              for t in received]
-
-
-# -- split backward, autograd (chunks whose joint graph could not be traced) -------------------------
-
-def _output_pairs(chunk, key, ctx: StepContext) -> tuple[list, list | None]:
-    """(outputs, their gradients) to differentiate: the scaled loss, or the differentiable sends
-    that require grad with the gradients received for them."""
-    outs = ctx.outs.pop(key)
-    if chunk.is_last:
-        return [outs[0]], None
-    grads = iter(ctx.grads_in.pop(key))
-    pairs = [(o, next(grads)) for s, o in zip(chunk.sends, outs) if s.differentiable]
-    pairs = [(o, g) for o, g in pairs if o.requires_grad]
-    return [o for o, _ in pairs], [g for _, g in pairs]
-
-
-def _input_grad_autograd(action, ctx: StepContext) -> None:
-    key = (action.chunk, action.microbatch)
-    chunk = ctx.chunks[action.chunk]
-    if chunk.gm.meta.get(COMPILED):
-        # Through Inductor's artifacts a second backward over the same graph (W after I with
-        # retain_graph) gave wrong gradients (measured by the composition matrix: bf16 and
-        # expert dispatch chunks under zb-h1/zb-v, 2-17% off; cause not found). So I runs the
-        # whole backward, exact as under 1F1B, and this chunk's W is empty.
-        _backward(action, ctx)
-        ctx.for_weight[key] = None
-        return
-    outputs, grads = _output_pairs(chunk, key, ctx)
-    received = ctx.acts.pop(key, [])
-    wrt = [t for s, t in zip(chunk.recvs, received) if s.differentiable]
-    found = iter(torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
-                 if outputs and wrt else [None] * len(wrt))
-    if action.chunk > 0:
-        ctx.grads_out[key] = [_or_zeros(next(found), t) if s.differentiable else None
-                              for s, t in zip(chunk.recvs, received)]
-    ctx.for_weight[key] = (outputs, grads)
-
-
-def _weight_grad_autograd(action, ctx: StepContext) -> None:
-    key = (action.chunk, action.microbatch)
-    pair = ctx.for_weight.pop(key)
-    if pair is None:            # a compiled chunk: I ran the whole backward
-        return
-    outputs, grads = pair
-    params = _params(ctx.chunks[action.chunk])
-    names = [n for n, p in params.items() if p.requires_grad]
-    if not outputs or not names:
-        return
-    found = torch.autograd.grad(outputs, [params[n] for n in names], grads, allow_unused=True)
-    _accumulate(params, names, found)
-
-
-# -- split backward, compile-time programs ----------------------------------------------------------
-
-def _split_graphs(chunk, ctx: StepContext):
-    """The chunk's SplitBackward if it has programs for this microbatch shape, else None."""
-    sb = chunk.backward
-    # The split programs are traced fp32 joint graphs: under autocast their backward halves
-    # would mix bf16 saved values with fp32 weights and no casts. bf16 runs I and W by autograd.
-    if sb is None or sb.fallback is not None or tuple(sb.shape) != (ctx.batch, ctx.seq) \
-            or ctx.reduced is not None:
-        return None
-    return sb
-
-
-def _forward_split(action, ctx: StepContext) -> None:
-    key = (action.chunk, action.microbatch)
-    chunk = ctx.chunks[action.chunk]
-    sb = chunk.backward
-    inputs = ctx.microbatch(action.microbatch)
-    with torch.no_grad():
-        res = executable(sb.forward, chunk.gm)([*ctx.acts.pop(key, []),
-                                                *(inputs[name] for name in chunk.inputs)])
-    outs, ctx.saved[key] = tuple(res[:sb.num_outputs]), res[sb.num_outputs:]
-    if chunk.is_last:
-        ctx.losses.append(outs[0])
-        if len(outs) > 1:
-            ctx.stats.append(outs[1:])
-    ctx.outs[key] = outs
-
-
-def _input_grad_split(action, ctx: StepContext) -> None:
-    key = (action.chunk, action.microbatch)
-    chunk = ctx.chunks[action.chunk]
-    sb = chunk.backward
-    outs = ctx.outs.pop(key)
-    if chunk.is_last:   # d(loss * scale)/d(loss), as the fused path's multiply gives it
-        # as_tensor: a device tensor stays where it is (torch.full would read it on the host)
-        picked = [torch.as_tensor(ctx.loss_scale, dtype=outs[0].dtype,
-                                  device=outs[0].device).reshape(())]
-    else:
-        diff = [i for i, s in enumerate(chunk.sends) if s.differentiable]
-        got = dict(zip(diff, ctx.grads_in.pop(key)))
-        picked = [got[i] for i in sb.grad_outputs]
-    saved = ctx.saved.pop(key)
-    for_weight = [saved[i] for i in sb.saved_for_weight]
-    args = [saved[i] for i in sb.saved_for_input] + picked
-    del saved, picked           # I frees what only it reads as it goes (the boxed call)
-    with torch.no_grad():
-        res = executable(sb.input_grad, chunk.gm)(args)
-    n_in = sum(s.differentiable for s in chunk.recvs)
-    found = iter(res[:n_in])
-    if action.chunk > 0:
-        ctx.grads_out[key] = [_or_zeros(next(found), None, s, ctx) if s.differentiable else None
-                              for s in chunk.recvs]
-    ctx.for_weight[key] = for_weight + list(res[n_in:])
-
-
-def _weight_grad_split(action, ctx: StepContext) -> None:
-    key = (action.chunk, action.microbatch)
-    chunk = ctx.chunks[action.chunk]
-    with torch.no_grad():   # the program adds each gradient into .grad as it is made
-        executable(chunk.backward.weight_grad, chunk.gm,
-                   accumulate=chunk.backward.params)(ctx.for_weight.pop(key))
-
-
-def _backward_split(action, ctx: StepContext) -> None:
-    _input_grad_split(action, ctx)
-    _weight_grad_split(action, ctx)
-
-
-def _or_zeros(grad, like, spec=None, ctx=None):
-    """A received tensor the outputs do not depend on gets a zero gradient, as with autograd."""
-    if grad is not None:
-        return grad
-    return torch.zeros_like(like) if like is not None else \
-        torch.zeros(_shape(spec, ctx.batch, ctx.seq), dtype=spec.dtype, device=ctx.device)
-
-
-_PARAMS: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
-
-
-def _params(chunk) -> dict:
-    params = _PARAMS.get(chunk.gm)
-    if params is None:
-        params = _PARAMS[chunk.gm] = {n: chunk.gm.get_parameter(n) for n in chunk.params}
-    return params
-
-
-def _accumulate(params: dict, names, grads) -> None:
-    """Add gradients into .grad as autograd's AccumulateGrad does outside grad mode."""
-    for name, g in zip(names, grads):
-        if g is None:
-            continue
-        p = params[name]
-        if p.grad is None:
-            p.grad = g.detach()
-        else:
-            p.grad += g

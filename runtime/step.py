@@ -21,8 +21,9 @@ from autopart.errors import AutopartError
 from autopart.ir import REDUCED_DTYPES, Plan, RankProgram
 from autopart.runtime.batches import BatchShard, Given, IdRange, LocalInputs, share_count
 from autopart.runtime.compiled import cudagraph_steps
+from autopart.runtime.compute import StepContext
 from autopart.runtime.document_ids import check_document_ids
-from autopart.runtime.executor import StepContext, run_actions
+from autopart.runtime.executor import run_actions
 
 
 class StepDriver:

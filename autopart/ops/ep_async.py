@@ -37,8 +37,8 @@ class Pending:
     def __init__(self, comm: EPComm, form: "_Form"):
         self.comm, self.form = comm, form
         self.work = self.buf = self.bwork = self.bbuf = None
-        # set by the runtime for a combined forward-backward (runtime/executor.py
-        # _forward_backward): run after the backward posted this gradient's all-to-all, before
+        # set by the runtime for a combined forward-backward (runtime/compute.py
+        # forward_backward): run after the backward posted this gradient's all-to-all, before
         # it is waited on (the other microbatch's forward, up to its next post)
         self.after_post = None
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from autopart.memory.state import Held, state
 from autopart.planner.cluster import Cluster
+from autopart.planner.expert_overlap import ExpertOverlap
 from autopart.planner.fp8_costs import FP8_CAST_BYTES, FP8_TERMS, FP8_WEIGHT_BYTES, Fp8Pricing, fp8_refused
 from autopart.planner.makespan import chunk_layers, pipeline, pipeline_formula, splits_backward
 from autopart.planner.profile import Part, Profile
@@ -111,7 +112,7 @@ class Estimate:
                 **{k.replace("_rank0", "_s"): float(f"{self.breakdown[k]:.4g}") for k in FP8_TERMS if k in self.breakdown}}
 
 
-class CostModel(Fp8Pricing):
+class CostModel(Fp8Pricing, ExpertOverlap):
     """Predicts layouts of one model (its profile) for one global batch on one cluster."""
 
     def __init__(self, profile: Profile, cluster: Cluster, batch: int, *, precision: str = "bf16",
@@ -309,35 +310,6 @@ class CostModel(Fp8Pricing):
         # scatter/gather: each of the tp ranks sends 1/tp over its own link, then an all-gather
         gather = (lay.tp - 1) / lay.tp * nbytes / self.link(True) if lay.tp > 1 else 0.0
         return 2 * c.latency_s + nbytes / lay.tp / self.link(False) + gather
-
-    def combines_forward_backward(self, lay: Layout) -> bool:
-        """Whether autopart's runtime runs interleaved 1F1B's steady-state forwards beside the
-        backward of another microbatch next to them, each side's all-to-alls behind the other's
-        compute (autopart/compiler.py combines_forward_backward)."""
-        return (self.runtime == "autopart" and lay.ep > 1 and lay.zero != 3 and lay.pp > 1
-                and lay.schedule == "interleaved-1f1b")
-
-    def experts_overlapped(self, lay: Layout) -> float:
-        """The fraction of microbatch-chunks whose all-to-alls run behind another's compute: all
-        when pairs_microbatches; under combines_forward_backward the steady state's on the first
-        rank, whose (v - 1) * pp + 2 * (pp - 1) warmup forwards (Megatron's) and as many
-        cooldown backwards run alone."""
-        if self.pairs_microbatches(lay):
-            return 1.0
-        if not self.combines_forward_backward(lay):
-            return 0.0
-        total = self.microbatches(lay) * lay.virtual_stages
-        warmup = (lay.virtual_stages - 1) * lay.pp + 2 * (lay.pp - 1)
-        return max(0, total - warmup) / total
-
-    def pairs_microbatches(self, lay: Layout) -> bool:
-        """Whether autopart's runtime runs the microbatches two at a time, each pair's expert
-        all-to-alls behind the other's compute (autopart/compiler.py pairs_microbatches)."""
-        m = self.microbatches(lay)
-        return (self.runtime == "autopart" and lay.ep > 1 and m % 2 == 0 and lay.zero != 3
-                and lay.schedule in ("1f1b", "gpipe", "interleaved-1f1b")
-                and not self.combines_forward_backward(lay)
-                and (lay.schedule != "interleaved-1f1b" or (m // 2) % lay.pp == 0))
 
     def microbatches(self, lay: Layout) -> int:
         """Per dp replica; cp splits each sequence, not the batch."""
