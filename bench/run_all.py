@@ -95,6 +95,10 @@ def _tp(t: dict) -> dict:
     if "autopart_no_overlap" in t:      # from 2026-12-02: the step without overlap_collectives
         rows["tp=2 overlap=False"] = _per_round(t["autopart_no_overlap"], t["dtensor"])
         rows["tp=2 overlap / overlap=False"] = _per_round(t["autopart"], t["autopart_no_overlap"])
+    if "autopart_floor" in t:           # from 2026-12-03: no tp collectives at all
+        rows["tp=2 own floor"] = _per_round(t["autopart_floor"], t["dtensor"])
+        rows["tp=2 above own floor"] = [x - y for x, y in zip(
+            _per_round(t["autopart"], t["dtensor"]), _per_round(t["autopart_floor"], t["dtensor"]))]
     return rows
 
 
@@ -203,7 +207,13 @@ BENCHMARKS = [
           optional={"tp=2 overlap=False": "autopart overlap=False / DTensor, the same (the "
                                           "backward's all-reduces in series)",
                     "tp=2 overlap / overlap=False": "autopart / autopart overlap=False, the "
-                                                    "same, paired rounds (issue 52)"}),
+                                                    "same, paired rounds (issue 52)",
+                    "tp=2 own floor": "autopart's own floor (the same rank programs with every "
+                                      "tp collective skipped: shape_only, no data moved) / "
+                                      "DTensor, paired rounds: the lowest the tp=2 row can read "
+                                      "by hiding communication",
+                    "tp=2 above own floor": "(autopart - own floor) / DTensor, per round: the "
+                                            "tp communication autopart's step does not hide"}),
     Bench("zero-bubble", "zero_bubble.py",
           lambda r: ["--microbatches", "8", "--paired", "zb-h1,zb-v:2,interleaved-1f1b:2,zb-h1:2",
                      "--steps", str(r)],

@@ -12,13 +12,18 @@ the output projection ColwiseParallel gathering the logits.
 Per step each side runs forward + backward + an SGD step on the same global batch; the two sides
 alternate step by step in one run so the machine's noise hits both alike, and the table gives
 median step times and the ratio autopart/DTensor (the median of per-round ratios); a third side,
-autopart with overlap=False (passes/overlap_collectives.py off), shows what the overlap gains. Before timing, both sides' first-step losses are
-checked against the plain model.
+autopart with overlap=False (passes/overlap_collectives.py off), shows what the overlap gains. A
+fourth, autopart's own floor, runs the same rank programs with every tensor-parallel collective
+skipped (each TPComm shape_only: outputs of the right shape, no data moved): the lowest autopart's
+step could read if all of its tp communication were hidden, which bounds what any overlap can buy.
+Before timing, the first-step losses of DTensor and of autopart with and without the overlap are
+checked against the plain model (the floor's loss is wrong by design; it is checked finite).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -85,6 +90,11 @@ def run(rank: int, world: int, args) -> dict:
                                   (x,), loss_fn=loss_fn, target=y, overlap=False)
     serial_opt = torch.optim.SGD(serial.parameters(), lr=1e-3)
 
+    floor = autopart.parallelize(make_model(args.layers, args.hidden), autopart.Mesh(tp=world),
+                                 (x,), loss_fn=loss_fn, target=y)
+    _skip_tp_collectives(floor)
+    floor_opt = torch.optim.SGD(floor.parameters(), lr=1e-3)
+
     theirs = dtensor_model(make_model(args.layers, args.hidden), world)
     their_opt = torch.optim.SGD(theirs.parameters(), lr=1e-3)
 
@@ -96,6 +106,7 @@ def run(rank: int, world: int, args) -> dict:
             return float(loss)
         return step
     ours_step, serial_step = step_of(ours, our_opt), step_of(serial, serial_opt)
+    floor_step = step_of(floor, floor_opt)
 
     def theirs_step():
         loss = loss_fn(theirs(x), y)
@@ -105,13 +116,13 @@ def run(rank: int, world: int, args) -> dict:
         return float(loss)
 
     first = {"plain": ref_loss, "autopart": ours_step(), "dtensor": theirs_step(),
-             "autopart_no_overlap": serial_step()}
-    times = {"autopart": [], "dtensor": [], "autopart_no_overlap": []}
+             "autopart_no_overlap": serial_step(), "autopart_floor": floor_step()}
+    times = {"autopart": [], "dtensor": [], "autopart_no_overlap": [], "autopart_floor": []}
     for _ in range(args.warmup):
-        ours_step(), theirs_step(), serial_step()
+        ours_step(), theirs_step(), serial_step(), floor_step()
     for _ in range(args.steps):
         for name, fn in (("autopart", ours_step), ("dtensor", theirs_step),
-                         ("autopart_no_overlap", serial_step)):
+                         ("autopart_no_overlap", serial_step), ("autopart_floor", floor_step)):
             torch.distributed.barrier()
             start = time.perf_counter()
             fn()
@@ -119,6 +130,16 @@ def run(rank: int, world: int, args) -> dict:
     return {"first_loss": first, "times": times,
             "params": {"autopart": sum(p.numel() for p in ours.parameters()),
                        "plain": sum(p.numel() for p in plain.parameters())}}
+
+
+def _skip_tp_collectives(pm) -> None:
+    """Make every tensor-parallel collective of `pm`'s programs a no-op of the right shape (the
+    compile-time checker's shape_only mode): what is left is autopart's own compute and step."""
+    from autopart.ops.tp import TPComm
+    comms = [m for c in pm.program.chunks for m in c.gm.modules() if isinstance(m, TPComm)]
+    assert comms, "the floor must skip the tp collectives"
+    for m in comms:
+        m.shape_only = True
 
 
 def _per_round(a: list, b: list) -> float:
@@ -141,16 +162,19 @@ def main(argv=None) -> int:
     out = spawn(run, 2, args, timeout=args.timeout)[0]
     first = out["first_loss"]
     ok = all(abs(first[k] - first["plain"]) < 1e-4 for k in ("autopart", "dtensor",
-                                                              "autopart_no_overlap"))
+                                                              "autopart_no_overlap")) \
+        and math.isfinite(first["autopart_floor"])
     med = {k: statistics.median(v) for k, v in out["times"].items()}
     t = out["times"]
     ratio = _per_round(t["autopart"], t["dtensor"])
     serial = _per_round(t["autopart_no_overlap"], t["dtensor"])
     gain = _per_round(t["autopart"], t["autopart_no_overlap"])
+    floor = _per_round(t["autopart_floor"], t["dtensor"])
     result = {"tp": 2, "model": f"Llama {args.layers} layers, hidden {args.hidden}, "
               f"batch {args.batch}x{args.seq}", "first_step_loss": first, "losses_match": ok,
               "median_step_seconds": med, "ratio_autopart_over_dtensor": ratio,
               "ratio_no_overlap_over_dtensor": serial, "ratio_overlap_over_no_overlap": gain,
+              "ratio_own_floor_over_dtensor": floor,
               "autopart_param_share": out["params"]["autopart"] / out["params"]["plain"],
               "step_seconds": out["times"]}     # rank 0's, step by step (the sides alternate)
     if args.json:
@@ -161,9 +185,11 @@ def main(argv=None) -> int:
               f"DTensor {first['dtensor']:.6f}  ({'match' if ok else 'MISMATCH'})")
         print(f"median step (fwd+bwd+SGD): autopart {med['autopart'] * 1e3:.1f} ms   "
               f"DTensor {med['dtensor'] * 1e3:.1f} ms")
-        print(f"  autopart with overlap=False {med['autopart_no_overlap'] * 1e3:.1f} ms")
+        print(f"  autopart with overlap=False {med['autopart_no_overlap'] * 1e3:.1f} ms   "
+              f"autopart's own floor (no tp collectives) {med['autopart_floor'] * 1e3:.1f} ms")
         print(f"ratio autopart/DTensor: {ratio:.3f}   overlap=False/DTensor: {serial:.3f}   "
-              f"overlap/overlap=False: {gain:.3f}   (medians of per-round ratios)")
+              f"overlap/overlap=False: {gain:.3f}   own floor/DTensor: {floor:.3f}   "
+              "(medians of per-round ratios)")
     return 0 if ok else 1
 
 

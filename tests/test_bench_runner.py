@@ -152,6 +152,18 @@ def test_tp_rows_pair_overlap_with_its_absence_round_by_round():
     assert set(rows) - {"tp=2"} <= set(tp.optional)
 
 
+def test_tp_own_floor_rows_are_per_round_and_their_distance():
+    """The fourth side (2026-12-03: the same programs with every tp collective skipped) gives the
+    floor's ratio to DTensor and autopart's distance above it, round by round."""
+    tp = next(b for b in run_all.BENCHMARKS if b.name == "tp")
+    rows = tp.values({"step_seconds": {"autopart": [1.0, 3.0], "dtensor": [2.0, 4.0],
+                                       "autopart_no_overlap": [1.0, 3.0],
+                                       "autopart_floor": [0.5, 2.0]}})
+    assert rows["tp=2 own floor"] == [0.25, 0.5]
+    assert rows["tp=2 above own floor"] == pytest.approx([0.25, 0.25])
+    assert set(rows) - {"tp=2"} <= set(tp.optional)
+
+
 def test_traced_rows_pair_autopart_and_its_own_floor_with_torchs_traced_stages(fake):
     """pipeline_vs_torch.py --traced (issue 52's setup): autopart / torch traced, own floor /
     torch traced, and their per-round difference (the distance from autopart's own floor)."""
