@@ -97,8 +97,8 @@ def _tp(t: dict) -> dict:
         rows["tp=2 overlap / overlap=False"] = _per_round(t["autopart"], t["autopart_no_overlap"])
     if "autopart_floor" in t:           # from 2026-12-03: no tp collectives at all
         rows["tp=2 own floor"] = _per_round(t["autopart_floor"], t["dtensor"])
-        rows["tp=2 above own floor"] = [x - y for x, y in zip(
-            _per_round(t["autopart"], t["dtensor"]), _per_round(t["autopart_floor"], t["dtensor"]))]
+        rows["tp=2 above own floor"] = [x - y for x, y in zip(rows["tp=2"],
+                                                               rows["tp=2 own floor"])]
     return rows
 
 

@@ -41,16 +41,18 @@ def _faults() -> int:
 def chunk_paths(chunk, tokens, targets, mbs: int, seq: int, m: int) -> dict:
     """{"fused": [(kind, fn)], "split": [...]}, and a fresh StepContext per run."""
     from autopart.runtime import compute
-    from autopart.runtime import executor as ex
     g = torch.Generator().manual_seed(chunk.chunk)
-    recvs = [torch.randn(compute.concrete_shape(s, mbs, seq), generator=g) if s.dtype.is_floating_point
-             else torch.zeros(compute.concrete_shape(s, mbs, seq), dtype=s.dtype) for s in chunk.recvs]
-    grads = [] if chunk.is_last else [torch.randn(compute.concrete_shape(s, mbs, seq), generator=g)
+
+    def shape(spec):
+        return compute.concrete_shape(spec, mbs, seq)
+    recvs = [torch.randn(shape(s), generator=g) if s.dtype.is_floating_point
+             else torch.zeros(shape(s), dtype=s.dtype) for s in chunk.recvs]
+    grads = [] if chunk.is_last else [torch.randn(shape(s), generator=g)
                                       for s in chunk.sends if s.differentiable]
     feed = {name: (tokens if i == 0 else targets)[:mbs] for i, name in enumerate(chunk.inputs)}
 
     def context():
-        ctx = ex.StepContext(chunks={chunk.chunk: chunk}, peer=None, microbatch=lambda i: feed,
+        ctx = compute.StepContext(chunks={chunk.chunk: chunk}, peer=None, microbatch=lambda i: feed,
                              batch=mbs, seq=seq, device=torch.device("cpu"), loss_scale=1 / m)
         ctx.acts[(chunk.chunk, 0)] = [r.clone() for r in recvs]
         if grads:

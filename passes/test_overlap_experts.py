@@ -182,7 +182,6 @@ def test_a_combined_forward_and_backward_hide_each_others_all_to_alls(compiled, 
 
     from autopart.passes.overlap_experts import forward_segments
     from autopart.runtime import compute
-    from autopart.runtime import executor as ex
     from autopart.schedule import Action
     chunk, inputs, log = _rank0_with_stand_in(compiled[False], 3, monkeypatch)
     want = _run(chunk, False, inputs)
@@ -190,7 +189,7 @@ def test_a_combined_forward_and_backward_hide_each_others_all_to_alls(compiled, 
     assert len(segmented.segments) == 2 * 2 + 1      # cut after each of 4 posts
     for p in chunk.gm.parameters():
         p.grad = None
-    ctx = ex.StepContext(chunks={0: segmented}, peer=None, batch=2, seq=16,
+    ctx = compute.StepContext(chunks={0: segmented}, peer=None, batch=2, seq=16,
                          device=torch.device("cpu"), loss_scale=1.0,
                          microbatch=lambda m: dict(zip(chunk.inputs, inputs[m])))
     log.clear()

@@ -181,26 +181,23 @@ def backward_pair(a, b, ctx: StepContext) -> None:
     if outputs:
         torch.autograd.backward(outputs, grads if any(g is not None for g in grads) else None)
     for act in (a, b):
-        key = (act.chunk, act.microbatch)
-        received = ctx.acts.pop(key, [])
-        if act.chunk > 0:
-            ctx.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
-                                  for t in received]
+        _hand_back(act, ctx)
 
 
 def backward(action, ctx: StepContext) -> None:
     key = (action.chunk, action.microbatch)
     chunk = ctx.chunks[action.chunk]
     ctx.pending.pop(key, None)
-    outs = ctx.outs.pop(key)
-    if chunk.is_last:
-        torch.autograd.backward(outs[0])
-    else:
-        grads = iter(ctx.grads_in.pop(key))
-        pairs = [(o, next(grads)) for s, o in zip(chunk.sends, outs) if s.differentiable]
-        pairs = [(o, g) for o, g in pairs if o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    outputs, grads = _output_pairs(chunk, key, ctx)
+    if outputs:
+        torch.autograd.backward(outputs, grads)
+    _hand_back(action, ctx)
+
+
+def _hand_back(action, ctx: StepContext) -> None:
+    """After a fused backward: the gradients of the received inputs, to send to the previous
+    chunk (zeros for an input the outputs do not depend on, as the peer's receive needs one)."""
+    key = (action.chunk, action.microbatch)
     received = ctx.acts.pop(key, [])
     if action.chunk > 0:
         ctx.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
